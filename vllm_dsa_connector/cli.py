@@ -1,0 +1,63 @@
+"""The ``vllm-dsa`` command.
+
+Each sub-command lives in its own module under ``vllm_dsa_connector.commands`` exposing
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their command runs,
+so ``vllm-dsa --help`` stays fast and a heavy import (vLLM, torch, NIXL) is paid only where needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# name -> (module, one-line help). ``bench`` takes a second-level name.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("vllm_dsa_connector.commands.inspect", "print the KV page tables of a model"),
+    "demo": ("vllm_dsa_connector.commands.demo", "run a prefill/decode pair with DSAConnector"),
+    "make-model": ("vllm_dsa_connector.commands.make_model", "make a tiny random test model"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "transfer": ("vllm_dsa_connector.commands.bench_transfer", "NIXL scattered vs bounce vs gate"),
+    "pd": ("vllm_dsa_connector.commands.bench_pd", "DSAConnector vs NixlConnector P/D pair"),
+    "tokenizer": ("vllm_dsa_connector.commands.bench_tokenizer", "prefix token cache vs full encode"),
+    "admission": ("vllm_dsa_connector.commands.bench_admission", "admission policies and overhead"),
+}
+
+
+def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    return {k: v for k, v in table.items() if importlib.util.find_spec(v[0]) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (sub-commands whose modules are installed)."""
+    parser = argparse.ArgumentParser(prog="vllm-dsa", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in _available(COMMANDS).items():
+        p = sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    benches = _available(BENCHES)
+    if benches:
+        bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
+        bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+        for name, (module, help_text) in benches.items():
+            p = bsub.add_parser(name, help=help_text)
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``vllm-dsa`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("vllm-dsa: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

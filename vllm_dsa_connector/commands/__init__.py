@@ -1,0 +1,1 @@
+"""Sub-commands of ``vllm-dsa`` (one module each)."""
