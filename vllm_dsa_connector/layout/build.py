@@ -298,7 +298,7 @@ def _vllm_config(hf_config: Any, block_size: int, layout: str) -> Any:
 
     tmp = Path(tempfile.mkdtemp(prefix="vllm-dsa-model-"))
     (tmp / "config.json").write_text(hf_config.to_json_string())
-    mc = ModelConfig(model=str(tmp), skip_tokenizer_init=True, max_model_len=256, dtype=_model_dtype(hf_config))
+    mc = ModelConfig(model=str(tmp), skip_tokenizer_init=True, max_model_len=block_size, dtype=_model_dtype(hf_config))
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=block_size))
     # The CPU platform forces block 16 for its MLA kernels; offline tables describe the target's layout.
     vc.cache_config.block_size = block_size
@@ -329,7 +329,10 @@ def kv_cache_configs(
     ]
     vc = _vllm_config(hf_config, block_size, layout)
     per_block = [sum(s.page_size_bytes for s in st.values()) for st in specs]
-    configs = get_kv_cache_configs(vc, specs, [num_blocks * pb for pb in per_block])
+    try:
+        configs = get_kv_cache_configs(vc, specs, [num_blocks * pb for pb in per_block])
+    except ValueError as e:
+        raise LayoutError(f"vLLM cannot plan {num_blocks} blocks for this model: {e}") from e
     return hf_config, configs
 
 

@@ -1,0 +1,253 @@
+"""Who sends what to whom: transfer plans as pure functions over two sets of page tables.
+
+For every destination rank and every (role, global layer) it holds, exactly one source rank is chosen:
+- PP reshard by global-layer overlap (any P pp -> any D pp, both directions);
+- TP reshard of REPLICATED views (MLA latent, indexer K): the candidates are the source ranks holding the
+  layer; one ``elected_sender`` per destination, spread across source ranks by destination rank;
+- INDEXED (head-sharded) views need equal TP sizes (head slicing is not implemented: a clear error).
+Per-layer fragments are then merged into ``Segment``s where they are contiguous on BOTH sides (in vLLM's
+block-outermost DSA layout one request block is usually one run), and ``expand_runs`` turns segments and
+block ids into byte runs, merged again across consecutive blocks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dsa_connector.layout.model import MapperKind, PageTable
+
+
+class PlanError(ValueError):
+    """Two sets of page tables that cannot exchange KV; the message names what differs."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous byte run per block pair, from one source rank to one destination rank.
+
+    For source block ``sb`` and destination block ``db``: source address
+    ``src_pool.base_ptr + src_offset + sb * src_pool.block_stride``, destination likewise.
+    """
+
+    src_rank: int
+    dst_rank: int
+    src_pool: int
+    dst_pool: int
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+    layers: tuple[tuple[str, int], ...]  # (role, global layer) covered, in source-offset order
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """All segments between two deployments."""
+
+    segments: tuple[Segment, ...]
+
+    def for_dst(self, dst_rank: int) -> tuple[Segment, ...]:
+        """Segments a destination rank receives."""
+        return tuple(s for s in self.segments if s.dst_rank == dst_rank)
+
+    def for_src(self, src_rank: int) -> tuple[Segment, ...]:
+        """Segments a source rank sends."""
+        return tuple(s for s in self.segments if s.src_rank == src_rank)
+
+    def for_pair(self, src_rank: int, dst_rank: int) -> tuple[Segment, ...]:
+        """Segments from one source rank to one destination rank."""
+        return tuple(s for s in self.segments if s.src_rank == src_rank and s.dst_rank == dst_rank)
+
+    def senders_for(self, dst_rank: int) -> tuple[int, ...]:
+        """Source ranks that write into a destination rank."""
+        return tuple(sorted({s.src_rank for s in self.for_dst(dst_rank)}))
+
+    def bytes_per_block(self, dst_rank: int) -> int:
+        """Bytes a destination rank receives per block."""
+        return sum(s.nbytes for s in self.for_dst(dst_rank))
+
+
+def check_compatible(src: PageTable, dst: PageTable) -> None:
+    """Refuse pairs whose pages would be copied into a different meaning (corrupt KV)."""
+    a, b = src.model, dst.model
+    for name in ("architecture", "num_hidden_layers", "num_mtp_layers", "kv_lora_rank",
+                 "qk_rope_head_dim", "index_head_dim"):
+        if getattr(a, name) != getattr(b, name):
+            raise PlanError(f"model mismatch: {name} is {getattr(a, name)!r} on the sender and "
+                            f"{getattr(b, name)!r} on the receiver")
+    if a.owning_layers != b.owning_layers:
+        raise PlanError(
+            "indexer mask mismatch (index_topk_freq/index_skip_topk_offset/index_topk_pattern): sender owns "
+            f"{list(a.owning_layers)}, receiver owns {list(b.owning_layers)}"
+        )
+    if src.kv_cache_dtype != dst.kv_cache_dtype:
+        raise PlanError(f"kv cache dtype mismatch: {src.kv_cache_dtype!r} vs {dst.kv_cache_dtype!r}")
+    if src.block_size != dst.block_size:
+        # Pages are copied whole; the indexer's block-split page cannot be re-blocked byte-wise.
+        raise PlanError(
+            f"block size mismatch: sender {src.block_size}, receiver {dst.block_size} (block-split indexer "
+            "pages and MLA pages are copied page for page; both sides must use the same block size)"
+        )
+
+
+def elected_sender(candidates: Sequence[PageTable], dst: PageTable) -> PageTable:
+    """The one source rank that sends a replicated layer to ``dst``.
+
+    Candidates hold identical bytes; destinations are spread over them by destination rank, so each
+    destination has one sender per layer and source ranks share the load.
+    """
+    ordered = sorted(candidates, key=lambda t: (t.tp_rank, t.rank))
+    return ordered[dst.rank % len(ordered)]
+
+
+def _fragments(src_tables: Sequence[PageTable], dst: PageTable) -> list[tuple]:
+    """(src_rank, src_pool, src_off, dst_pool, dst_off, nbytes, role, layer) for every dst page."""
+    out = []
+    for dview in dst.views:
+        for dentry in dview.entries:
+            holders = []
+            for s in src_tables:
+                sview = s.view(dview.role)
+                sentry = sview.entry(dentry.global_layer) if sview else None
+                if sentry is not None:
+                    holders.append((s, sview, sentry))
+            if not holders:
+                raise PlanError(
+                    f"no source rank holds {dview.role.value} layer {dentry.global_layer} needed by "
+                    f"receiver rank {dst.rank}"
+                )
+            if dview.mapper is MapperKind.REPLICATED:
+                chosen = elected_sender([h[0] for h in holders], dst)
+            else:
+                same = [h[0] for h in holders if h[0].tp_rank == dst.tp_rank and h[0].tp_size == dst.tp_size]
+                if not same:
+                    raise PlanError(
+                        f"{dview.role.value} layer {dentry.global_layer} is head-sharded and TP sizes differ "
+                        f"({holders[0][0].tp_size} -> {dst.tp_size}); head slicing is not supported"
+                    )
+                chosen = same[0]
+            _, sview, sentry = next(h for h in holders if h[0] is chosen)
+            if sview.mapper != dview.mapper or sview.page_format != dview.page_format:
+                raise PlanError(
+                    f"{dview.role.value} layer {dentry.global_layer}: sender is {sview.mapper.value}/"
+                    f"{sview.page_format.value}, receiver {dview.mapper.value}/{dview.page_format.value}"
+                )
+            if sentry.nbytes != dentry.nbytes:
+                raise PlanError(
+                    f"{dview.role.value} layer {dentry.global_layer}: bytes per layer differ "
+                    f"(sender {sentry.nbytes}, receiver {dentry.nbytes})"
+                )
+            out.append((chosen.rank, sview.pool, sentry.offset, dview.pool, dentry.offset,
+                        dentry.nbytes, dview.role.value, dentry.global_layer))
+    return out
+
+
+def _merge(frags: list[tuple], dst_rank: int) -> list[Segment]:
+    """Merge fragments contiguous on both sides (same pools), in source-offset order."""
+    segs: list[Segment] = []
+    frags = sorted(frags, key=lambda f: (f[0], f[1], f[3], f[2]))
+    cur = None
+    for f in frags:
+        if (cur is not None and cur[0] == f[0] and cur[1] == f[1] and cur[3] == f[3]
+                and cur[2] + cur[5] == f[2] and cur[4] + cur[5] == f[4]):
+            cur = (cur[0], cur[1], cur[2], cur[3], cur[4], cur[5] + f[5], cur[6] + ((f[6], f[7]),))
+            continue
+        if cur is not None:
+            segs.append(Segment(cur[0], dst_rank, cur[1], cur[3], cur[2], cur[4], cur[5], cur[6]))
+        cur = (f[0], f[1], f[2], f[3], f[4], f[5], ((f[6], f[7]),))
+    if cur is not None:
+        segs.append(Segment(cur[0], dst_rank, cur[1], cur[3], cur[2], cur[4], cur[5], cur[6]))
+    return segs
+
+
+def assert_exactly_once(plan: TransferPlan, dst_tables: Sequence[PageTable]) -> None:
+    """Every (destination, role, layer) is covered by exactly one segment; nothing else is."""
+    seen: dict[tuple[int, str, int], int] = defaultdict(int)
+    for s in plan.segments:
+        for role, layer in s.layers:
+            seen[(s.dst_rank, role, layer)] += 1
+    want = {(d.rank, v.role.value, e.global_layer) for d in dst_tables for v in d.views for e in v.entries}
+    extra = sorted(set(seen) - want)
+    missing = sorted(want - set(seen))
+    twice = sorted(k for k, n in seen.items() if n != 1)
+    if extra or missing or twice:
+        raise PlanError(f"coverage is not exactly once: missing {missing[:8]}, "
+                        f"duplicated {twice[:8]}, unexpected {extra[:8]}")
+
+
+def plan_transfer(src_tables: Sequence[PageTable], dst_tables: Sequence[PageTable]) -> TransferPlan:
+    """The transfer plan from every source rank's table to every destination rank's table."""
+    if not src_tables or not dst_tables:
+        raise PlanError("both sides need at least one page table")
+    for d in dst_tables:
+        for s in src_tables:
+            check_compatible(s, d)
+    segments: list[Segment] = []
+    for d in sorted(dst_tables, key=lambda t: t.rank):
+        segments.extend(_merge(_fragments(src_tables, d), d.rank))
+    plan = TransferPlan(tuple(segments))
+    assert_exactly_once(plan, dst_tables)
+    return plan
+
+
+@dataclass(frozen=True)
+class PoolRuns:
+    """Byte runs between one source pool and one destination pool, offsets relative to each pool base."""
+
+    src_pool: int
+    dst_pool: int
+    src_offsets: np.ndarray  # int64
+    dst_offsets: np.ndarray  # int64
+    lengths: np.ndarray  # int64
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def merge_adjacent(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Merge consecutive runs contiguous on both sides (vectorised; input order is kept)."""
+    if src.size <= 1:
+        return src, dst, length
+    cont = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return src[starts], dst[starts], np.add.reduceat(length, starts)
+
+
+def expand_runs(
+    segments: Sequence[Segment],
+    src_table: PageTable,
+    dst_table: PageTable,
+    src_blocks: Sequence[int] | np.ndarray,
+    dst_blocks: Sequence[int] | np.ndarray,
+) -> list[PoolRuns]:
+    """Byte runs for moving ``src_blocks[i]`` -> ``dst_blocks[i]`` under the given segments."""
+    sb = np.asarray(src_blocks, dtype=np.int64)
+    db = np.asarray(dst_blocks, dtype=np.int64)
+    if sb.shape != db.shape or sb.ndim != 1:
+        raise PlanError(f"block id lists differ in length ({sb.size} sender, {db.size} receiver)")
+    for blocks, table, side in ((sb, src_table, "sender"), (db, dst_table, "receiver")):
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= min(p.num_blocks for p in table.pools)):
+            raise PlanError(f"{side} block id out of range 0..{min(p.num_blocks for p in table.pools) - 1}")
+    groups: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+    for s in segments:
+        groups[(s.src_pool, s.dst_pool)].append(s)
+    out = []
+    for (sp, dp), segs in sorted(groups.items()):
+        so = np.array([s.src_offset for s in segs], dtype=np.int64)
+        do = np.array([s.dst_offset for s in segs], dtype=np.int64)
+        ln = np.array([s.nbytes for s in segs], dtype=np.int64)
+        # block-major order: every segment of block i, then of block i+1, so block runs can chain.
+        src = (sb[:, None] * src_table.pools[sp].block_stride + so[None, :]).ravel()
+        dst = (db[:, None] * dst_table.pools[dp].block_stride + do[None, :]).ravel()
+        length = np.broadcast_to(ln, (sb.size, ln.size)).ravel()
+        src, dst, length = merge_adjacent(src, dst, length)
+        out.append(PoolRuns(sp, dp, src, dst, length))
+    return out
