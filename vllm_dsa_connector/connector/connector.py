@@ -1,0 +1,217 @@
+"""``DSAConnector``: the vLLM KV connector facade (scheduler and worker halves live in their modules).
+
+Use it by name (the general plugin registers it)::
+
+    --kv-transfer-config '{"kv_connector":"DSAConnector","kv_role":"kv_producer",
+                           "kv_connector_extra_config":{"verify_transfers":true}}'
+
+Why push (P WRITEs into D's blocks) and not pull (D READs P's blocks):
+
+- Measured here (2-vCPU KVM guest, NIXL 1.5.1 UCX, two processes, ``vllm-dsa bench pd``-style request of
+  the tiny MLA model; see CHANGELOG for the table): a WRITE and a READ of the same merged runs cost the
+  same within noise on CMA and tcp, so the transport does not force a direction on CPU; on one GPU node it
+  does: READ over cuda_ipc fell back to TCP at 0.5 GB/s against 49 GB/s for WRITE (vLLM #52607).
+- The sender knows its source layout, so only push can coalesce fragmented KV through the bounce
+  transport (gather into a staging slot, ONE write, scatter): on an H200 a GLM-5.2-shaped request went
+  from 744 ms (58,806 descriptors, what NixlConnector posts) to 2.2 ms with one bounced write
+  (transport-measurements.md). Pull would need P to pre-gather every finished request and hold the copy
+  for the whole lease.
+- P frees its blocks as soon as its WRITE completes instead of waiting for D's read plus a notification.
+
+The cost of push is one extra message (D registers its block ids with P over the side channel), paid in
+parallel with D's scheduling, and a rule that D must not reuse blocks a late WRITE could still hit:
+D keeps a request's blocks until every expected notice arrived or ``transfer_timeout_s`` passed, and
+tells P to cancel what it gave up on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
+from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, DSAPromMetrics
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+
+
+def compat_facts(vllm_config: VllmConfig) -> dict[str, str]:
+    """Facts both sides must share exactly (the page tables cover the layout itself)."""
+    mc = vllm_config.model_config
+    return {
+        "model_dtype": str(mc.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "architecture": ",".join(getattr(mc.hf_config, "architectures", None) or []),
+    }
+
+
+class DSAConnector(KVConnectorBase_V1, SupportsHMA):
+    """P/D KV connector for MLA and DSA (indexer K) KV caches over NIXL, push mode."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        self.opts = ConnectorOptions.from_config(kvc.kv_connector_extra_config)
+        self.engine_id = str(kvc.engine_id)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ValueError(
+                f"DSAConnector supports one KV cache group (MLA/DSA models); this model has {len(groups)}"
+            )
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from vllm_dsa_connector.connector.scheduler import DSAScheduler
+
+            self._scheduler = DSAScheduler(vllm_config, self.engine_id, self.opts)
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        assert self._scheduler is not None
+        payloads = []
+        for key, meta in metadata.items():
+            if not isinstance(meta, DSAHandshakeMetadata):
+                raise ValueError(f"DSAConnector: worker {key} sent {type(meta).__name__}, not its payload")
+            payloads.append(meta.payload)
+        self._scheduler.set_local_payloads(payloads)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, k): v for k, v in metadata.items()})
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        from vllm_dsa_connector.connector.worker import DSAWorker
+        from vllm_dsa_connector.layout import build_from_kv_caches
+
+        cfg = self._vllm_config
+        pp = cfg.parallel_config
+        pp_rank, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
+        table = build_from_kv_caches(
+            kv_caches, self._kv_cache_config, cfg.model_config.hf_config,
+            kv_cache_dtype=str(cfg.cache_config.cache_dtype), pp_rank=pp_rank,
+            pp_size=pp.pipeline_parallel_size, tp_rank=tp_rank, tp_size=pp.tensor_parallel_size)
+        self._worker = DSAWorker(self.engine_id, self.opts, compat_facts(cfg))
+        self._worker.register(kv_caches, table)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return None if self._worker is None else self._worker.handshake_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and isinstance(self._connector_metadata, DSAConnectorMetadata):
+            self._worker.start_load_kv(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing per layer: the whole request (MLA and indexer pages) lands before it is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: P writes after the request finished (indexer pages have no hook anyway)."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: WRITEs complete asynchronously and are reported by get_transfer_results."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.get_transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self._worker is None else self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None if self._worker is None else self._worker.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return DSAKVConnectorStats(data=data) if data is not None else DSAKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return DSAPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

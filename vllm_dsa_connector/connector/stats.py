@@ -1,0 +1,165 @@
+"""DSAConnector transfer statistics and their Prometheus export (through vLLM's connector hooks).
+
+Workers record into :class:`DSAKVConnectorStats`; vLLM aggregates the stats of every worker
+(:meth:`aggregate`) and hands them to the frontend, where :class:`DSAPromMetrics` (built by
+``DSAConnector.build_prom_metrics``) exports them:
+
+- ``vllm:dsa_kv_bytes_total{side}``: bytes written (side="send", on P) or received (side="recv", on D)
+- ``vllm:dsa_kv_runs_total{side}`` / ``vllm:dsa_kv_descriptors_total``: byte runs after merging / NIXL descriptors
+- ``vllm:dsa_kv_bounce_bytes_total``: bytes that went through the bounce staging path
+- ``vllm:dsa_kv_transfer_seconds``: histogram, NIXL post-to-completion per (request, destination rank)
+- ``vllm:dsa_kv_requests_total{side,outcome}``: requests sent/received ok, failed, timed out, expired
+- ``vllm:dsa_kv_checksum_mismatches_total``: verify_transfers mismatches (each is a load failure)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+_COUNTERS = (
+    "send_bytes",
+    "send_runs",
+    "send_descriptors",
+    "bounce_bytes",
+    "recv_bytes",
+    "recv_runs",
+    "send_ok",
+    "send_failed",
+    "send_expired",
+    "recv_ok",
+    "recv_failed",
+    "recv_timeout",
+    "checksum_mismatches",
+    "checksummed_runs",
+)
+_LISTS = ("transfer_s", "recv_wait_s")
+
+
+@dataclass
+class DSAKVConnectorStats(KVConnectorStats):
+    """Counters (ints) and per-transfer series (lists of seconds); serialisable as a plain dict."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+        for k in _COUNTERS:
+            self.data.setdefault(k, 0)
+        for k in _LISTS:
+            self.data.setdefault(k, [])
+
+    def reset(self) -> None:
+        """Empty every counter and series."""
+        self.data = {k: 0 for k in _COUNTERS} | {k: [] for k in _LISTS}
+
+    def add(self, key: str, value: int = 1) -> None:
+        """Increment a counter."""
+        self.data[key] = self.data.get(key, 0) + value
+
+    def observe(self, key: str, value: float) -> None:
+        """Append to a series."""
+        self.data.setdefault(key, []).append(float(value))
+
+    def clone_and_reset(self) -> DSAKVConnectorStats:
+        """A copy of the current stats; this object starts over."""
+        out = DSAKVConnectorStats(data=copy.deepcopy(self.data))
+        self.reset()
+        return out
+
+    def is_empty(self) -> bool:
+        """True when nothing was recorded."""
+        return not any(self.data.get(k) for k in _COUNTERS) and not any(
+            self.data.get(k) for k in _LISTS
+        )
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Sum counters and concatenate series (other workers, other steps)."""
+        for k, v in other.data.items():
+            if isinstance(v, list):
+                self.data.setdefault(k, []).extend(v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Summary for vLLM's periodic log line."""
+        ts = self.data.get("transfer_s", [])
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in _COUNTERS if self.data.get(k)}
+        if ts:
+            out["num_transfers"] = len(ts)
+            out["avg_transfer_ms"] = round(1000 * sum(ts) / len(ts), 3)
+            out["max_transfer_ms"] = round(1000 * max(ts), 3)
+        sent = self.data.get("send_bytes", 0)
+        if sent:
+            out["bounce_share"] = round(self.data.get("bounce_bytes", 0) / sent, 3)
+        return out
+
+
+class DSAPromMetrics(KVConnectorPromMetrics):
+    """Prometheus series of DSAConnector (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames + list(extra))
+            return metric, extra
+
+        self._bytes, _ = counter("vllm:dsa_kv_bytes", "KV bytes moved by DSAConnector", ("side",))
+        self._runs, _ = counter("vllm:dsa_kv_runs", "Byte runs (after merging) moved", ("side",))
+        self._descs, _ = counter("vllm:dsa_kv_descriptors", "NIXL descriptors posted")
+        self._bounce, _ = counter("vllm:dsa_kv_bounce_bytes", "Bytes sent through the bounce path")
+        self._reqs, _ = counter("vllm:dsa_kv_requests", "Requests by side and outcome", ("side", "outcome"))
+        self._mismatch, _ = counter("vllm:dsa_kv_checksum_mismatches", "verify_transfers mismatches")
+        self._checked, _ = counter("vllm:dsa_kv_checksummed_runs", "Runs verified by checksum")
+        hist = self._histogram_cls(
+            name="vllm:dsa_kv_transfer_seconds",
+            documentation="NIXL post-to-completion time per (request, destination rank) WRITE",
+            buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            labelnames=labelnames,
+        )
+        self._hist = create_metric_per_engine(hist, per_engine_labelvalues)
+        self._labels = per_engine_labelvalues
+
+    def _inc(self, metric: Any, engine_idx: int, value: float, *extra: str) -> None:
+        if value:
+            metric.labels(*self._labels[engine_idx], *extra).inc(value)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one interval's aggregated stats."""
+        d = transfer_stats_data
+        self._inc(self._bytes, engine_idx, d.get("send_bytes", 0), "send")
+        self._inc(self._bytes, engine_idx, d.get("recv_bytes", 0), "recv")
+        self._inc(self._runs, engine_idx, d.get("send_runs", 0), "send")
+        self._inc(self._runs, engine_idx, d.get("recv_runs", 0), "recv")
+        self._inc(self._descs, engine_idx, d.get("send_descriptors", 0))
+        self._inc(self._bounce, engine_idx, d.get("bounce_bytes", 0))
+        self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
+        self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
+        for key, side, outcome in (
+            ("send_ok", "send", "ok"),
+            ("send_failed", "send", "failed"),
+            ("send_expired", "send", "expired"),
+            ("recv_ok", "recv", "ok"),
+            ("recv_failed", "recv", "failed"),
+            ("recv_timeout", "recv", "timeout"),
+        ):
+            self._inc(self._reqs, engine_idx, d.get(key, 0), side, outcome)
+        for s in d.get("transfer_s", []):
+            self._hist[engine_idx].observe(s)
