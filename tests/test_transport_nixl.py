@@ -1,0 +1,380 @@
+"""Transport over real NIXL agents in real processes (multiprocessing spawn), default UCX and UCX_TLS=tcp.
+
+Each UCX setting gets one receiver and two writer processes (module fixture, reused by the tests);
+metadata travels over pipes. Every received byte is compared with a numpy reference index (independent
+of the gather/scatter code), and bytes outside the runs must stay untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+POOL = 8 << 20  # bytes per process pool (> the 4 MiB staging arenas)
+STATE: dict[str, Any] = {}
+
+
+# -- worker process -----------------------------------------------------------------------------------
+
+
+def _worker(conn: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except EOFError:
+            return
+        if name == "stop":
+            break
+        try:
+            conn.send(("ok", globals()[name](**kwargs)))
+        except BaseException as e:  # report every failure to the test
+            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    eng = STATE.get("engine")
+    if eng is not None:
+        eng.close()
+
+
+def _runs(d: dict[str, Any]) -> Any:
+    from vllm_dsa_connector.transport import Runs
+
+    return Runs(d["src"], d["dst"], d["len"])
+
+
+def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    if lengths.size == 0:
+        return np.zeros(0, np.int64)
+    counts = lengths
+    starts = np.repeat(offsets - np.r_[0, np.cumsum(counts)[:-1]], counts)
+    return starts + np.arange(int(counts.sum()))
+
+
+def w_setup(role: str, arena_bytes: int, seed: int, name: str) -> dict[str, Any]:
+    import torch
+
+    from vllm_dsa_connector.transport import (
+        BounceGate,
+        BounceReceiver,
+        BounceSender,
+        NixlEngine,
+        StagingArena,
+    )
+
+    torch.set_num_threads(1)
+    eng = NixlEngine(name)
+    if role == "receiver":
+        pool = torch.zeros(POOL, dtype=torch.uint8)
+    else:
+        pool = torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    region = eng.register(pool)
+    arena = StagingArena(arena_bytes)
+    if role == "receiver":
+        STATE["rcv"] = BounceReceiver(eng, arena, reserve_timeout_s=0.05)
+    else:
+        STATE["snd"] = BounceSender(eng, arena, BounceGate.from_config({}), reserve_timeout_s=0.05)
+    STATE.update(engine=eng, pool=pool, region=region, arena=arena, peers={})
+    return {"meta": eng.metadata(), "region": region.desc().to_dict()}
+
+
+def w_add_peer(meta: bytes) -> str:
+    peer = STATE["engine"].add_peer(meta)
+    return peer
+
+
+def w_src_digest(runs: dict[str, Any]) -> str:
+    r = _runs(runs)
+    data = STATE["pool"].numpy()[_byte_index(r.src_offsets, r.lengths)]
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def w_expect(tag: bytes, writers: list[dict[str, Any]], bounce: bool) -> list[Any]:
+    STATE["pool"].zero_()
+    slots = STATE["rcv"].expect(tag, STATE["pool"], [_runs(w) for w in writers], bounce=bounce)
+    return [s.to_dict() if s is not None else None for s in slots]
+
+
+def w_receive(tag: bytes, writers: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
+    """Wait for completion, then digest each writer's destination bytes and check the rest is zero."""
+    rcv = STATE["rcv"]
+    t0 = time.perf_counter()
+    rcv.wait(tag, timeout)
+    secs = time.perf_counter() - t0
+    pool = STATE["pool"].numpy()
+    touched = np.zeros(pool.size, bool)
+    digests = []
+    for w in writers:
+        r = _runs(w)
+        idx = _byte_index(r.dst_offsets, r.lengths)
+        touched[idx] = True
+        digests.append(hashlib.sha256(pool[idx].tobytes()).hexdigest())
+    untouched_zero = not pool[~touched].any()
+    return {"digests": digests, "untouched_zero": bool(untouched_zero), "seconds": secs,
+            "free": STATE["arena"].free_bytes, "other": len(rcv.other)}
+
+
+def w_send(peer: str, dst: dict[str, Any], runs: dict[str, Any], tag: bytes, slot: Any, writer: int,
+           path: str | None, timeout: float, hold_arena: bool = False) -> dict[str, Any]:
+    snd = STATE["snd"]
+    held = snd.arena.reserve(snd.arena.size) if hold_arena else None
+    try:
+        send = snd.send(peer, STATE["region"], dst, _runs(runs), tag, slot=slot, writer=writer, path=path)
+        stats = snd.wait(send, timeout)
+    finally:
+        if held is not None:
+            snd.arena.release(held)
+    return {"path": send.path, "reason": send.reason, "runs": stats.num_runs, "free": snd.arena.free_bytes}
+
+
+def w_poll(seconds: float) -> int:
+    """Keep the target's UCX worker progressing (as a connector's step loop does) for ``seconds``."""
+    eng, n, end = STATE["engine"], 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += len(eng.poll_notifications())
+        time.sleep(1e-4)
+    return n
+
+
+def w_big_writes(peer: str, dst: dict[str, Any], timeout: float, conn_flag: str) -> dict[str, Any]:
+    """Write the whole pool in many runs until the target vanishes; report the error and how long it took."""
+    from vllm_dsa_connector.transport import Runs, TransferError
+
+    eng = STATE["engine"]
+    n = 4096
+    size = (POOL // n) // 2 * 2
+    runs = Runs(np.arange(n) * size, (np.arange(n)[::-1]) * size, np.full(n, size))
+    open(conn_flag, "w").close()  # tell the test the transfers started
+    deadline = time.perf_counter() + 60
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        try:
+            eng.wait(eng.write(peer, STATE["region"], dst, runs, b"big"), timeout)
+        except TransferError as e:
+            return {"error": str(e), "peer": e.peer, "waited": time.perf_counter() - t0}
+    return {"error": None}
+
+
+# -- test-side harness --------------------------------------------------------------------------------
+
+
+class Peer:
+    """A spawned worker process driven through a pipe (calls are asynchronous: submit, then result)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, env), daemon=True)
+        self.proc.start()
+
+    def submit(self, fn: str, **kwargs: Any) -> None:
+        self.conn.send((fn, kwargs))
+
+    def result(self, timeout: float = 60.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker {self.proc.pid} did not answer in {timeout}s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise AssertionError(f"worker failed: {value}")
+        return value
+
+    def call(self, fn: str, **kwargs: Any) -> Any:
+        self.submit(fn, **kwargs)
+        return self.result()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop", {}))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+UCX_SETTINGS = {"ucx-default": {}, "ucx-tcp": {"UCX_TLS": "tcp"}}
+
+
+def _env(setting: str) -> dict[str, str]:
+    env = {"VLLM_DSA_BOUNCE_MODE": "auto"}
+    env.update(UCX_SETTINGS[setting])
+    return env
+
+
+class Cluster:
+    """One receiver, two writers, metadata exchanged both ways."""
+
+    def __init__(self, setting: str, arena_bytes: int = 4 << 20, writers: int = 2) -> None:
+        saved = os.environ.get("UCX_TLS")
+        if "UCX_TLS" in UCX_SETTINGS[setting]:
+            os.environ["UCX_TLS"] = UCX_SETTINGS[setting]["UCX_TLS"]
+        else:
+            os.environ.pop("UCX_TLS", None)
+        try:  # the child inherits UCX_TLS at spawn
+            self.rcv, self.w0 = Peer(_env(setting)), Peer(_env(setting))
+            self.w1 = Peer(_env(setting)) if writers > 1 else None
+        finally:
+            if saved is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = saved
+        tag = f"{setting}-{os.getpid()}"
+        self.rcv.submit("w_setup", role="receiver", arena_bytes=arena_bytes, seed=0, name=f"rcv-{tag}")
+        self.w0.submit("w_setup", role="sender", arena_bytes=arena_bytes, seed=1, name=f"w0-{tag}")
+        ws = [self.w0] if self.w1 is None else [self.w0, self.w1]
+        if self.w1 is not None:
+            self.w1.submit("w_setup", role="sender", arena_bytes=arena_bytes, seed=2, name=f"w1-{tag}")
+        r, metas = self.rcv.result(), [w.result() for w in ws]
+        self.dst = r["region"]
+        self.rcv_peer = [w.call("w_add_peer", meta=r["meta"]) for w in ws]
+        for w in metas:
+            self.rcv.call("w_add_peer", meta=w["meta"])
+
+    def transfer(self, writers: list[tuple[Peer, dict[str, Any], str | None]], tag: bytes,
+                 bounce: bool = True, timeout: float = 20.0, hold_arena: bool = False) -> list[dict]:
+        """Writers send their runs into the receiver's pool; returns each writer's result and checks bytes."""
+        runs = [r for _, r, _ in writers]
+        slots = self.rcv.call("w_expect", tag=tag, writers=runs, bounce=bounce)
+        self.rcv.submit("w_receive", tag=tag, writers=runs, timeout=timeout)
+        for i, (w, r, path) in enumerate(writers):
+            w.submit("w_send", peer=self.rcv_peer[0 if w is self.w0 else 1], dst=self.dst, runs=r,
+                     tag=tag, slot=slots[i], writer=i, path=path, timeout=timeout, hold_arena=hold_arena)
+        sends = [w.result() for w, _, _ in writers]
+        got = self.rcv.result()
+        want = [w.call("w_src_digest", runs=r) for w, r, _ in writers]
+        assert got["digests"] == want, "received bytes differ from the sent bytes"
+        assert got["untouched_zero"], "bytes outside the runs were written"
+        assert got["free"] == 4 << 20, "receiver staging space not released after completion"
+        return sends
+
+    def stop(self) -> None:
+        for p in (self.rcv, self.w0, self.w1):
+            if p is not None:
+                p.stop()
+
+
+@pytest.fixture(scope="module", params=list(UCX_SETTINGS))
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    c = Cluster(request.param)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _scattered(seed: int, n: int, block: int, dst_blocks: np.ndarray | None = None) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    pool_blocks = POOL // block
+    src = rng.choice(pool_blocks, n, replace=False)
+    dst = rng.choice(pool_blocks, n, replace=False) if dst_blocks is None else dst_blocks
+    return {"src": src * block, "dst": dst * block, "len": np.full(n, block)}
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+
+def test_scattered_direct_write_exact(cluster: Cluster) -> None:
+    runs = _scattered(1, 2048, 576)
+    (res,) = cluster.transfer([(cluster.w0, runs, "direct")], b"direct", bounce=False)
+    assert res["path"] == "direct" and res["runs"] == 2048
+
+
+def test_bounce_write_exact(cluster: Cluster) -> None:
+    runs = _scattered(2, 4096, 576)
+    (res,) = cluster.transfer([(cluster.w0, runs, None)], b"bounce")  # the gate picks bounce here
+    assert res["path"] == "bounce", res["reason"]
+    assert res["runs"] == 1  # one descriptor on the wire
+    assert res["free"] == 4 << 20  # sender staging released
+
+
+def test_fan_in_two_writers(cluster: Cluster) -> None:
+    rng = np.random.default_rng(3)
+    dst = rng.choice(POOL // 1000, 1200, replace=False)  # disjoint destination blocks for the two writers
+    r0 = _scattered(4, 600, 1000, dst[:600])
+    r1 = _scattered(5, 600, 1000, dst[600:])
+    res = cluster.transfer([(cluster.w0, r0, "bounce"), (cluster.w1, r1, "bounce")], b"fanin")
+    assert [r["path"] for r in res] == ["bounce", "bounce"]
+    # Mixed: one writer bounces, the other goes direct into the same request.
+    res = cluster.transfer([(cluster.w0, r0, "bounce"), (cluster.w1, r1, "direct")], b"fanin-mixed")
+    assert [r["path"] for r in res] == ["bounce", "direct"]
+
+
+def test_fan_in_refuses_overlapping_writers(cluster: Cluster) -> None:
+    r0 = _scattered(6, 10, 1000, np.arange(10))
+    r1 = _scattered(7, 10, 1000, np.arange(9, 19))  # block 9 written by both
+    with pytest.raises(AssertionError, match="writers 0 and 1"):
+        cluster.rcv.call("w_expect", tag=b"bad", writers=[r0, r1], bounce=True)
+
+
+def test_odd_sizes_and_empty(cluster: Cluster) -> None:
+    rng = np.random.default_rng(8)
+    n = 700
+    lens = rng.integers(1, 1500, n)
+    src = np.cumsum(np.r_[0, lens[:-1] + rng.integers(1, 64, n - 1)]) + 3
+    # Destinations: a random permutation of the packed odd-sized slots, with odd gaps.
+    order = rng.permutation(n)
+    slots = np.cumsum(np.r_[0, (lens[order] + 5)[:-1]]) + 1
+    dst = np.empty(n, np.int64)
+    dst[order] = slots
+    runs = {"src": src, "dst": dst, "len": lens}
+    for path in ("bounce", "direct"):
+        (res,) = cluster.transfer([(cluster.w0, runs, path)], f"odd-{path}".encode())
+        assert res["path"] == path
+    empty = {"src": np.zeros(0, np.int64), "dst": np.zeros(0, np.int64), "len": np.zeros(0, np.int64)}
+    for path in ("bounce", "direct", None):
+        (res,) = cluster.transfer([(cluster.w0, empty, path)], f"empty-{path}".encode())
+        assert res["path"] == "direct" and res["runs"] == 0
+    # One writer empty, the other not: the request still completes after both.
+    res = cluster.transfer([(cluster.w0, empty, "bounce"), (cluster.w1, runs, "bounce")], b"half-empty")
+    assert [r["path"] for r in res] == ["direct", "bounce"]
+
+
+def test_arena_exhaustion_falls_back_exact(cluster: Cluster) -> None:
+    runs = _scattered(9, 4096, 576)
+    # Sender arena fully held by another transfer: bounded wait, then direct.
+    (res,) = cluster.transfer([(cluster.w0, runs, "bounce")], b"full-sender", hold_arena=True)
+    assert res["path"] == "direct" and "arena" in res["reason"]
+    # Receiver cannot give a slot (request larger than its arena): both writers go direct.
+    big0 = _scattered(10, 2400, 1024, np.arange(0, 2400))
+    big1 = _scattered(11, 2400, 1024, np.arange(2400, 4800))
+    res = cluster.transfer([(cluster.w0, big0, "bounce"), (cluster.w1, big1, "bounce")], b"full-rcv")
+    assert [r["path"] for r in res] == ["direct", "direct"]
+    assert all("no staging slot" in r["reason"] for r in res)
+
+
+@pytest.mark.parametrize("setting", list(UCX_SETTINGS))
+def test_receiver_killed_mid_transfer(setting: str, tmp_path: Any) -> None:
+    c = Cluster(setting, writers=1)
+    try:
+        flag = str(tmp_path / "started")
+        timeout = 5.0
+        c.rcv.submit("w_poll", seconds=60.0)  # the receiver is alive and progressing until killed
+        c.w0.submit("w_big_writes", peer=c.rcv_peer[0], dst=c.dst, timeout=timeout, conn_flag=flag)
+        deadline = time.time() + 30
+        while not os.path.exists(flag) and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a few transfers in flight
+        c.rcv.proc.kill()
+        t0 = time.perf_counter()
+        out = c.w0.result(timeout=timeout + 20)
+        assert out["error"] is not None, "the sender never noticed the dead receiver"
+        assert out["waited"] <= timeout + 1.0
+        assert time.perf_counter() - t0 <= timeout + 5.0
+        assert out["peer"] == c.rcv_peer[0] and c.rcv_peer[0] in out["error"]
+        assert "big" in out["error"]  # the transfer is named (its notification tag)
+        assert "#0 " not in out["error"], "no transfer completed before the kill: not mid-transfer"
+        t1 = time.perf_counter()
+        c.w0.stop()  # close() with a dead peer must not hang either
+        assert time.perf_counter() - t1 < 8.0
+    finally:
+        c.stop()

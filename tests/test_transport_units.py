@@ -1,0 +1,245 @@
+"""Transport pieces in one process: runs merging, staging arena, gather/scatter, fan-in check, gate options."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_dsa_connector.options import OptionError
+from vllm_dsa_connector.transport import (
+    BOUNCE_OPTION_KEYS,
+    BounceGate,
+    BounceSettings,
+    LayoutError,
+    Runs,
+    StagingArena,
+    check_fan_in,
+    decode_notif,
+    encode_notif,
+    gather,
+    merge_runs,
+    runs_from_blocks,
+    scatter,
+)
+
+
+def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Reference: every byte position the runs cover, in run order (independent of gather's rows)."""
+    if lengths.size == 0:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, lengths, strict=True)])
+
+
+def _merge_reference(src, dst, lens):
+    out = []
+    order = np.argsort(src, kind="stable")
+    for s, d, n in zip(src[order], dst[order], lens[order], strict=True):
+        if n == 0:
+            continue
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += n
+        else:
+            out.append([s, d, n])
+    return out
+
+
+# -- runs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_runs_matches_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = 500
+    lens = rng.integers(0, 5, n) * 64
+    # Many neighbours contiguous on one side only, some on both.
+    src = np.cumsum(np.r_[0, lens[:-1]]) + rng.integers(0, 2, n) * 4096 * np.arange(n)
+    dst = np.cumsum(np.r_[0, lens[:-1]]) * rng.integers(1, 3)
+    got = merge_runs(src, dst, lens)
+    want = _merge_reference(src, dst, lens)
+    assert got.num_runs == len(want)
+    assert np.array_equal(np.c_[got.src_offsets, got.dst_offsets, got.lengths], np.array(want).reshape(-1, 3))
+    assert got.total_bytes == int(lens.sum())
+
+
+def test_merge_counts_runs_not_blocks() -> None:
+    # 4096 adjacent blocks on both sides are one run; adjacent on one side only stay 4096.
+    assert runs_from_blocks(np.arange(4096), np.arange(4096) + 7, 576).num_runs == 1
+    assert runs_from_blocks(np.arange(4096), np.arange(4096) * 2, 576).num_runs == 4096
+    assert Runs.empty().merged().num_runs == 0
+
+
+def test_runs_validation() -> None:
+    with pytest.raises(ValueError, match="differ"):
+        Runs([0, 1], [0], [1, 1])
+    with pytest.raises(ValueError, match=">= 0"):
+        Runs([-1], [0], [1])
+    r = Runs([0, 100], [10, 0], [50, 20])
+    with pytest.raises(ValueError, match="source"):
+        r.check_bounds(100, 100)
+    assert r.src_offsets.flags.writeable is False
+
+
+# -- arena --------------------------------------------------------------------------------------------
+
+
+def test_arena_first_fit_reuses_holes_and_coalesces() -> None:
+    arena = StagingArena(8192, align=512)
+    a = arena.reserve(1)
+    b = arena.reserve(1000)
+    c = arena.reserve(512)
+    assert (a.offset, b.offset, c.offset) == (0, 512, 1536)
+    assert a.size == 512 and b.size == 1024
+    arena.release(b)
+    d = arena.reserve(600)  # first fit: the freed hole at 512
+    assert d.offset == 512
+    arena.release(a)
+    arena.release(d)
+    e = arena.reserve(1536)  # a's and d's holes coalesced
+    assert e.offset == 0
+    with pytest.raises(ValueError, match="not live"):
+        arena.release(a)
+    arena.release(e)
+    arena.release(c)
+    assert arena.free_bytes == 8192
+    assert arena.reserve(8192).offset == 0
+    assert arena.reserve(9000) is None
+
+
+def test_arena_bounded_wait() -> None:
+    arena = StagingArena(4096)
+    full = arena.reserve(4096)
+    t0 = time.perf_counter()
+    assert arena.reserve(512, timeout_s=0.1) is None
+    assert 0.09 <= time.perf_counter() - t0 < 1.0
+    threading.Timer(0.05, arena.release, args=(full,)).start()
+    got = arena.reserve(512, timeout_s=2.0)  # woken by the release
+    assert got is not None and got.offset == 0
+    arena.quarantine(got)
+    assert arena.quarantined_bytes == 512 and arena.free_bytes == 4096 - 512
+
+
+# -- gather / scatter ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "block,stride,odd_offset",
+    [(576, 576, 0), (4096, 8192, 0), (577, 577, 0), (64, 64, 3), (12, 20, 2), (1, 3, 1)],
+)
+def test_gather_scatter_exact(block: int, stride: int, odd_offset: int) -> None:
+    rng = np.random.default_rng(block)
+    nblocks = 300
+    size = odd_offset + stride * 2 * nblocks
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    s = rng.choice(2 * nblocks, nblocks, replace=False) * stride + odd_offset
+    d = rng.choice(2 * nblocks, nblocks, replace=False) * stride
+    runs = Runs(s, d, np.full(nblocks, block))
+    out = torch.empty(runs.total_bytes + 5, dtype=torch.uint8)
+    gather(src, runs, out)
+    want = src.numpy()[_byte_index(runs.src_offsets, runs.lengths)]
+    assert np.array_equal(out[: runs.total_bytes].numpy(), want)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    scatter(out, dst, runs)
+    ref = np.zeros(size, np.uint8)
+    ref[_byte_index(runs.dst_offsets, runs.lengths)] = want
+    assert np.array_equal(dst.numpy(), ref)
+
+
+def test_gather_mixed_lengths_and_typed_tensors() -> None:
+    rng = np.random.default_rng(1)
+    src = torch.randn(10_000, dtype=torch.float32)  # 40,000 bytes, viewed as bytes
+    lens = rng.integers(1, 200, 50)
+    offs = np.sort(rng.choice(39_000 // 200, 50, replace=False)) * 200 + 1
+    runs = Runs(offs, np.cumsum(np.r_[0, lens[:-1]]), lens)
+    out = torch.empty(runs.total_bytes, dtype=torch.uint8)
+    gather(src, runs, out)
+    want = src.view(torch.uint8).numpy()[_byte_index(runs.src_offsets, runs.lengths)]
+    assert np.array_equal(out.numpy(), want)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather(src.view(100, 100).t(), runs, out)
+
+
+def test_gather_empty_is_noop() -> None:
+    out = torch.zeros(4, dtype=torch.uint8)
+    gather(torch.ones(8, dtype=torch.uint8), Runs.empty(), out)
+    scatter(out, torch.ones(8, dtype=torch.uint8), Runs.empty())
+    assert out.sum() == 0
+
+
+# -- fan-in check ---------------------------------------------------------------------------------------
+
+
+def test_fan_in_checks_every_writer() -> None:
+    w0 = runs_from_blocks([0, 1], [0, 2], 100)
+    w1 = runs_from_blocks([0, 1], [1, 3], 100)
+    check_fan_in([w0, w1], 400)
+    # Writer 0's layout is fine alone; the overlap is only visible when writer 1 is checked too.
+    w1_bad = runs_from_blocks([0, 1], [1, 2], 100)
+    with pytest.raises(LayoutError, match="writers 0 and 1"):
+        check_fan_in([w0, w1_bad], 400)
+    with pytest.raises(LayoutError, match="writer 1"):
+        check_fan_in([w0, runs_from_blocks([0], [4], 100)], 400)
+    # Overlap hidden behind a long earlier run (not adjacent after sorting by start).
+    long0 = Runs([0], [0], [1000])
+    with pytest.raises(LayoutError):
+        check_fan_in([long0, Runs([0, 0], [100, 500], [10, 10])], 2000)
+
+
+def test_notif_roundtrip() -> None:
+    msg = encode_notif("bounce", 3, b"req:1:x")
+    assert decode_notif(msg) == ("bounce", 3, b"req:1:x")
+    assert decode_notif(encode_notif("direct", 0, b"")) == ("direct", 0, b"")
+    assert decode_notif(b"other") is None and decode_notif(b"dsa1:zz:") is None
+
+
+# -- gate ----------------------------------------------------------------------------------------------
+
+
+def test_gate_decides_from_merged_runs() -> None:
+    gate = BounceGate(BounceSettings(profile="tcp"))
+    scattered = runs_from_blocks(np.arange(4096), np.arange(4096) * 2, 576, merge=False)
+    adjacent = runs_from_blocks(np.arange(4096), np.arange(4096), 576, merge=False)
+    assert gate.decide(scattered) == "bounce"
+    assert gate.decide(adjacent) == "direct"  # 4096 blocks, but one run after merging
+    big = runs_from_blocks(np.arange(1024), np.arange(1024) * 2, 64 << 10)
+    assert gate.decide(big) == "direct"
+    assert gate.decide(Runs.empty()) == "direct"
+    d = gate.decision(runs_from_blocks(np.arange(4), np.arange(4) * 2, 576))
+    assert d.path == "direct" and "bounce_min_runs" in d.reason
+
+
+def test_gate_options_precedence() -> None:
+    env = {"VLLM_DSA_BOUNCE_MIN_RUNS": "64", "VLLM_DSA_BOUNCE_MIN_BYTES": "1m", "UCX_TLS": "tcp"}
+    s = BounceSettings.from_config({"bounce_min_runs": 3}, environ=env)
+    assert s.min_runs == 3  # explicit > env
+    assert s.min_bytes == 1 << 20  # env > default
+    assert s.max_avg_run_bytes == BounceSettings().max_avg_run_bytes  # default
+    gate = BounceGate.from_config({"other_key": 1}, environ=env)  # non-bounce keys are not ours
+    assert gate.profile == "tcp" and gate.settings.min_runs == 64
+    assert BounceGate.from_config({}, environ={}).profile == "cma"
+    assert BounceGate.from_config({}, device="cuda:0", environ={}).profile == "cuda"
+    g = BounceGate.from_config({"bounce_desc_cost_us": "0", "bounce_profile": "tcp"}, environ={})
+    assert g.decide(runs_from_blocks(np.arange(4096), np.arange(4096) * 2, 576)) == "direct"
+    assert "bounce_min_runs" in BOUNCE_OPTION_KEYS
+
+
+@pytest.mark.parametrize(
+    "config,env,key",
+    [
+        ({"bounce_min_runs": "many"}, {}, "bounce_min_runs"),
+        ({"bounce_min_runs": 0}, {}, "bounce_min_runs"),
+        ({}, {"VLLM_DSA_BOUNCE_MIN_BYTES": "-5"}, "VLLM_DSA_BOUNCE_MIN_BYTES"),
+        ({"bounce_max_avg_run_bytes": 1.5}, {}, "bounce_max_avg_run_bytes"),
+        ({"bounce_copy_gbps": 0}, {}, "bounce_copy_gbps"),
+        ({"bounce_desc_cost_us": "nan"}, {}, "bounce_desc_cost_us"),
+        ({"bounce_profile": "infiniband"}, {}, "bounce_profile"),
+        ({"bounce_mode": True}, {}, "bounce_mode"),
+        ({"bounce_min_run": 4}, {}, "bounce_min_run"),  # typo: refused, not ignored
+    ],
+)
+def test_gate_invalid_settings_name_the_key(config, env, key) -> None:
+    with pytest.raises(OptionError, match=key):
+        BounceGate.from_config(config, environ=env)

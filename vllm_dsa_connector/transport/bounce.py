@@ -1,0 +1,539 @@
+"""The bounce transport: gather scattered runs into one registered staging slot, write once, scatter.
+
+Pieces:
+
+- :class:`StagingArena`: one buffer allocated (and registered by its user) once; first-fit, aligned,
+  reuses freed holes (neighbours coalesce); ``reserve`` waits a bounded time, then returns ``None`` so
+  the caller takes the direct path (no deadlock, no lost transfer). Regions whose transfer failed are
+  quarantined, never reused (a late write cannot corrupt a later transfer).
+- :func:`gather` / :func:`scatter`: torch index ops on int64 views (narrower only when the runs' offsets
+  or lengths require it), never a Python loop per run. Same code on CPU and CUDA tensors.
+- :class:`BounceSender` (the writer) and :class:`BounceReceiver` (the target): the receiver reserves ONE
+  region for all writers of a request (fan-in), checks EVERY writer's layout (bounds and overlaps across
+  writers) before it advertises slots, scatters each bounced writer's slot only after that writer's
+  notification (NIXL delivers it after the data landed), and completes the request only after all
+  writers arrived and every scatter finished (CUDA: synchronised).
+
+Both sides must describe a writer's transfer with the same :class:`Runs`; both merge it with
+:meth:`Runs.merged` (deterministic), which fixes the packed order in the staging slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_dsa_connector.transport.engine import (
+    NixlEngine,
+    Region,
+    RegionDesc,
+    Transfer,
+    TransferStats,
+)
+from vllm_dsa_connector.transport.gate import BounceGate, Decision
+from vllm_dsa_connector.transport.runs import Runs
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BounceReceiver",
+    "BounceSender",
+    "LayoutError",
+    "Reservation",
+    "Send",
+    "StagingArena",
+    "StagingSlot",
+    "check_fan_in",
+    "decode_notif",
+    "encode_notif",
+    "gather",
+    "scatter",
+]
+
+_NOTIF_PREFIX = b"dsa1:"
+
+
+class LayoutError(ValueError):
+    """Writers' runs leave the destination or overlap each other; names the writer(s)."""
+
+
+# -- arena -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """``size`` bytes (aligned up) at ``offset`` of an arena; ``nbytes`` were asked for."""
+
+    offset: int
+    size: int
+    nbytes: int
+
+
+class StagingArena:
+    """A staging buffer with a first-fit, ``align``-aligned allocator that reuses freed holes."""
+
+    def __init__(self, size: int, align: int = 512, device: str | torch.device = "cpu",
+                 buffer: torch.Tensor | None = None) -> None:
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"StagingArena: align must be a power of two, got {align}")
+        if buffer is None:
+            if size <= 0:
+                raise ValueError(f"StagingArena: size must be > 0, got {size}")
+            buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
+        elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("StagingArena: buffer must be a contiguous 1-D uint8 tensor")
+        self.buffer = buffer
+        self.size = (buffer.numel() // align) * align
+        self.align = align
+        self._holes: list[list[int]] = [[0, self.size]]  # [offset, size], sorted, coalesced
+        self._live: dict[int, Reservation] = {}
+        self._quarantined = 0
+        self._cv = threading.Condition()
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in holes."""
+        with self._cv:
+            return sum(h[1] for h in self._holes)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes never to be reused (their transfer failed)."""
+        return self._quarantined
+
+    def _try(self, need: int) -> Reservation | None:
+        for i, (off, size) in enumerate(self._holes):
+            if size >= need:
+                if size == need:
+                    del self._holes[i]
+                else:
+                    self._holes[i] = [off + need, size - need]
+                return Reservation(off, need, 0)
+        return None
+
+    def reserve(self, nbytes: int, timeout_s: float = 0.0) -> Reservation | None:
+        """First fit of ``nbytes``; waits up to ``timeout_s`` for a release, then ``None`` (go direct)."""
+        if nbytes <= 0:
+            raise ValueError(f"StagingArena.reserve: nbytes must be > 0, got {nbytes}")
+        need = -(-int(nbytes) // self.align) * self.align
+        if need > self.size:
+            return None
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cv:
+            while True:
+                got = self._try(need)
+                if got is not None:
+                    res = Reservation(got.offset, need, int(nbytes))
+                    self._live[res.offset] = res
+                    return res
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+
+    def release(self, res: Reservation) -> None:
+        """Return a reservation's bytes; neighbouring holes coalesce."""
+        with self._cv:
+            if self._live.get(res.offset) != res:
+                raise ValueError(f"StagingArena.release: {res} is not live (double release?)")
+            del self._live[res.offset]
+            holes = self._holes
+            i = 0
+            while i < len(holes) and holes[i][0] < res.offset:
+                i += 1
+            holes.insert(i, [res.offset, res.size])
+            if i + 1 < len(holes) and holes[i][0] + holes[i][1] == holes[i + 1][0]:
+                holes[i][1] += holes[i + 1][1]
+                del holes[i + 1]
+            if i > 0 and holes[i - 1][0] + holes[i - 1][1] == holes[i][0]:
+                holes[i - 1][1] += holes[i][1]
+                del holes[i]
+            self._cv.notify_all()
+
+    def quarantine(self, res: Reservation) -> None:
+        """Never reuse this reservation (a failed transfer might still write into it)."""
+        with self._cv:
+            if self._live.pop(res.offset, None) is not None:
+                self._quarantined += res.size
+
+    def view(self, res: Reservation, nbytes: int | None = None) -> torch.Tensor:
+        """The reservation's bytes (first ``nbytes``, default what was asked for)."""
+        n = res.nbytes if nbytes is None else nbytes
+        return self.buffer[res.offset: res.offset + n]
+
+
+# -- gather / scatter -------------------------------------------------------------------------------
+
+
+def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: tensor must be contiguous")
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+_WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _rows(buf: torch.Tensor, row: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    n = (buf.numel() // row) * row
+    return buf[:n].view(dtype).view(-1, row // width)
+
+
+def _plan(offsets: np.ndarray, lengths: np.ndarray, ptrs: Sequence[int]) -> tuple[int, int, torch.dtype]:
+    """Row size (bytes) = gcd of offsets and lengths; element width = widest dividing row and pointers."""
+    g = int(np.gcd.reduce(np.concatenate([offsets, lengths]))) if lengths.size else 1
+    g = g or 1
+    for w, dt in _WIDTHS:
+        if g % w == 0 and all(p % w == 0 for p in ptrs):
+            return g, w, dt
+    return g, 1, torch.uint8  # unreachable: width 1 always fits
+
+
+def _row_index(offsets: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
+    """Row numbers covered by the runs, in run order (vectorised)."""
+    counts = lengths // row
+    first = offsets // row
+    total = int(counts.sum())
+    starts = np.zeros(counts.size, np.int64)
+    if counts.size > 1:
+        np.cumsum(counts[:-1], out=starts[1:])
+    return np.repeat(first - starts, counts) + np.arange(total, dtype=np.int64)
+
+
+def _index(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(idx)
+    return t.to(device, non_blocking=True) if device.type != "cpu" else t
+
+
+def gather(src: torch.Tensor, runs: Runs, out: torch.Tensor) -> None:
+    """Pack ``runs`` (their ``src_offsets``/``lengths``, bytes of ``src``) into ``out`` in run order.
+
+    ``out`` is a 1-D uint8 tensor (e.g. :meth:`StagingArena.view`) of at least ``runs.total_bytes``.
+    One ``torch.index_select`` on the widest integer view the runs allow.
+    """
+    total = runs.total_bytes
+    if total == 0:
+        return
+    sb = _byte_view(src, "gather src")
+    runs.check_bounds(sb.numel(), 1 << 62, what="gather")
+    if out.numel() < total or out.dtype != torch.uint8:
+        raise ValueError(f"gather: out must be uint8 with >= {total} bytes")
+    ob = out[:total]
+    row, w, dt = _plan(runs.src_offsets, runs.lengths, (sb.data_ptr(), ob.data_ptr()))
+    idx = _index(_row_index(runs.src_offsets, runs.lengths, row), sb.device)
+    torch.index_select(_rows(sb, row, w, dt), 0, idx, out=ob.view(dt).view(-1, row // w))
+
+
+def scatter(staging: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
+    """Unpack ``staging`` (packed in run order) to ``runs.dst_offsets`` of ``dst``: one ``index_copy_``."""
+    total = runs.total_bytes
+    if total == 0:
+        return
+    db = _byte_view(dst, "scatter dst")
+    runs.check_bounds(1 << 62, db.numel(), what="scatter")
+    if staging.numel() < total or staging.dtype != torch.uint8:
+        raise ValueError(f"scatter: staging must be uint8 with >= {total} bytes")
+    sb = staging[:total]
+    row, w, dt = _plan(runs.dst_offsets, runs.lengths, (db.data_ptr(), sb.data_ptr()))
+    idx = _index(_row_index(runs.dst_offsets, runs.lengths, row), db.device)
+    _rows(db, row, w, dt).index_copy_(0, idx, sb.view(dt).view(-1, row // w))
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+# -- notifications ----------------------------------------------------------------------------------
+
+
+def encode_notif(path: str, writer: int, tag: bytes) -> bytes:
+    """``dsa1:<b|d><writer>:<tag>``: which path a writer took, so the target knows whether to scatter."""
+    return _NOTIF_PREFIX + (b"b" if path == "bounce" else b"d") + str(int(writer)).encode() + b":" + tag
+
+
+def decode_notif(msg: bytes) -> tuple[str, int, bytes] | None:
+    """Inverse of :func:`encode_notif`; ``None`` for other messages."""
+    if not msg.startswith(_NOTIF_PREFIX):
+        return None
+    body = msg[len(_NOTIF_PREFIX):]
+    head, sep, tag = body.partition(b":")
+    if not sep or len(head) < 2 or head[:1] not in (b"b", b"d") or not head[1:].isdigit():
+        return None
+    return ("bounce" if head[:1] == b"b" else "direct"), int(head[1:]), tag
+
+
+# -- sender -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagingSlot:
+    """Where one writer may put its packed bytes in the receiver's arena (serialisable)."""
+
+    region: RegionDesc
+    offset: int
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the handshake."""
+        return {"region": self.region.to_dict(), "offset": self.offset, "size": self.size}
+
+    @classmethod
+    def from_dict(cls, d: StagingSlot | dict[str, Any]) -> StagingSlot:
+        """Inverse of :meth:`to_dict`."""
+        if isinstance(d, StagingSlot):
+            return d
+        return cls(RegionDesc.from_dict(d["region"]), int(d["offset"]), int(d["size"]))
+
+
+@dataclass(eq=False)
+class Send:
+    """One writer's in-flight send; ``path`` is what was actually used."""
+
+    transfer: Transfer
+    path: str
+    decision: Decision | None
+    reason: str
+    _res: Reservation | None = field(default=None, repr=False)
+
+
+class BounceSender:
+    """Writer side: gate, gather into the local arena, one WRITE into the receiver's slot (or direct)."""
+
+    def __init__(self, engine: NixlEngine, arena: StagingArena, gate: BounceGate,
+                 reserve_timeout_s: float | None = None) -> None:
+        self.engine = engine
+        self.arena = arena
+        self.gate = gate
+        self.reserve_timeout_s = (gate.settings.reserve_timeout_s if reserve_timeout_s is None
+                                  else reserve_timeout_s)
+        self.region = engine.register(arena.buffer)
+        self._logged: set[str] = set()
+
+    def _once(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("bounce skipped: %s (logged once)", reason)
+
+    def send(self, peer: str, src: Region, dst: RegionDesc | dict[str, Any], runs: Runs, tag: bytes,
+             *, slot: StagingSlot | dict[str, Any] | None, writer: int = 0,
+             path: str | None = None) -> Send:
+        """Send ``runs`` of ``src`` to ``dst`` on ``peer``; bounce through ``slot`` when the gate says so.
+
+        ``path`` forces ``"bounce"``/``"direct"`` (benchmarks). Falls back to direct when the receiver
+        gave no slot, the slot is too small, or the local arena has no room within the bounded wait.
+        """
+        merged = runs.merged()
+        decision = None
+        if path is None:
+            decision = self.gate.decision(merged, merged=True)
+            path, reason = decision.path, decision.reason
+        else:
+            reason = f"forced {path}"
+        res = None
+        if path == "bounce":
+            slot = StagingSlot.from_dict(slot) if slot is not None else None
+            if merged.total_bytes == 0:
+                path, reason = "direct", "empty transfer"
+            elif slot is None:
+                path, reason = "direct", "receiver advertised no staging slot"
+            elif slot.size < merged.total_bytes:
+                path, reason = "direct", f"slot of {slot.size} B < {merged.total_bytes} B"
+            else:
+                res = self.arena.reserve(merged.total_bytes, self.reserve_timeout_s)
+                if res is None:
+                    path, reason = "direct", "local staging arena full (backpressure)"
+            if path == "direct":
+                self._once(reason)
+        notif = encode_notif(path, writer, tag)
+        if path == "bounce":
+            assert res is not None and slot is not None
+            try:
+                gather(src.tensor, merged, self.arena.view(res))
+                _sync(self.arena.buffer)
+                one = Runs(np.array([res.offset]), np.array([slot.offset]), np.array([merged.total_bytes]))
+                xfer = self.engine.write(peer, self.region, slot.region, one, notif)
+            except BaseException:
+                self.arena.release(res)
+                raise
+        else:
+            xfer = self.engine.write(peer, src, dst, merged, notif)
+        return Send(xfer, path, decision, reason, res)
+
+    def wait(self, send: Send, timeout_s: float = 10.0) -> TransferStats:
+        """Wait for the WRITE; frees the staging reservation (quarantines it on failure)."""
+        try:
+            stats = self.engine.wait(send.transfer, timeout_s)
+        except BaseException:
+            if send._res is not None:
+                self.arena.quarantine(send._res)
+                send._res = None
+            raise
+        if send._res is not None:
+            self.arena.release(send._res)
+            send._res = None
+        return stats
+
+
+# -- receiver ---------------------------------------------------------------------------------------
+
+
+def check_fan_in(writers: Sequence[Runs], dst_size: int) -> None:
+    """Safety check over EVERY writer's layout: in bounds, and no byte written twice (within or across)."""
+    if not writers:
+        return
+    lens = [w.lengths for w in writers]
+    starts = np.concatenate([w.dst_offsets for w in writers])
+    lengths = np.concatenate(lens)
+    owner = np.repeat(np.arange(len(writers)), [x.size for x in lens])
+    keep = lengths > 0
+    starts, lengths, owner = starts[keep], lengths[keep], owner[keep]
+    if starts.size == 0:
+        return
+    ends = starts + lengths
+    bad = np.flatnonzero(ends > dst_size)
+    if bad.size:
+        i = int(bad[0])
+        raise LayoutError(f"writer {int(owner[i])}: run [{int(starts[i])}, {int(ends[i])}) is outside "
+                          f"the {dst_size}-byte destination")
+    order = np.argsort(starts, kind="stable")
+    s, e, o = starts[order], ends[order], owner[order]
+    hit = np.flatnonzero(s[1:] < np.maximum.accumulate(e)[:-1])
+    if hit.size:
+        j = int(hit[0]) + 1
+        prev = int(np.argmax(e[:j] > s[j]))
+        a, b = sorted((int(o[prev]), int(o[j])))
+        who = f"writer {a}" if a == b else f"writers {a} and {b}"
+        raise LayoutError(f"{who}: destination bytes [{int(s[j])}, {int(min(e[prev], e[j]))}) "
+                          f"written twice")
+
+
+@dataclass(eq=False)
+class _Expected:
+    tag: bytes
+    dst: torch.Tensor
+    runs: list[Runs]
+    slots: list[StagingSlot | None]
+    res: Reservation | None
+    arrived: dict[int, str] = field(default_factory=dict)
+
+
+class BounceReceiver:
+    """Target side: reserve one fan-in region, advertise slots, scatter after data landed, complete."""
+
+    def __init__(self, engine: NixlEngine, arena: StagingArena, reserve_timeout_s: float = 0.2) -> None:
+        self.engine = engine
+        self.arena = arena
+        self.reserve_timeout_s = reserve_timeout_s
+        self.region = engine.register(arena.buffer)
+        self._expected: dict[bytes, _Expected] = {}
+        self._early: dict[bytes, list[tuple[str, int]]] = {}
+        self.other: list[tuple[str, bytes]] = []  # notifications that are not ours
+
+    def expect(self, tag: bytes, dst: torch.Tensor, writers: Sequence[Runs], *,
+               bounce: bool = True) -> list[StagingSlot | None]:
+        """Register a request written by ``len(writers)`` writers into ``dst``; returns one slot per writer.
+
+        A ``None`` slot means "write directly" (empty part, ``bounce=False``, or no arena space within
+        the bounded wait). Raises :class:`LayoutError` when any writer's runs leave ``dst`` or overlap.
+        """
+        if tag in self._expected:
+            raise ValueError(f"BounceReceiver.expect: tag {tag!r} is already expected")
+        merged = [w.merged() for w in writers]
+        check_fan_in(merged, _byte_view(dst, "expect dst").numel())
+        sizes = [-(-m.total_bytes // self.arena.align) * self.arena.align for m in merged]
+        total = sum(sizes)
+        res = None
+        if bounce and total > 0:
+            res = self.arena.reserve(total, self.reserve_timeout_s)
+            if res is None:
+                logger.info("bounce: receiver arena has no %d B within %.2fs; writers go direct",
+                            total, self.reserve_timeout_s)
+        slots: list[StagingSlot | None] = []
+        off = res.offset if res is not None else 0
+        for m, size in zip(merged, sizes, strict=True):
+            slots.append(StagingSlot(self.region.desc(), off, m.total_bytes) if res and size else None)
+            off += size
+        exp = _Expected(tag, dst, merged, slots, res)
+        self._expected[tag] = exp
+        for writer, path in self._early.pop(tag, []):
+            self._arrive(exp, writer, path)
+        return slots
+
+    def _arrive(self, exp: _Expected, writer: int, path: str) -> None:
+        if not 0 <= writer < len(exp.runs):
+            logger.warning("bounce: tag %r has no writer %d; ignored", exp.tag, writer)
+            return
+        if writer in exp.arrived:
+            logger.warning("bounce: duplicate notification from writer %d of %r", writer, exp.tag)
+            return
+        if path == "bounce":
+            slot = exp.slots[writer]
+            if slot is None:
+                raise RuntimeError(f"writer {writer} of {exp.tag!r} bounced without a slot")
+            scatter(self.arena.buffer[slot.offset: slot.offset + slot.size], exp.dst, exp.runs[writer])
+        exp.arrived[writer] = path
+
+    def handle(self, peer: str, msg: bytes) -> bool:
+        """Feed one notification; ``True`` when it was a bounce-protocol message."""
+        parsed = decode_notif(msg)
+        if parsed is None:
+            self.other.append((peer, msg))
+            return False
+        path, writer, tag = parsed
+        exp = self._expected.get(tag)
+        if exp is None:
+            self._early.setdefault(tag, []).append((writer, path))
+        else:
+            self._arrive(exp, writer, path)
+        return True
+
+    def _finish(self) -> list[bytes]:
+        done = []
+        for tag, exp in list(self._expected.items()):
+            if len(exp.arrived) == len(exp.runs):
+                _sync(exp.dst)
+                if exp.res is not None:
+                    self.arena.release(exp.res)
+                del self._expected[tag]
+                done.append(tag)
+        return done
+
+    def poll(self) -> list[bytes]:
+        """Process new notifications; returns the tags now complete (all writers in, scatters done)."""
+        for peer, msg in self.engine.poll_notifications():
+            self.handle(peer, msg)
+        return self._finish()
+
+    def wait(self, tag: bytes, timeout_s: float = 10.0) -> None:
+        """Poll until ``tag`` completes; ``TimeoutError`` naming the missing writers otherwise."""
+        deadline = time.perf_counter() + timeout_s
+        spins = 0
+        while tag in self._expected:
+            if tag in self.poll():
+                return
+            if time.perf_counter() > deadline:
+                exp = self._expected[tag]
+                missing = sorted(set(range(len(exp.runs))) - set(exp.arrived))
+                raise TimeoutError(f"bounce receive {tag!r}: writers {missing} did not arrive in {timeout_s}s")
+            spins += 1
+            time.sleep(0 if spins < 200 else 5e-5)
+
+    def cancel(self, tag: bytes) -> None:
+        """Abandon ``tag``; its staging region is quarantined (a late writer may still write into it)."""
+        exp = self._expected.pop(tag, None)
+        if exp is not None and exp.res is not None:
+            self.arena.quarantine(exp.res)
+
+    @property
+    def pending(self) -> frozenset[bytes]:
+        """Tags expected but not complete."""
+        return frozenset(self._expected)

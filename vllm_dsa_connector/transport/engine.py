@@ -1,0 +1,345 @@
+"""A thin, strict wrapper over one NIXL agent (UCX backend by default).
+
+Memory is registered once (:meth:`NixlEngine.register`, DRAM for CPU tensors, VRAM for CUDA tensors);
+peers are added from their metadata bytes; a transfer is a list of byte runs WRITTEN from a local region
+to a remote one, posted through the two-step API (``prep_xfer_dlist`` for both sides, then
+``make_prepped_xfer``) and completed by a notification on the target. ``wait`` never hangs: an ``ERR``
+state, a NIXL exception or the timeout becomes :class:`TransferError` naming the peer and the transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_dsa_connector.transport.runs import Runs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NixlEngine", "Region", "RegionDesc", "Transfer", "TransferError", "TransferStats"]
+
+
+class TransferError(RuntimeError):
+    """A transfer failed, timed out, or its peer is unknown/gone. ``peer`` and ``transfer`` name it."""
+
+    def __init__(self, message: str, *, peer: str | None = None, transfer: str | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.transfer = transfer
+
+
+@dataclass(frozen=True)
+class RegionDesc:
+    """A registered region as a peer sees it; ``to_dict``/``from_dict`` for msgspec/JSON handshakes."""
+
+    agent: str
+    addr: int
+    size: int
+    mem: str  # "DRAM" | "VRAM"
+    dev: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (ints and strings only)."""
+        return {"agent": self.agent, "addr": self.addr, "size": self.size, "mem": self.mem, "dev": self.dev}
+
+    @classmethod
+    def from_dict(cls, d: RegionDesc | dict[str, Any]) -> RegionDesc:
+        """Inverse of :meth:`to_dict` (a ``RegionDesc`` passes through)."""
+        if isinstance(d, RegionDesc):
+            return d
+        try:
+            return cls(str(d["agent"]), int(d["addr"]), int(d["size"]), str(d["mem"]), int(d.get("dev", 0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"invalid region description {d!r}: {e}") from None
+
+
+@dataclass(eq=False)
+class Region:
+    """A local registered tensor (kept alive here while registered)."""
+
+    tensor: Any
+    addr: int
+    size: int
+    mem: str
+    dev: int
+    agent: str
+    _reg: Any = field(default=None, repr=False)
+
+    def desc(self) -> RegionDesc:
+        """What to send to peers."""
+        return RegionDesc(self.agent, self.addr, self.size, self.mem, self.dev)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Completion record; ``desc_count`` etc. only with ``telemetry=True`` (else -1)."""
+
+    num_runs: int
+    total_bytes: int
+    seconds: float
+    desc_count: int = -1
+    post_us: int = -1
+    xfer_us: int = -1
+
+
+@dataclass(eq=False)
+class Transfer:
+    """An in-flight WRITE returned by :meth:`NixlEngine.write`; pass it to :meth:`NixlEngine.wait`."""
+
+    name: str
+    peer: str
+    num_runs: int
+    total_bytes: int
+    started: float
+    _xfer: Any = field(default=None, repr=False)
+    _dlists: tuple[Any, ...] = field(default=(), repr=False)
+    stats: TransferStats | None = None
+
+
+def _state(agent: Any, xfer: Any) -> str:
+    return agent.check_xfer_state(xfer)
+
+
+class NixlEngine:
+    """One NIXL agent: ``register`` / ``metadata`` / ``add_peer`` / ``write`` / ``wait`` / notifications."""
+
+    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",), telemetry: bool = False,
+                 progress_thread: bool = False) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "NIXL is not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+            ) from e
+        self.name = name
+        self.telemetry = telemetry
+        self._agent = nixl_agent(
+            name,
+            nixl_agent_config(backends=list(backends), capture_telemetry=telemetry,
+                              enable_prog_thread=progress_thread),
+        )
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(f"NIXL agent {name!r}: backend(s) {missing} unavailable "
+                               f"(plugins: {self._agent.get_plugin_list()})")
+        self._regions: list[Region] = []
+        self._peers: set[str] = set()
+        self._ids = itertools.count()
+        self._inflight: dict[int, Transfer] = {}
+        self._closed = False
+
+    # -- memory and peers -------------------------------------------------------------------------
+
+    def register(self, tensor: Any) -> Region:
+        """Register a contiguous torch tensor once (DRAM for CPU, VRAM for CUDA)."""
+        if not tensor.is_contiguous():
+            raise ValueError("register: tensor must be contiguous")
+        mem = "VRAM" if tensor.is_cuda else "DRAM"
+        dev = int(tensor.device.index or 0) if tensor.is_cuda else 0
+        size = tensor.numel() * tensor.element_size()
+        if size == 0:
+            raise ValueError("register: tensor is empty")
+        reg = self._agent.register_memory(tensor)
+        region = Region(tensor, int(tensor.data_ptr()), size, mem, dev, self.name, reg)
+        self._regions.append(region)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Deregister a region (no transfer may be using it)."""
+        if region in self._regions:
+            self._agent.deregister_memory(region._reg)
+            self._regions.remove(region)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (send it to peers out of band). Call after registering memory."""
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, meta: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name."""
+        peer = self._agent.add_remote_agent(meta)
+        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self._peers.add(peer)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (its in-flight transfers should be waited for or abandoned first)."""
+        if peer in self._peers:
+            self._peers.discard(peer)
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception as e:  # NIXL raises if already gone; nothing to undo
+                logger.debug("remove_peer %s: %s", peer, e)
+
+    @property
+    def peers(self) -> frozenset[str]:
+        """Names of known peers."""
+        return frozenset(self._peers)
+
+    # -- transfers ----------------------------------------------------------------------------------
+
+    def _descs(self, base: int, offsets: np.ndarray, lengths: np.ndarray, dev: int) -> np.ndarray:
+        arr = np.empty((offsets.size, 3), np.uint64)
+        arr[:, 0] = offsets + base
+        arr[:, 1] = lengths
+        arr[:, 2] = dev
+        return arr
+
+    def write(
+        self,
+        peer: str,
+        local: Region,
+        remote: RegionDesc | dict[str, Any],
+        runs: Runs,
+        notif: bytes = b"",
+    ) -> Transfer:
+        """Post a WRITE of ``runs`` (local offsets -> remote offsets); the peer gets ``notif`` after the data.
+
+        An empty transfer posts no descriptor and sends ``notif`` alone, so the target still completes.
+        Raises :class:`TransferError` when the peer is unknown or NIXL refuses the request.
+        """
+        remote = RegionDesc.from_dict(remote)
+        tid = next(self._ids)
+        name = f"{self.name}#{tid} notif={notif[:48]!r}"
+        if peer not in self._peers:
+            raise TransferError(f"transfer {name}: unknown peer {peer!r}", peer=peer, transfer=name)
+        runs.check_bounds(local.size, remote.size, what=f"transfer {name}")
+        t0 = time.perf_counter()
+        xfer_obj = Transfer(name, peer, runs.num_runs, runs.total_bytes, t0)
+        try:
+            if runs.num_runs == 0:
+                self._agent.send_notif(peer, notif)
+                xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
+                return xfer_obj
+            n = runs.num_runs
+            lh = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", self._descs(local.addr, runs.src_offsets, runs.lengths, local.dev),
+                local.mem)
+            rh = self._agent.prep_xfer_dlist(
+                peer, self._descs(remote.addr, runs.dst_offsets, runs.lengths, remote.dev), remote.mem)
+            xfer_obj._dlists = (lh, rh)
+            idx = np.arange(n, dtype=np.int32)
+            xh = self._agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
+            xfer_obj._xfer = xh
+            state = self._agent.transfer(xh)
+        except TransferError:
+            raise
+        except Exception as e:
+            self._release(xfer_obj)
+            raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}",
+                                peer=peer, transfer=name) from e
+        if state == "ERR":
+            self._release(xfer_obj)
+            raise TransferError(f"transfer {name} to peer {peer!r} failed at post (ERR)",
+                                peer=peer, transfer=name)
+        self._inflight[tid] = xfer_obj
+        return xfer_obj
+
+    def state(self, xfer: Transfer) -> str:
+        """``"DONE"``, ``"PROC"`` or ``"ERR"`` (no exception)."""
+        if xfer.stats is not None:
+            return "DONE"
+        if xfer._xfer is None:
+            return "ERR"
+        try:
+            return _state(self._agent, xfer._xfer)
+        except Exception:
+            return "ERR"
+
+    def wait(self, xfer: Transfer, timeout_s: float = 10.0) -> TransferStats:
+        """Block until the WRITE is done; ``TransferError`` on ERR or after ``timeout_s`` (never hangs)."""
+        if xfer.stats is not None:
+            return xfer.stats
+        deadline = xfer.started + timeout_s if timeout_s is not None else float("inf")
+        deadline = max(deadline, time.perf_counter() + 1e-3)
+        spins = 0
+        while True:
+            st = self.state(xfer)
+            if st == "DONE":
+                break
+            if st == "ERR":
+                self._release(xfer)
+                raise TransferError(f"transfer {xfer.name} to peer {xfer.peer!r} failed (ERR state; "
+                                    f"peer gone or refused)", peer=xfer.peer, transfer=xfer.name)
+            now = time.perf_counter()
+            if now > deadline:
+                self._release(xfer)
+                raise TransferError(f"transfer {xfer.name} to peer {xfer.peer!r} timed out after "
+                                    f"{now - xfer.started:.2f} s", peer=xfer.peer, transfer=xfer.name)
+            spins += 1
+            time.sleep(0 if spins < 200 else 5e-5)
+        secs = time.perf_counter() - xfer.started
+        stats = TransferStats(xfer.num_runs, xfer.total_bytes, secs)
+        if self.telemetry:
+            try:
+                tel = self._agent.get_xfer_telemetry(xfer._xfer)
+                stats = TransferStats(xfer.num_runs, xfer.total_bytes, secs, int(tel.descCount),
+                                      int(tel.postDuration), int(tel.xferDuration))
+            except Exception as e:  # telemetry is best effort
+                logger.debug("telemetry for %s: %s", xfer.name, e)
+        xfer.stats = stats
+        self._release(xfer)
+        return stats
+
+    def _release(self, xfer: Transfer) -> None:
+        for tid, t in list(self._inflight.items()):
+            if t is xfer:
+                del self._inflight[tid]
+        if xfer._xfer is not None:
+            try:
+                self._agent.release_xfer_handle(xfer._xfer)
+            except Exception as e:  # cannot cancel: NIXL keeps it; leak the handle, never hang
+                logger.warning("could not release %s: %s", xfer.name, e)
+            xfer._xfer = None
+        for h in xfer._dlists:
+            try:
+                self._agent.release_dlist_handle(h)
+            except Exception as e:
+                logger.debug("release dlist of %s: %s", xfer.name, e)
+        xfer._dlists = ()
+
+    # -- notifications ------------------------------------------------------------------------------
+
+    def send_notification(self, peer: str, msg: bytes) -> None:
+        """A notification not bound to a transfer."""
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as e:
+            raise TransferError(f"notification to peer {peer!r} failed: {e}", peer=peer) from e
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        """New notifications as ``(peer, message)`` pairs, in arrival order per peer."""
+        new = self._agent.get_new_notifs()
+        out: list[tuple[str, bytes]] = []
+        for peer, msgs in new.items():
+            p = peer.decode() if isinstance(peer, bytes) else str(peer)
+            out.extend((p, bytes(m)) for m in msgs)
+        return out
+
+    # -- teardown -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release in-flight handles, forget peers, deregister memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for xfer in list(self._inflight.values()):
+            self._release(xfer)
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for region in list(self._regions):
+            try:
+                self.deregister(region)
+            except Exception as e:
+                logger.debug("deregister: %s", e)
+        self._regions.clear()
+
+    def __enter__(self) -> NixlEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,162 @@
+"""Byte runs: the unit a transfer is described in.
+
+A transfer copies ``lengths[i]`` bytes from ``src_offsets[i]`` of a source region to ``dst_offsets[i]`` of a
+destination region (offsets relative to the registered regions). Engines pay per descriptor, so runs that
+are contiguous on BOTH sides are merged before anything counts them (NIXL merges such descriptors itself:
+4096 adjacent blocks post as one); the bounce gate decides on the merged count, never on blocks.
+Everything here is vectorised numpy: no Python loop per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Runs", "merge_runs", "runs_from_blocks"]
+
+
+def _as_i64(name: str, values: object) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(values), dtype=np.int64).reshape(-1)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Runs:
+    """A transfer as byte runs (int64 numpy arrays of equal length, read-only).
+
+    Order matters for the bounce transport: run ``i`` is packed into the staging buffer at
+    ``staging_offsets()[i]`` (the prefix sum of the lengths), on the sender and on the receiver alike.
+    """
+
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+    lengths: np.ndarray
+
+    def __post_init__(self) -> None:
+        src = _as_i64("src_offsets", self.src_offsets)
+        dst = _as_i64("dst_offsets", self.dst_offsets)
+        lens = _as_i64("lengths", self.lengths)
+        if not (src.shape == dst.shape == lens.shape):
+            raise ValueError(
+                f"Runs: src_offsets, dst_offsets and lengths differ in length "
+                f"({src.size}, {dst.size}, {lens.size})"
+            )
+        if src.size and (src.min() < 0 or dst.min() < 0 or lens.min() < 0):
+            raise ValueError("Runs: offsets and lengths must be >= 0")
+        object.__setattr__(self, "src_offsets", src)
+        object.__setattr__(self, "dst_offsets", dst)
+        object.__setattr__(self, "lengths", lens)
+
+    @classmethod
+    def empty(cls) -> Runs:
+        """No bytes to move."""
+        z = np.zeros(0, np.int64)
+        return cls(z, z, z)
+
+    @property
+    def num_runs(self) -> int:
+        """Number of runs (descriptors if posted as they are)."""
+        return int(self.lengths.size)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes moved."""
+        return int(self.lengths.sum()) if self.lengths.size else 0
+
+    def staging_offsets(self) -> np.ndarray:
+        """Where each run lands in a packed staging buffer (exclusive prefix sum of the lengths)."""
+        out = np.zeros(self.lengths.size, np.int64)
+        if self.lengths.size > 1:
+            np.cumsum(self.lengths[:-1], out=out[1:])
+        return out
+
+    def src_extent(self) -> int:
+        """One past the last source byte touched (0 when empty)."""
+        return int((self.src_offsets + self.lengths).max()) if self.lengths.size else 0
+
+    def dst_extent(self) -> int:
+        """One past the last destination byte touched (0 when empty)."""
+        return int((self.dst_offsets + self.lengths).max()) if self.lengths.size else 0
+
+    def check_bounds(self, src_size: int, dst_size: int, what: str = "transfer") -> None:
+        """Raise ``ValueError`` when a run reaches past either region."""
+        if self.src_extent() > src_size:
+            raise ValueError(f"{what}: runs read up to byte {self.src_extent()} of a {src_size}-byte source")
+        if self.dst_extent() > dst_size:
+            raise ValueError(
+                f"{what}: runs write up to byte {self.dst_extent()} of a {dst_size}-byte destination"
+            )
+
+    def dst_overlaps(self) -> bool:
+        """True when two runs write the same destination byte (a race for any transport)."""
+        keep = self.lengths > 0
+        if int(keep.sum()) < 2:
+            return False
+        order = np.argsort(self.dst_offsets[keep], kind="stable")
+        starts = self.dst_offsets[keep][order]
+        ends = starts + self.lengths[keep][order]
+        return bool(np.any(starts[1:] < ends[:-1]))
+
+    def merged(self) -> Runs:
+        """These runs with neighbours contiguous on both sides merged (see :func:`merge_runs`)."""
+        return merge_runs(self.src_offsets, self.dst_offsets, self.lengths)
+
+    def shifted(self, src_delta: int = 0, dst_delta: int = 0) -> Runs:
+        """The same runs with constant offsets added (e.g. a region's base inside a bigger buffer)."""
+        return Runs(self.src_offsets + src_delta, self.dst_offsets + dst_delta, self.lengths)
+
+    def __repr__(self) -> str:
+        return f"Runs(num_runs={self.num_runs}, total_bytes={self.total_bytes})"
+
+
+def merge_runs(src_offsets: object, dst_offsets: object, lengths: object, *, sort: bool = True) -> Runs:
+    """Merge runs contiguous on BOTH sides; drop empty runs.
+
+    With ``sort`` (default) runs are first ordered by source offset (stable), so blocks listed out of
+    order still merge when they are adjacent in both regions. Vectorised: O(n log n) numpy, no Python loop.
+    """
+    src = np.asarray(src_offsets, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if not (src.shape == dst.shape == lens.shape):
+        raise ValueError(
+            f"merge_runs: array lengths differ ({src.size}, {dst.size}, {lens.size})"
+        )
+    keep = lens > 0
+    if not keep.all():
+        src, dst, lens = src[keep], dst[keep], lens[keep]
+    if src.size == 0:
+        return Runs.empty()
+    if sort and src.size > 1 and np.any(src[1:] < src[:-1]):
+        order = np.argsort(src, kind="stable")
+        src, dst, lens = src[order], dst[order], lens[order]
+    src_end = src + lens
+    dst_end = dst + lens
+    # A run starts a new group unless it continues the previous run on both sides.
+    starts = np.ones(src.size, dtype=bool)
+    starts[1:] = (src[1:] != src_end[:-1]) | (dst[1:] != dst_end[:-1])
+    idx = np.flatnonzero(starts)
+    if idx.size == src.size:
+        return Runs(src, dst, lens)
+    return Runs(src[idx], dst[idx], np.add.reduceat(lens, idx))
+
+
+def runs_from_blocks(
+    src_blocks: object,
+    dst_blocks: object,
+    block_bytes: int,
+    *,
+    src_base: int = 0,
+    dst_base: int = 0,
+    merge: bool = True,
+) -> Runs:
+    """Runs for copying whole blocks of ``block_bytes`` (block ``src_blocks[i]`` -> ``dst_blocks[i]``)."""
+    s = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+    d = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
+    if s.shape != d.shape:
+        raise ValueError(f"runs_from_blocks: {s.size} source blocks but {d.size} destination blocks")
+    lens = np.full(s.size, int(block_bytes), np.int64)
+    src, dst = s * block_bytes + src_base, d * block_bytes + dst_base
+    return merge_runs(src, dst, lens) if merge else Runs(src, dst, lens)
