@@ -93,9 +93,9 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_dsa_connector.connector.scheduler import DSAScheduler
+            from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
 
-            self._scheduler = DSAScheduler(vllm_config, self.engine_id, self.opts)
+            self._scheduler = DSAConnectorScheduler(vllm_config, self.engine_id, self.opts)
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -149,7 +149,7 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        from vllm_dsa_connector.connector.worker import DSAWorker
+        from vllm_dsa_connector.connector.worker import DSAConnectorWorker
         from vllm_dsa_connector.layout import build_from_kv_caches
 
         cfg = self._vllm_config
@@ -159,7 +159,7 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, self._kv_cache_config, cfg.model_config.hf_config,
             kv_cache_dtype=str(cfg.cache_config.cache_dtype), pp_rank=pp_rank,
             pp_size=pp.pipeline_parallel_size, tp_rank=tp_rank, tp_size=pp.tensor_parallel_size)
-        self._worker = DSAWorker(self.engine_id, self.opts, compat_facts(cfg))
+        self._worker = DSAConnectorWorker(self.engine_id, self.opts, compat_facts(cfg))
         self._worker.register(kv_caches, table)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

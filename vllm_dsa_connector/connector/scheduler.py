@@ -3,7 +3,7 @@
 Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for why push):
 
 1. The proxy sends the prompt to P with ``kv_transfer_params={"do_remote_decode": true}`` and
-   ``max_tokens=1``. P prefills; :meth:`DSAScheduler.request_finished` keeps the blocks (a lease of
+   ``max_tokens=1``. P prefills; :meth:`DSAConnectorScheduler.request_finished` keeps the blocks (a lease of
    ``kv_lease_duration`` s) and returns the ``kv_transfer_params`` the proxy forwards to D
    (``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` = P's side channel, ...).
 2. D: :meth:`get_num_new_matched_tokens` answers "ask later" until the handshake with P (a background
@@ -89,7 +89,7 @@ class _Inflight:
     p_req: str
 
 
-class DSAScheduler:
+class DSAConnectorScheduler:
     """Scheduler-side state of one engine (both roles: an engine may produce and consume)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, options: ConnectorOptions) -> None:

@@ -93,7 +93,7 @@ class _RemoteEngine:
     error: str = ""
 
 
-class DSAWorker:
+class DSAConnectorWorker:
     """Connector worker state for one (pp, tp) rank."""
 
     def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str]) -> None:
