@@ -1,0 +1,19 @@
+"""Register the ``dsa-prefix-cache`` tokenizer mode with vLLM (called by the general plugin in every process)."""
+
+from __future__ import annotations
+
+from .wrapper import MODE
+
+TOKENIZER_ENTRY = ("vllm_dsa_connector.tokenizer.wrapper", "DSAPrefixCacheTokenizer")
+RENDERER_ENTRY = ("vllm.renderers.hf", "HfRenderer")
+
+
+def register_tokenizer_mode() -> None:
+    """Add the mode to vLLM's TokenizerRegistry and RENDERER_REGISTRY; a second call changes nothing."""
+    from vllm.renderers.registry import RENDERER_REGISTRY
+    from vllm.tokenizers.registry import TokenizerRegistry
+
+    if TokenizerRegistry.tokenizers.get(MODE) != TOKENIZER_ENTRY:
+        TokenizerRegistry.register(MODE, *TOKENIZER_ENTRY)
+    if RENDERER_REGISTRY.renderers.get(MODE) != RENDERER_ENTRY:
+        RENDERER_REGISTRY.register(MODE, *RENDERER_ENTRY)
