@@ -72,6 +72,45 @@ def timed(fn: Any, device: str, reps: int) -> float:
     return statistics.median(ts[1:])
 
 
+def kernel_bench(src: Any, stage: Any, runs: Any, dev: str) -> dict[str, float]:
+    """Kernel-only times (CUDA events, index prebuilt) of the index ops per view width, vs copy_."""
+    import torch
+
+    total = runs.total_bytes
+    row = int(np.gcd.reduce(np.concatenate([runs.src_offsets, runs.lengths])))
+    out: dict[str, float] = {}
+
+    def ev(fn: Any, n: int = 20) -> float:
+        fn()
+        ts = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+
+    out["copy_ms"] = ev(lambda: stage.copy_(src[:total]))
+    for sub in (1, 8, 64):
+        if row % sub or (row // sub) % 16:
+            continue
+        r = row // sub
+        counts = runs.lengths // r
+        first = runs.src_offsets // r
+        starts = np.r_[0, np.cumsum(counts)[:-1]]
+        idx = torch.from_numpy(np.repeat(first - starts, counts) + np.arange(int(counts.sum()))).to(dev)
+        n_rows = src.numel() // r
+        for w, dt in ((8, torch.int64), (16, torch.complex128)):
+            s2 = src[: n_rows * r].view(dt).view(-1, r // w)
+            o2 = stage[:total].view(dt).view(-1, r // w)
+            out[f"index_select_row{r}_w{w}_ms"] = ev(lambda s2=s2, o2=o2, idx=idx: torch.index_select(
+                s2, 0, idx, out=o2))
+            out[f"index_copy_row{r}_w{w}_ms"] = ev(lambda s2=s2, o2=o2, idx=idx: s2.index_copy_(0, idx, o2))
+    return out
+
+
 def receiver(conn: Any, a: dict[str, Any]) -> None:
     import torch
 
@@ -155,17 +194,20 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
             sync(dev)
             t0 = time.perf_counter()
             s = snd.send(peer, region, rdesc, page, tag, slot=msg[1], path=path)
+            t1 = time.perf_counter()
             st = snd.wait(s, 60.0)
+            t2 = time.perf_counter()
             if rconn.recv()[0] != "done":
                 raise RuntimeError("receiver did not finish")
             dt = time.perf_counter() - t0
+            phases.append((t1 - t0, t2 - t1, t0 + dt - t2))
             ok = rconn.recv()
             if ok != ("verified", True):
                 raise RuntimeError(f"bytes differ ({path}): {ok}")
             return dt, s, st
 
         for label, path in (("auto", None), ("direct", "direct")):
-            ts, stats = [], None
+            ts, stats, phases = [], None, []
             for rep in range(a["reps"] + 2):
                 dt, s, st = one(path, f"{label}-{rep}".encode())
                 if rep >= 2:
@@ -173,6 +215,12 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
                 stats = (s, st)
             s, st = stats
             out[f"{label}_ms"] = statistics.median(ts) * 1e3
+            ph = phases[2:]
+            out[f"{label}_phases_ms"] = {
+                "send(gather+post)": statistics.median(p[0] for p in ph) * 1e3,
+                "wait(write done)": statistics.median(p[1] for p in ph) * 1e3,
+                "receiver(scatter+ack)": statistics.median(p[2] for p in ph) * 1e3,
+            }
             out[f"{label}_min_ms"] = min(ts) * 1e3
             out[f"{label}_path"] = s.path
             out[f"{label}_desc_count"] = st.desc_count
@@ -189,9 +237,13 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
         g = timed(lambda: gather(src, runs, stage), dev, reps)
         sc = timed(lambda: scatter(stage, src, self_runs), dev, reps)  # writes the same bytes back
         cp = timed(lambda: stage.copy_(src[:total]), dev, reps)
+        g8 = timed(lambda: gather(src, runs, stage, max_width=8), dev, reps)
+        sc8 = timed(lambda: scatter(stage, src, self_runs, max_width=8), dev, reps)
         out.update(gather_ms=g * 1e3, scatter_ms=sc * 1e3, copy_ms=cp * 1e3,
                    gather_vs_copy=cp / g, scatter_vs_copy=cp / sc,
+                   gather_int64_vs_copy=cp / g8, scatter_int64_vs_copy=cp / sc8,
                    copy_tbps_rw=2 * total / cp / 1e12)
+        out["kernels"] = kernel_bench(src, stage, runs, dev) if dev.startswith("cuda") else {}
         eng.close()
         conn.send(out)
     except BaseException as e:
@@ -208,9 +260,10 @@ def check_odd(device: str) -> dict[str, Any]:
 
     rng = np.random.default_rng(1)
     out = {}
-    for name, n, lmax, off in (("odd", 3000, 999, 3), ("int64", 3000, 64, 0)):
-        lens = rng.integers(1, lmax, n) * (8 if name == "int64" else 1)
-        gaps = rng.integers(1, 40, n) * (8 if name == "int64" else 1)
+    for name, n, lmax, off, unit in (("odd", 3000, 999, 3, 1), ("int64", 3000, 64, 0, 8),
+                                     ("w16", 3000, 64, 0, 16)):
+        lens = rng.integers(1, lmax, n) * unit
+        gaps = rng.integers(1, 40, n) * unit
         src = np.r_[0, np.cumsum((lens + gaps)[:-1])] + off
         dst = np.empty(n, np.int64)
         order = rng.permutation(n)

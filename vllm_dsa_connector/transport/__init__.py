@@ -109,11 +109,23 @@ __all__ = [
 ]
 
 _LAZY = {
-    "NixlEngine": "engine", "Region": "engine", "RegionDesc": "engine", "Transfer": "engine",
-    "TransferError": "engine", "TransferStats": "engine",
-    "BounceReceiver": "bounce", "BounceSender": "bounce", "LayoutError": "bounce",
-    "Reservation": "bounce", "Send": "bounce", "StagingArena": "bounce", "StagingSlot": "bounce",
-    "check_fan_in": "bounce", "decode_notif": "bounce", "encode_notif": "bounce", "gather": "bounce",
+    "NixlEngine": "engine",
+    "Region": "engine",
+    "RegionDesc": "engine",
+    "Transfer": "engine",
+    "TransferError": "engine",
+    "TransferStats": "engine",
+    "BounceReceiver": "bounce",
+    "BounceSender": "bounce",
+    "LayoutError": "bounce",
+    "Reservation": "bounce",
+    "Send": "bounce",
+    "StagingArena": "bounce",
+    "StagingSlot": "bounce",
+    "check_fan_in": "bounce",
+    "decode_notif": "bounce",
+    "encode_notif": "bounce",
+    "gather": "bounce",
     "scatter": "bounce",
 }
 

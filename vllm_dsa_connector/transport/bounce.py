@@ -79,8 +79,13 @@ class Reservation:
 class StagingArena:
     """A staging buffer with a first-fit, ``align``-aligned allocator that reuses freed holes."""
 
-    def __init__(self, size: int, align: int = 512, device: str | torch.device = "cpu",
-                 buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        align: int = 512,
+        device: str | torch.device = "cpu",
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         if align <= 0 or align & (align - 1):
             raise ValueError(f"StagingArena: align must be a power of two, got {align}")
         if buffer is None:
@@ -166,7 +171,7 @@ class StagingArena:
     def view(self, res: Reservation, nbytes: int | None = None) -> torch.Tensor:
         """The reservation's bytes (first ``nbytes``, default what was asked for)."""
         n = res.nbytes if nbytes is None else nbytes
-        return self.buffer[res.offset: res.offset + n]
+        return self.buffer[res.offset : res.offset + n]
 
 
 # -- gather / scatter -------------------------------------------------------------------------------
@@ -179,7 +184,15 @@ def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-_WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+# Widest first. complex128 is a 16-byte bit container here (index ops copy bits, no arithmetic): on this
+# project's CPU host it scattered 576 B rows 3.4x faster than int64; uint8 only when a run needs it.
+_WIDTHS = (
+    (16, torch.complex128),
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
 
 
 def _rows(buf: torch.Tensor, row: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -187,14 +200,16 @@ def _rows(buf: torch.Tensor, row: int, width: int, dtype: torch.dtype) -> torch.
     return buf[:n].view(dtype).view(-1, row // width)
 
 
-def _plan(offsets: np.ndarray, lengths: np.ndarray, ptrs: Sequence[int]) -> tuple[int, int, torch.dtype]:
+def _plan(
+    offsets: np.ndarray, lengths: np.ndarray, ptrs: Sequence[int], max_width: int
+) -> tuple[int, int, torch.dtype]:
     """Row size (bytes) = gcd of offsets and lengths; element width = widest dividing row and pointers."""
     g = int(np.gcd.reduce(np.concatenate([offsets, lengths]))) if lengths.size else 1
     g = g or 1
     for w, dt in _WIDTHS:
-        if g % w == 0 and all(p % w == 0 for p in ptrs):
+        if w <= max_width and g % w == 0 and all(p % w == 0 for p in ptrs):
             return g, w, dt
-    return g, 1, torch.uint8  # unreachable: width 1 always fits
+    return g, 1, torch.uint8  # width 1 always fits
 
 
 def _row_index(offsets: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
@@ -213,11 +228,12 @@ def _index(idx: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True) if device.type != "cpu" else t
 
 
-def gather(src: torch.Tensor, runs: Runs, out: torch.Tensor) -> None:
+def gather(src: torch.Tensor, runs: Runs, out: torch.Tensor, *, max_width: int = 16) -> None:
     """Pack ``runs`` (their ``src_offsets``/``lengths``, bytes of ``src``) into ``out`` in run order.
 
     ``out`` is a 1-D uint8 tensor (e.g. :meth:`StagingArena.view`) of at least ``runs.total_bytes``.
-    One ``torch.index_select`` on the widest integer view the runs allow.
+    One ``torch.index_select`` on the widest view the runs allow (16-byte, else int64, ..., uint8;
+    ``max_width`` caps it).
     """
     total = runs.total_bytes
     if total == 0:
@@ -227,12 +243,12 @@ def gather(src: torch.Tensor, runs: Runs, out: torch.Tensor) -> None:
     if out.numel() < total or out.dtype != torch.uint8:
         raise ValueError(f"gather: out must be uint8 with >= {total} bytes")
     ob = out[:total]
-    row, w, dt = _plan(runs.src_offsets, runs.lengths, (sb.data_ptr(), ob.data_ptr()))
+    row, w, dt = _plan(runs.src_offsets, runs.lengths, (sb.data_ptr(), ob.data_ptr()), max_width)
     idx = _index(_row_index(runs.src_offsets, runs.lengths, row), sb.device)
     torch.index_select(_rows(sb, row, w, dt), 0, idx, out=ob.view(dt).view(-1, row // w))
 
 
-def scatter(staging: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
+def scatter(staging: torch.Tensor, dst: torch.Tensor, runs: Runs, *, max_width: int = 16) -> None:
     """Unpack ``staging`` (packed in run order) to ``runs.dst_offsets`` of ``dst``: one ``index_copy_``."""
     total = runs.total_bytes
     if total == 0:
@@ -242,7 +258,7 @@ def scatter(staging: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     if staging.numel() < total or staging.dtype != torch.uint8:
         raise ValueError(f"scatter: staging must be uint8 with >= {total} bytes")
     sb = staging[:total]
-    row, w, dt = _plan(runs.dst_offsets, runs.lengths, (db.data_ptr(), sb.data_ptr()))
+    row, w, dt = _plan(runs.dst_offsets, runs.lengths, (db.data_ptr(), sb.data_ptr()), max_width)
     idx = _index(_row_index(runs.dst_offsets, runs.lengths, row), db.device)
     _rows(db, row, w, dt).index_copy_(0, idx, sb.view(dt).view(-1, row // w))
 
@@ -257,14 +273,20 @@ def _sync(t: torch.Tensor) -> None:
 
 def encode_notif(path: str, writer: int, tag: bytes) -> bytes:
     """``dsa1:<b|d><writer>:<tag>``: which path a writer took, so the target knows whether to scatter."""
-    return _NOTIF_PREFIX + (b"b" if path == "bounce" else b"d") + str(int(writer)).encode() + b":" + tag
+    return (
+        _NOTIF_PREFIX
+        + (b"b" if path == "bounce" else b"d")
+        + str(int(writer)).encode()
+        + b":"
+        + tag
+    )
 
 
 def decode_notif(msg: bytes) -> tuple[str, int, bytes] | None:
     """Inverse of :func:`encode_notif`; ``None`` for other messages."""
     if not msg.startswith(_NOTIF_PREFIX):
         return None
-    body = msg[len(_NOTIF_PREFIX):]
+    body = msg[len(_NOTIF_PREFIX) :]
     head, sep, tag = body.partition(b":")
     if not sep or len(head) < 2 or head[:1] not in (b"b", b"d") or not head[1:].isdigit():
         return None
@@ -308,13 +330,19 @@ class Send:
 class BounceSender:
     """Writer side: gate, gather into the local arena, one WRITE into the receiver's slot (or direct)."""
 
-    def __init__(self, engine: NixlEngine, arena: StagingArena, gate: BounceGate,
-                 reserve_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: NixlEngine,
+        arena: StagingArena,
+        gate: BounceGate,
+        reserve_timeout_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.arena = arena
         self.gate = gate
-        self.reserve_timeout_s = (gate.settings.reserve_timeout_s if reserve_timeout_s is None
-                                  else reserve_timeout_s)
+        self.reserve_timeout_s = (
+            gate.settings.reserve_timeout_s if reserve_timeout_s is None else reserve_timeout_s
+        )
         self.region = engine.register(arena.buffer)
         self._logged: set[str] = set()
 
@@ -323,9 +351,18 @@ class BounceSender:
             self._logged.add(reason)
             logger.info("bounce skipped: %s (logged once)", reason)
 
-    def send(self, peer: str, src: Region, dst: RegionDesc | dict[str, Any], runs: Runs, tag: bytes,
-             *, slot: StagingSlot | dict[str, Any] | None, writer: int = 0,
-             path: str | None = None) -> Send:
+    def send(
+        self,
+        peer: str,
+        src: Region,
+        dst: RegionDesc | dict[str, Any],
+        runs: Runs,
+        tag: bytes,
+        *,
+        slot: StagingSlot | dict[str, Any] | None,
+        writer: int = 0,
+        path: str | None = None,
+    ) -> Send:
         """Send ``runs`` of ``src`` to ``dst`` on ``peer``; bounce through ``slot`` when the gate says so.
 
         ``path`` forces ``"bounce"``/``"direct"`` (benchmarks). Falls back to direct when the receiver
@@ -359,7 +396,9 @@ class BounceSender:
             try:
                 gather(src.tensor, merged, self.arena.view(res))
                 _sync(self.arena.buffer)
-                one = Runs(np.array([res.offset]), np.array([slot.offset]), np.array([merged.total_bytes]))
+                one = Runs(
+                    np.array([res.offset]), np.array([slot.offset]), np.array([merged.total_bytes])
+                )
                 xfer = self.engine.write(peer, self.region, slot.region, one, notif)
             except BaseException:
                 self.arena.release(res)
@@ -402,8 +441,10 @@ def check_fan_in(writers: Sequence[Runs], dst_size: int) -> None:
     bad = np.flatnonzero(ends > dst_size)
     if bad.size:
         i = int(bad[0])
-        raise LayoutError(f"writer {int(owner[i])}: run [{int(starts[i])}, {int(ends[i])}) is outside "
-                          f"the {dst_size}-byte destination")
+        raise LayoutError(
+            f"writer {int(owner[i])}: run [{int(starts[i])}, {int(ends[i])}) is outside "
+            f"the {dst_size}-byte destination"
+        )
     order = np.argsort(starts, kind="stable")
     s, e, o = starts[order], ends[order], owner[order]
     hit = np.flatnonzero(s[1:] < np.maximum.accumulate(e)[:-1])
@@ -412,8 +453,9 @@ def check_fan_in(writers: Sequence[Runs], dst_size: int) -> None:
         prev = int(np.argmax(e[:j] > s[j]))
         a, b = sorted((int(o[prev]), int(o[j])))
         who = f"writer {a}" if a == b else f"writers {a} and {b}"
-        raise LayoutError(f"{who}: destination bytes [{int(s[j])}, {int(min(e[prev], e[j]))}) "
-                          f"written twice")
+        raise LayoutError(
+            f"{who}: destination bytes [{int(s[j])}, {int(min(e[prev], e[j]))}) written twice"
+        )
 
 
 @dataclass(eq=False)
@@ -429,7 +471,9 @@ class _Expected:
 class BounceReceiver:
     """Target side: reserve one fan-in region, advertise slots, scatter after data landed, complete."""
 
-    def __init__(self, engine: NixlEngine, arena: StagingArena, reserve_timeout_s: float = 0.2) -> None:
+    def __init__(
+        self, engine: NixlEngine, arena: StagingArena, reserve_timeout_s: float = 0.2
+    ) -> None:
         self.engine = engine
         self.arena = arena
         self.reserve_timeout_s = reserve_timeout_s
@@ -438,8 +482,9 @@ class BounceReceiver:
         self._early: dict[bytes, list[tuple[str, int]]] = {}
         self.other: list[tuple[str, bytes]] = []  # notifications that are not ours
 
-    def expect(self, tag: bytes, dst: torch.Tensor, writers: Sequence[Runs], *,
-               bounce: bool = True) -> list[StagingSlot | None]:
+    def expect(
+        self, tag: bytes, dst: torch.Tensor, writers: Sequence[Runs], *, bounce: bool = True
+    ) -> list[StagingSlot | None]:
         """Register a request written by ``len(writers)`` writers into ``dst``; returns one slot per writer.
 
         A ``None`` slot means "write directly" (empty part, ``bounce=False``, or no arena space within
@@ -455,12 +500,17 @@ class BounceReceiver:
         if bounce and total > 0:
             res = self.arena.reserve(total, self.reserve_timeout_s)
             if res is None:
-                logger.info("bounce: receiver arena has no %d B within %.2fs; writers go direct",
-                            total, self.reserve_timeout_s)
+                logger.info(
+                    "bounce: receiver arena has no %d B within %.2fs; writers go direct",
+                    total,
+                    self.reserve_timeout_s,
+                )
         slots: list[StagingSlot | None] = []
         off = res.offset if res is not None else 0
         for m, size in zip(merged, sizes, strict=True):
-            slots.append(StagingSlot(self.region.desc(), off, m.total_bytes) if res and size else None)
+            slots.append(
+                StagingSlot(self.region.desc(), off, m.total_bytes) if res and size else None
+            )
             off += size
         exp = _Expected(tag, dst, merged, slots, res)
         self._expected[tag] = exp
@@ -479,7 +529,9 @@ class BounceReceiver:
             slot = exp.slots[writer]
             if slot is None:
                 raise RuntimeError(f"writer {writer} of {exp.tag!r} bounced without a slot")
-            scatter(self.arena.buffer[slot.offset: slot.offset + slot.size], exp.dst, exp.runs[writer])
+            scatter(
+                self.arena.buffer[slot.offset : slot.offset + slot.size], exp.dst, exp.runs[writer]
+            )
         exp.arrived[writer] = path
 
     def handle(self, peer: str, msg: bytes) -> bool:
@@ -523,7 +575,9 @@ class BounceReceiver:
             if time.perf_counter() > deadline:
                 exp = self._expected[tag]
                 missing = sorted(set(range(len(exp.runs))) - set(exp.arrived))
-                raise TimeoutError(f"bounce receive {tag!r}: writers {missing} did not arrive in {timeout_s}s")
+                raise TimeoutError(
+                    f"bounce receive {tag!r}: writers {missing} did not arrive in {timeout_s}s"
+                )
             spins += 1
             time.sleep(0 if spins < 200 else 5e-5)
 

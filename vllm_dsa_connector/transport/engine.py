@@ -27,7 +27,9 @@ __all__ = ["NixlEngine", "Region", "RegionDesc", "Transfer", "TransferError", "T
 class TransferError(RuntimeError):
     """A transfer failed, timed out, or its peer is unknown/gone. ``peer`` and ``transfer`` name it."""
 
-    def __init__(self, message: str, *, peer: str | None = None, transfer: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, peer: str | None = None, transfer: str | None = None
+    ) -> None:
         super().__init__(message)
         self.peer = peer
         self.transfer = transfer
@@ -45,7 +47,13 @@ class RegionDesc:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (ints and strings only)."""
-        return {"agent": self.agent, "addr": self.addr, "size": self.size, "mem": self.mem, "dev": self.dev}
+        return {
+            "agent": self.agent,
+            "addr": self.addr,
+            "size": self.size,
+            "mem": self.mem,
+            "dev": self.dev,
+        }
 
     @classmethod
     def from_dict(cls, d: RegionDesc | dict[str, Any]) -> RegionDesc:
@@ -53,7 +61,9 @@ class RegionDesc:
         if isinstance(d, RegionDesc):
             return d
         try:
-            return cls(str(d["agent"]), int(d["addr"]), int(d["size"]), str(d["mem"]), int(d.get("dev", 0)))
+            return cls(
+                str(d["agent"]), int(d["addr"]), int(d["size"]), str(d["mem"]), int(d.get("dev", 0))
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"invalid region description {d!r}: {e}") from None
 
@@ -108,8 +118,13 @@ def _state(agent: Any, xfer: Any) -> str:
 class NixlEngine:
     """One NIXL agent: ``register`` / ``metadata`` / ``add_peer`` / ``write`` / ``wait`` / notifications."""
 
-    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",), telemetry: bool = False,
-                 progress_thread: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        backends: tuple[str, ...] = ("UCX",),
+        telemetry: bool = False,
+        progress_thread: bool = False,
+    ) -> None:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -120,13 +135,18 @@ class NixlEngine:
         self.telemetry = telemetry
         self._agent = nixl_agent(
             name,
-            nixl_agent_config(backends=list(backends), capture_telemetry=telemetry,
-                              enable_prog_thread=progress_thread),
+            nixl_agent_config(
+                backends=list(backends),
+                capture_telemetry=telemetry,
+                enable_prog_thread=progress_thread,
+            ),
         )
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise RuntimeError(f"NIXL agent {name!r}: backend(s) {missing} unavailable "
-                               f"(plugins: {self._agent.get_plugin_list()})")
+            raise RuntimeError(
+                f"NIXL agent {name!r}: backend(s) {missing} unavailable "
+                f"(plugins: {self._agent.get_plugin_list()})"
+            )
         self._regions: list[Region] = []
         self._peers: set[str] = set()
         self._ids = itertools.count()
@@ -217,10 +237,15 @@ class NixlEngine:
                 return xfer_obj
             n = runs.num_runs
             lh = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", self._descs(local.addr, runs.src_offsets, runs.lengths, local.dev),
-                local.mem)
+                "NIXL_INIT_AGENT",
+                self._descs(local.addr, runs.src_offsets, runs.lengths, local.dev),
+                local.mem,
+            )
             rh = self._agent.prep_xfer_dlist(
-                peer, self._descs(remote.addr, runs.dst_offsets, runs.lengths, remote.dev), remote.mem)
+                peer,
+                self._descs(remote.addr, runs.dst_offsets, runs.lengths, remote.dev),
+                remote.mem,
+            )
             xfer_obj._dlists = (lh, rh)
             idx = np.arange(n, dtype=np.int32)
             xh = self._agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
@@ -230,12 +255,16 @@ class NixlEngine:
             raise
         except Exception as e:
             self._release(xfer_obj)
-            raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}",
-                                peer=peer, transfer=name) from e
+            raise TransferError(
+                f"transfer {name} to peer {peer!r} could not be posted: {e}",
+                peer=peer,
+                transfer=name,
+            ) from e
         if state == "ERR":
             self._release(xfer_obj)
-            raise TransferError(f"transfer {name} to peer {peer!r} failed at post (ERR)",
-                                peer=peer, transfer=name)
+            raise TransferError(
+                f"transfer {name} to peer {peer!r} failed at post (ERR)", peer=peer, transfer=name
+            )
         self._inflight[tid] = xfer_obj
         return xfer_obj
 
@@ -263,13 +292,21 @@ class NixlEngine:
                 break
             if st == "ERR":
                 self._release(xfer)
-                raise TransferError(f"transfer {xfer.name} to peer {xfer.peer!r} failed (ERR state; "
-                                    f"peer gone or refused)", peer=xfer.peer, transfer=xfer.name)
+                raise TransferError(
+                    f"transfer {xfer.name} to peer {xfer.peer!r} failed (ERR state; "
+                    f"peer gone or refused)",
+                    peer=xfer.peer,
+                    transfer=xfer.name,
+                )
             now = time.perf_counter()
             if now > deadline:
                 self._release(xfer)
-                raise TransferError(f"transfer {xfer.name} to peer {xfer.peer!r} timed out after "
-                                    f"{now - xfer.started:.2f} s", peer=xfer.peer, transfer=xfer.name)
+                raise TransferError(
+                    f"transfer {xfer.name} to peer {xfer.peer!r} timed out after "
+                    f"{now - xfer.started:.2f} s",
+                    peer=xfer.peer,
+                    transfer=xfer.name,
+                )
             spins += 1
             time.sleep(0 if spins < 200 else 5e-5)
         secs = time.perf_counter() - xfer.started
@@ -277,8 +314,14 @@ class NixlEngine:
         if self.telemetry:
             try:
                 tel = self._agent.get_xfer_telemetry(xfer._xfer)
-                stats = TransferStats(xfer.num_runs, xfer.total_bytes, secs, int(tel.descCount),
-                                      int(tel.postDuration), int(tel.xferDuration))
+                stats = TransferStats(
+                    xfer.num_runs,
+                    xfer.total_bytes,
+                    secs,
+                    int(tel.descCount),
+                    int(tel.postDuration),
+                    int(tel.xferDuration),
+                )
             except Exception as e:  # telemetry is best effort
                 logger.debug("telemetry for %s: %s", xfer.name, e)
         xfer.stats = stats

@@ -79,7 +79,9 @@ def detect_profile(device: str = "cpu", environ: Mapping[str, str] | None = None
     if device.startswith("cuda"):
         return "cuda"
     environ = os.environ if environ is None else environ
-    tls = [t.strip().lstrip("^").lower() for t in environ.get("UCX_TLS", "").split(",") if t.strip()]
+    tls = [
+        t.strip().lstrip("^").lower() for t in environ.get("UCX_TLS", "").split(",") if t.strip()
+    ]
     if not tls:
         return "cma"
     if any(any(t.startswith(r) for r in _RDMA_TLS) for t in tls):
@@ -114,26 +116,76 @@ def _env(key: str) -> str:
 
 
 _OPTIONS: tuple[Option[Any], ...] = (
-    Option("bounce_mode", lambda k, v: parse_choice(k, v, ("auto", "always", "never")), "auto",
-           _env("bounce_mode"), "auto: the gate decides; always/never force a path"),
-    Option("bounce_profile", lambda k, v: parse_choice(k, v, ("auto", *PROFILES)), "auto",
-           _env("bounce_profile"), "cost profile; auto: cuda for GPU memory, else from UCX_TLS"),
-    Option("bounce_min_runs", lambda k, v: parse_int(k, v, minimum=1), 8, _env("bounce_min_runs"),
-           "bounce only with at least this many runs after merging"),
-    Option("bounce_min_bytes", lambda k, v: parse_int(k, v, minimum=0), 0, _env("bounce_min_bytes"),
-           "bounce only with at least this many bytes"),
-    Option("bounce_max_avg_run_bytes", lambda k, v: parse_int(k, v, minimum=1), 1 << 30,
-           _env("bounce_max_avg_run_bytes"), "bounce only when the average run is at most this long"),
-    Option("bounce_desc_cost_us", _opt_float(_pos_float), None, _env("bounce_desc_cost_us"),
-           "override the profile's cost per descriptor (us)"),
-    Option("bounce_copy_gbps", _opt_float(_bandwidth), None, _env("bounce_copy_gbps"),
-           "override the profile's gather/scatter bandwidth (GB/s)"),
-    Option("bounce_fixed_us", _opt_float(_pos_float), None, _env("bounce_fixed_us"),
-           "override the profile's fixed bounce overhead (us)"),
-    Option("bounce_arena_bytes", lambda k, v: parse_int(k, v, minimum=4096), 256 << 20,
-           _env("bounce_arena_bytes"), "staging arena size (bytes; k/m/g suffixes)"),
-    Option("bounce_reserve_timeout_s", lambda k, v: parse_float(k, v, minimum=0.0, maximum=60.0), 0.2,
-           _env("bounce_reserve_timeout_s"), "bounded wait for staging space before the direct path"),
+    Option(
+        "bounce_mode",
+        lambda k, v: parse_choice(k, v, ("auto", "always", "never")),
+        "auto",
+        _env("bounce_mode"),
+        "auto: the gate decides; always/never force a path",
+    ),
+    Option(
+        "bounce_profile",
+        lambda k, v: parse_choice(k, v, ("auto", *PROFILES)),
+        "auto",
+        _env("bounce_profile"),
+        "cost profile; auto: cuda for GPU memory, else from UCX_TLS",
+    ),
+    Option(
+        "bounce_min_runs",
+        lambda k, v: parse_int(k, v, minimum=1),
+        8,
+        _env("bounce_min_runs"),
+        "bounce only with at least this many runs after merging",
+    ),
+    Option(
+        "bounce_min_bytes",
+        lambda k, v: parse_int(k, v, minimum=0),
+        0,
+        _env("bounce_min_bytes"),
+        "bounce only with at least this many bytes",
+    ),
+    Option(
+        "bounce_max_avg_run_bytes",
+        lambda k, v: parse_int(k, v, minimum=1),
+        1 << 30,
+        _env("bounce_max_avg_run_bytes"),
+        "bounce only when the average run is at most this long",
+    ),
+    Option(
+        "bounce_desc_cost_us",
+        _opt_float(_pos_float),
+        None,
+        _env("bounce_desc_cost_us"),
+        "override the profile's cost per descriptor (us)",
+    ),
+    Option(
+        "bounce_copy_gbps",
+        _opt_float(_bandwidth),
+        None,
+        _env("bounce_copy_gbps"),
+        "override the profile's gather/scatter bandwidth (GB/s)",
+    ),
+    Option(
+        "bounce_fixed_us",
+        _opt_float(_pos_float),
+        None,
+        _env("bounce_fixed_us"),
+        "override the profile's fixed bounce overhead (us)",
+    ),
+    Option(
+        "bounce_arena_bytes",
+        lambda k, v: parse_int(k, v, minimum=4096),
+        256 << 20,
+        _env("bounce_arena_bytes"),
+        "staging arena size (bytes; k/m/g suffixes)",
+    ),
+    Option(
+        "bounce_reserve_timeout_s",
+        lambda k, v: parse_float(k, v, minimum=0.0, maximum=60.0),
+        0.2,
+        _env("bounce_reserve_timeout_s"),
+        "bounded wait for staging space before the direct path",
+    ),
 )
 
 #: Keys of ``kv_connector_extra_config`` read by :meth:`BounceSettings.from_config`.
@@ -164,7 +216,9 @@ class BounceSettings:
         A key starting with ``bounce_`` that is not known is refused (a typo must not fall back silently).
         """
         config = dict(config or {})
-        unknown = sorted(k for k in config if k.startswith("bounce_") and k not in BOUNCE_OPTION_KEYS)
+        unknown = sorted(
+            k for k in config if k.startswith("bounce_") and k not in BOUNCE_OPTION_KEYS
+        )
         if unknown:
             raise OptionError(
                 f"unknown bounce option(s) {', '.join(unknown)}; known: {', '.join(sorted(BOUNCE_OPTION_KEYS))}"
@@ -188,8 +242,13 @@ class Decision:
 class BounceGate:
     """Decide per transfer: ``decide(runs) -> "bounce" | "direct"``."""
 
-    def __init__(self, settings: BounceSettings | None = None, *, device: str = "cpu",
-                 environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: BounceSettings | None = None,
+        *,
+        device: str = "cpu",
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         self.settings = settings or BounceSettings()
         s = self.settings
         self.profile = detect_profile(device, environ) if s.profile == "auto" else s.profile
@@ -201,8 +260,13 @@ class BounceGate:
         )
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None = None, *, device: str = "cpu",
-                    environ: Mapping[str, str] | None = None) -> BounceGate:
+    def from_config(
+        cls,
+        config: Mapping[str, Any] | None = None,
+        *,
+        device: str = "cpu",
+        environ: Mapping[str, str] | None = None,
+    ) -> BounceGate:
         """Build from ``kv_connector_extra_config`` + env (explicit > env > defaults)."""
         return cls(BounceSettings.from_config(config, environ), device=device, environ=environ)
 

@@ -9,7 +9,7 @@ Everything here is vectorised numpy: no Python loop per run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,8 +17,8 @@ __all__ = ["Runs", "merge_runs", "runs_from_blocks"]
 
 
 def _as_i64(name: str, values: object) -> np.ndarray:
-    arr = np.ascontiguousarray(np.asarray(values), dtype=np.int64).reshape(-1)
-    arr.setflags(write=False)
+    arr = np.ascontiguousarray(np.asarray(values), dtype=np.int64).reshape(-1).view()
+    arr.setflags(write=False)  # a read-only VIEW: the caller's array keeps its flags
     return arr
 
 
@@ -33,6 +33,7 @@ class Runs:
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
     lengths: np.ndarray
+    _merged: Runs | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         src = _as_i64("src_offsets", self.src_offsets)
@@ -83,7 +84,9 @@ class Runs:
     def check_bounds(self, src_size: int, dst_size: int, what: str = "transfer") -> None:
         """Raise ``ValueError`` when a run reaches past either region."""
         if self.src_extent() > src_size:
-            raise ValueError(f"{what}: runs read up to byte {self.src_extent()} of a {src_size}-byte source")
+            raise ValueError(
+                f"{what}: runs read up to byte {self.src_extent()} of a {src_size}-byte source"
+            )
         if self.dst_extent() > dst_size:
             raise ValueError(
                 f"{what}: runs write up to byte {self.dst_extent()} of a {dst_size}-byte destination"
@@ -100,8 +103,12 @@ class Runs:
         return bool(np.any(starts[1:] < ends[:-1]))
 
     def merged(self) -> Runs:
-        """These runs with neighbours contiguous on both sides merged (see :func:`merge_runs`)."""
-        return merge_runs(self.src_offsets, self.dst_offsets, self.lengths)
+        """These runs with neighbours contiguous on both sides merged (see :func:`merge_runs`); cached."""
+        if self._merged is None:
+            m = merge_runs(self.src_offsets, self.dst_offsets, self.lengths)
+            object.__setattr__(m, "_merged", m)
+            object.__setattr__(self, "_merged", m)
+        return self._merged
 
     def shifted(self, src_delta: int = 0, dst_delta: int = 0) -> Runs:
         """The same runs with constant offsets added (e.g. a region's base inside a bigger buffer)."""
@@ -111,36 +118,44 @@ class Runs:
         return f"Runs(num_runs={self.num_runs}, total_bytes={self.total_bytes})"
 
 
-def merge_runs(src_offsets: object, dst_offsets: object, lengths: object, *, sort: bool = True) -> Runs:
+def merge_runs(
+    src_offsets: object, dst_offsets: object, lengths: object, *, sort: bool = True
+) -> Runs:
     """Merge runs contiguous on BOTH sides; drop empty runs.
 
-    With ``sort`` (default) runs are first ordered by source offset (stable), so blocks listed out of
-    order still merge when they are adjacent in both regions. Vectorised: O(n log n) numpy, no Python loop.
+    With ``sort`` (default) runs are also ordered by source offset (stable), so blocks listed out of
+    order still merge when they are adjacent in both regions. Vectorised, no Python loop: one linear pass
+    merges neighbours in the given order (pages of a block listed together collapse here), then only the
+    survivors are sorted and merged again. Deterministic: both sides of a bounce get the same order.
     """
     src = np.asarray(src_offsets, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if not (src.shape == dst.shape == lens.shape):
-        raise ValueError(
-            f"merge_runs: array lengths differ ({src.size}, {dst.size}, {lens.size})"
-        )
+        raise ValueError(f"merge_runs: array lengths differ ({src.size}, {dst.size}, {lens.size})")
     keep = lens > 0
     if not keep.all():
         src, dst, lens = src[keep], dst[keep], lens[keep]
     if src.size == 0:
         return Runs.empty()
+    src, dst, lens = _merge_linear(src, dst, lens)
     if sort and src.size > 1 and np.any(src[1:] < src[:-1]):
         order = np.argsort(src, kind="stable")
-        src, dst, lens = src[order], dst[order], lens[order]
-    src_end = src + lens
-    dst_end = dst + lens
+        src, dst, lens = _merge_linear(src[order], dst[order], lens[order])
+    return Runs(src, dst, lens)
+
+
+def _merge_linear(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Merge each run into its predecessor when it continues it on both sides (given order)."""
+    if src.size < 2:
+        return src, dst, lens
     # A run starts a new group unless it continues the previous run on both sides.
     starts = np.ones(src.size, dtype=bool)
-    starts[1:] = (src[1:] != src_end[:-1]) | (dst[1:] != dst_end[:-1])
+    starts[1:] = (src[1:] != src[:-1] + lens[:-1]) | (dst[1:] != dst[:-1] + lens[:-1])
     idx = np.flatnonzero(starts)
     if idx.size == src.size:
-        return Runs(src, dst, lens)
-    return Runs(src[idx], dst[idx], np.add.reduceat(lens, idx))
+        return src, dst, lens
+    return src[idx], dst[idx], np.add.reduceat(lens, idx)
 
 
 def runs_from_blocks(
@@ -156,7 +171,9 @@ def runs_from_blocks(
     s = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
     d = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
     if s.shape != d.shape:
-        raise ValueError(f"runs_from_blocks: {s.size} source blocks but {d.size} destination blocks")
+        raise ValueError(
+            f"runs_from_blocks: {s.size} source blocks but {d.size} destination blocks"
+        )
     lens = np.full(s.size, int(block_bytes), np.int64)
     src, dst = s * block_bytes + src_base, d * block_bytes + dst_base
     return merge_runs(src, dst, lens) if merge else Runs(src, dst, lens)
