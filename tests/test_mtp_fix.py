@@ -58,10 +58,10 @@ def _expected_map(query_lens: list[int]) -> list[int]:
 
 
 def draft_loop(
-    batch: int, draft_len: int, mode: str, seed: int, ragged: bool = False
+    cls: type, batch: int, draft_len: int, mode: str, seed: int, ragged: bool = False
 ) -> dict[str, object]:
-    """Run one spec-decode step's metadata life cycle; return what the builders saw."""
-    cls = _metadata_cls()
+    """Run one spec-decode step's metadata life cycle on ``cls`` (a CommonAttentionMetadata
+    class); return what the builders saw."""
     gen = torch.Generator().manual_seed(seed)
     if ragged:  # mixed prefill chunks / decodes, one zero-length (padding-like) row
         query_lens = torch.randint(1, draft_len + 6, (batch,), generator=gen)
@@ -134,8 +134,9 @@ def draft_loop(
     return out
 
 
-def run_checks() -> dict[str, object]:
+def run_checks(cls: type | None = None) -> dict[str, object]:
     """All batch sizes x draft lengths x modes; counts of correct / stale results."""
+    cls = cls or _metadata_cls()
     summary: dict[str, object] = {
         "cases": 0,
         "draft_map_wrong": 0,
@@ -151,7 +152,7 @@ def run_checks() -> dict[str, object]:
             for mode in MODES:
                 for ragged in (False, True):
                     seed += 1
-                    r = draft_loop(batch, draft_len, mode, seed, ragged)
+                    r = draft_loop(cls, batch, draft_len, mode, seed, ragged)
                     summary["cases"] += 1
                     summary["target_wrong"] += (r["target"] != r["expected_target"]) or (
                         r["target_nc"] != r["expected_target_nc"]
@@ -205,12 +206,19 @@ def _patch_copy(dest: Path) -> tuple[Path, list[str]]:
     assert len(patches) == 1, patches
     text = patches[0].read_text()
     assert text.startswith("From ") and "Subject: [PATCH]" in text
-    files = [line[len("+++ b/") :] for line in text.splitlines() if line.startswith("+++ b/")]
+    lines = text.splitlines()
+    files = [line[len("+++ b/") :] for line in lines if line.startswith("+++ b/")]
+    created = {
+        line[len("+++ b/") :]
+        for prev, line in zip(lines, lines[1:], strict=False)
+        if line.startswith("+++ b/") and prev == "--- /dev/null"
+    }
     assert files, "patch touches no file"
     site = Path(vllm.__file__).resolve().parents[1]
     for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(site / rel, dest / rel)
+        if rel not in created:  # only the installed files the patch modifies
+            shutil.copy2(site / rel, dest / rel)
     tool = shutil.which("patch")
     cmd = [tool, "-p1", "-i", str(patches[0])] if tool else ["git", "apply", str(patches[0])]
     proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
@@ -225,18 +233,15 @@ def script_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """The fresh-process cases, started together (each one pays vLLM's import time)."""
     dest, files = _patch_copy(tmp_path_factory.mktemp("vllm_patched"))
     procs = {
+        # Stock vLLM with the env var set, and the patched copy loaded beside it.
         "off": _start_script(
-            "--register", "--substitute-kernel", env_extra={"VLLM_DSA_DISABLE_RUNTIME_FIXES": "1"}
+            "--register",
+            "--substitute-kernel",
+            "--patched-backend",
+            str(dest / "vllm/v1/attention/backend.py"),
+            env_extra={"VLLM_DSA_DISABLE_RUNTIME_FIXES": "1"},
         ),
         "on": _start_script("--register"),
-        "patched": _start_script(
-            "--overlay",
-            str(dest),
-            "--overlay-module",
-            "vllm.v1.attention.backend",
-            "--substitute-kernel",
-            "--apply",
-        ),
     }
     runs: dict[str, object] = {"patched_files": files}
     for name, proc in procs.items():
@@ -284,35 +289,48 @@ def test_token_map_matches_repeat_interleave() -> None:
         assert compute_token_to_req_indices(qsl, buf, total, total + 3).tolist() == got.tolist()
 
 
-def test_stale_without_fix_and_correct_with_fix() -> None:
+@pytest.fixture
+def fix_state(monkeypatch: pytest.MonkeyPatch):
+    """Run with the env var unset; restore the process-wide fix state afterwards."""
+    import vllm.v1.attention.ops.metadata as ops
+
+    from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
+    from vllm_dsa_connector.fixes.mtp_token_map import is_installed
+
+    monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
+    was_installed = is_installed(_metadata_cls())
+    kernel = ops.compute_token_to_req_indices
+    yield
+    ops.compute_token_to_req_indices = kernel
+    revert_runtime_fixes()
+    if was_installed:
+        apply_runtime_fixes()
+
+
+def test_stale_without_fix_and_correct_with_fix(fix_state: None) -> None:
     """In-process: revert -> vLLM's stock methods show the bug; apply -> correct."""
+    import vllm.v1.attention.ops.metadata as ops
+
     from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
     from vllm_dsa_connector.fixes.mtp_token_map import is_installed
 
     cls = _metadata_cls()
-    was_installed = is_installed(cls)
-    import vllm.v1.attention.ops.metadata as ops
-
     kernel = ops.compute_token_to_req_indices
-    try:
-        revert_runtime_fixes()
-        assert not is_installed(cls)
-        substitute_cpu_kernel()
-        _assert_stale(run_checks())
-        (report,) = apply_runtime_fixes()
-        assert report.status == "applied", report
-        assert "[0, 0, 0]" in report.detail  # the behaviour probe saw the bug
-        ops.compute_token_to_req_indices = kernel  # the fix must not need vLLM's kernel
-        _assert_fixed(run_checks())
-        assert apply_runtime_fixes()[0].status == "already-applied"
-    finally:
-        ops.compute_token_to_req_indices = kernel
-        revert_runtime_fixes()
-        if was_installed:
-            apply_runtime_fixes()
+    revert_runtime_fixes()
+    assert not is_installed(cls)
+    substitute_cpu_kernel()
+    _assert_stale(run_checks())
+    (report,) = apply_runtime_fixes()
+    assert report.status == "applied", report
+    assert "[0, 0, 0]" in report.detail  # the behaviour probe saw the bug
+    ops.compute_token_to_req_indices = kernel  # the fix must not need vLLM's kernel
+    _assert_fixed(run_checks())
+    assert apply_runtime_fixes()[0].status == "already-applied"
+    assert revert_runtime_fixes() and not is_installed(cls)  # the test-only revert works
+    assert not revert_runtime_fixes()
 
 
-def test_v2_runner_style_seeded_cache() -> None:
+def test_v2_runner_style_seeded_cache(fix_state: None) -> None:
     """The V2 runner passes the map via the constructor; a stale one must be rebuilt."""
     from vllm_dsa_connector.fixes import apply_runtime_fixes
     from vllm_dsa_connector.fixes.mtp_token_map import is_installed
@@ -320,22 +338,31 @@ def test_v2_runner_style_seeded_cache() -> None:
     cls = _metadata_cls()
     apply_runtime_fixes()
     assert is_installed(cls)
-    qsl = torch.tensor([0, 4, 8], dtype=torch.int32)
-    stale = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
-    cm = cls(
-        query_start_loc=torch.arange(3, dtype=torch.int32),
-        query_start_loc_cpu=torch.arange(3, dtype=torch.int32),
-        seq_lens=torch.tensor([9, 9], dtype=torch.int32),
-        num_reqs=2,
-        num_actual_tokens=2,
-        max_query_len=1,
-        max_seq_len=9,
-        block_table_tensor=torch.zeros((2, 1), dtype=torch.int32),
-        slot_mapping=torch.zeros(2, dtype=torch.int64),
-        _token_to_req_indices_cache=stale,
+    stale = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)  # target map, 4 tok/req
+    qsl = torch.arange(3, dtype=torch.int32)  # draft layout: one token per request
+
+    def group(cache: torch.Tensor | None) -> object:
+        return cls(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=torch.tensor([9, 9], dtype=torch.int32),
+            num_reqs=2,
+            num_actual_tokens=2,
+            max_query_len=1,
+            max_seq_len=9,
+            block_table_tensor=torch.zeros((2, 1), dtype=torch.int32),
+            slot_mapping=torch.zeros(2, dtype=torch.int64),
+            _token_to_req_indices_cache=cache,
+        )
+
+    first = group(stale)
+    got = first.token_to_req_indices(torch.zeros(8, dtype=torch.int32))
+    assert got.tolist() == [0, 1]
+    # The next KV-cache group gets the rebuilt map (same layout): shared, not rebuilt.
+    second = group(first._token_to_req_indices_cache)
+    assert second.token_to_req_indices(torch.zeros(8, dtype=torch.int32)).data_ptr() == (
+        got.data_ptr()
     )
-    del qsl
-    assert cm.token_to_req_indices(torch.zeros(8, dtype=torch.int32)).tolist() == [0, 1]
 
 
 def test_env_disables_runtime_fix(script_runs: dict[str, object]) -> None:
@@ -352,29 +379,28 @@ def test_register_applies_once(script_runs: dict[str, object]) -> None:
 
 
 def test_patch_applies_and_fixes_a_copy_of_vllm(script_runs: dict[str, object]) -> None:
-    result = _result(script_runs["patched"])
+    result = _result(script_runs["off"])
     assert "vllm/v1/attention/backend.py" in script_runs["patched_files"]
-    assert result["overlay_modules"] == ["vllm.v1.attention.backend"]
-    assert result["reports"][0]["status"] == "not-needed"  # behaviour probe: fixed
-    _assert_fixed(result["summary"])
+    assert result["patched_file"].endswith("vllm/v1/attention/backend.py")
+    assert result["patched_file"] != result["stock_file"]
+    probe = result["patched_probe"]  # the runtime fix's behaviour probe: nothing to fix
+    assert not probe["token_map_stale"] and not probe["num_computed_stale"], probe
+    _assert_fixed(result["patched_summary"])
 
 
 # --------------------------------------------------------------------------- script
 
 
-def _overlay(root: Path, names: list[str]) -> list[str]:
-    """Load the patched copies under ``root`` in place of the installed vLLM modules."""
-    import importlib
+def _load_patched_backend(path: Path) -> type:
+    """Load a patched copy of vllm/v1/attention/backend.py beside the installed one."""
+    import importlib.util
 
-    for name in names:
-        pkg, _, leaf = name.rpartition(".")
-        path = root.joinpath(*pkg.split("."), leaf + ".py")
-        assert name not in sys.modules, f"{name} imported before the overlay"
-        package = importlib.import_module(pkg)
-        package.__path__.insert(0, str(path.parent))
-        module = importlib.import_module(name)
-        assert Path(module.__file__).resolve() == path.resolve(), module.__file__
-    return names
+    spec = importlib.util.spec_from_file_location("vllm_patched_attention_backend", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module.CommonAttentionMetadata
 
 
 def main() -> None:
@@ -383,9 +409,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--register", action="store_true", help="call plugin.register() twice")
-    parser.add_argument("--apply", action="store_true", help="call apply_runtime_fixes()")
-    parser.add_argument("--overlay", help="dir with patched vLLM files")
-    parser.add_argument("--overlay-module", action="append", default=[])
+    parser.add_argument("--patched-backend", help="patched copy of vllm/v1/attention/backend.py")
     parser.add_argument("--substitute-kernel", action="store_true")
     args = parser.parse_args()
     out: dict[str, object] = {}
@@ -397,8 +421,6 @@ def main() -> None:
 
     logging.getLogger("vllm").addHandler(_Collect(level=logging.DEBUG))
     logging.getLogger("vllm.plugins").setLevel(logging.DEBUG)
-    if args.overlay:
-        out["overlay_modules"] = _overlay(Path(args.overlay), args.overlay_module)
     if args.substitute_kernel:
         substitute_cpu_kernel()
     from vllm_dsa_connector import fixes
@@ -409,11 +431,21 @@ def main() -> None:
 
         register()
         register()
-    if args.register or args.apply:
+    if args.register:
         reports = [dataclasses.asdict(r) for r in fixes.apply_runtime_fixes()]
     out["reports"] = reports
     out["log_lines"] = sum("applied runtime fix" in m for m in records)
     out["summary"] = run_checks()
+    if args.patched_backend:
+        import inspect
+
+        from vllm_dsa_connector.fixes.mtp_token_map import probe
+
+        patched = _load_patched_backend(Path(args.patched_backend))
+        out["stock_file"] = inspect.getfile(_metadata_cls())
+        out["patched_file"] = inspect.getfile(patched)
+        out["patched_probe"] = dataclasses.asdict(probe(patched))
+        out["patched_summary"] = run_checks(patched)
     print(json.dumps(out))
 
 
