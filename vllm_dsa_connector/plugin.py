@@ -51,7 +51,7 @@ def register() -> None:
     """Run every registration step once per process."""
     from vllm.logger import init_logger
 
-    logger = init_logger(__name__)
+    logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
     with _LOCK:
         for name, module, func in _STEPS:
             if name in _DONE:
