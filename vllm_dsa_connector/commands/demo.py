@@ -243,7 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model dtype (float32: deterministic across P/D and one engine)")
     parser.add_argument("--base-port", type=int, default=24000,
-                        help="P, D and proxy HTTP ports are base, base+1, base+2 (default 24000)")
+                        help="P, D, proxy HTTP ports: base, base+1, base+2; side channels base+3, base+4")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for servers")
     parser.add_argument("--workdir", default=None, help="where logs go (default: a temporary directory)")
     parser.add_argument("--no-verify", action="store_true", help="turn verify_transfers off")
@@ -251,10 +251,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON merged into kv_connector_extra_config of both engines")
 
 
-def connector_config(role: str, verify: bool, extra: dict[str, Any]) -> dict[str, Any]:
-    """``--kv-transfer-config`` of a DSAConnector engine."""
+def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int) -> dict[str, Any]:
+    """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``)."""
     return {"kv_connector": "DSAConnector", "kv_role": role,
-            "kv_connector_extra_config": {"verify_transfers": verify, **extra}}
+            "kv_connector_extra_config": {"verify_transfers": verify, "side_channel_port": side_port, **extra}}
 
 
 @dataclass
@@ -340,8 +340,8 @@ def run(args: argparse.Namespace) -> int:
     with cluster(workdir) as c:
         try:
             t0 = time.monotonic()
-            p_url, d_url, x_url = start_pair(c, model, args, connector_config("kv_producer", verify, extra),
-                                             connector_config("kv_consumer", verify, extra))
+            p_url, d_url, x_url = start_pair(c, model, args, connector_config("kv_producer", verify, extra, args.base_port + 3),
+                                             connector_config("kv_consumer", verify, extra, args.base_port + 4))
             print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             results = run_turns(x_url, p_url, d_url, model, args.turns, args.max_tokens)
