@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from .analysis import LINE_CUT_RE, CutRules, analyze
 from .options import CacheOptions
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _MAX_BLOCKS = 48  # compact an entry's id blocks into one list beyond this many
 

@@ -21,7 +21,7 @@ from vllm.logger import init_logger
 
 from .cache import PrefixTokenCache
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 MODE = "dsa-prefix-cache"
 _CONSTANT_POSTPROCESSORS = {"ByteLevel", "TemplateProcessing", "BertProcessing", "RobertaProcessing"}

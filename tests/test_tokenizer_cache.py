@@ -1,0 +1,278 @@
+"""PrefixTokenCache behaviour: options, LRU by entries and chars, extend-replaces, threads, cut rules, wrapper."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
+from vllm_dsa_connector.tokenizer.analysis import QWEN2_PATTERN, analyze
+
+LINES = [f"line {i}: the quick brown fox {i * 7} jumps\n" for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return assets.qwen_tokenizer()
+
+
+def ref(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def chat(turns: int, user: str = "u") -> str:
+    parts = ["<|im_start|>system\nshared preamble " + "".join(LINES[:50]) + "<|im_end|>\n"]
+    for i in range(turns):
+        parts.append(f"<|im_start|>{user}\n{LINES[(i * 13) % 400]}<|im_end|>\n")
+        parts.append(f"<|im_start|>assistant\n{LINES[(i * 29) % 400]}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+# ---------------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    "key,value",
+    [("max_entries", 0), ("max_entries", "many"), ("max_chars", -5), ("min_chars", -1), ("chunk_chars", 0),
+     ("cut_spacing", 1.5), ("anchors", "maybe"), ("line_cuts", 3), ("verify_every", -1),
+     ("log_interval_s", "x")],
+)
+def test_invalid_option_names_the_key(qwen, key, value):
+    with pytest.raises(ValueError, match=key):
+        PrefixTokenCache(qwen, **{key: value})
+
+
+def test_unknown_option_and_wrong_tokenizer(qwen):
+    with pytest.raises(ValueError, match="max_entrys"):
+        PrefixTokenCache(qwen, max_entrys=3)
+    with pytest.raises(ValueError, match="fast tokenizer"):
+        PrefixTokenCache(object())
+    with pytest.raises(TypeError):
+        PrefixTokenCache(qwen).encode(["not", "a", "str"])
+
+
+def test_options_from_environment(qwen):
+    cache = PrefixTokenCache(qwen, environ={"VLLM_DSA_TOKCACHE_MAX_ENTRIES": "7"}, max_chars="1k")
+    assert cache.options.max_entries == 7 and cache.options.max_chars == 1024
+    with pytest.raises(ValueError, match="VLLM_DSA_TOKCACHE_CHUNK_CHARS"):
+        PrefixTokenCache(qwen, environ={"VLLM_DSA_TOKCACHE_CHUNK_CHARS": "zero"})
+
+
+# ---------------------------------------------------------------------------- LRU, replace, stats
+def test_extend_replaces_and_divergence_adds(qwen):
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64)
+    a = chat(3)
+    assert cache.encode(a) == ref(qwen, a)
+    b = a + "reply\n"
+    assert cache.encode(b) == ref(qwen, b)
+    s = cache.stats()
+    assert (s["entries"], s["misses"], s["hits"]) == (1, 1, 1) and s["chars"] == len(b)
+    c = a + "a different reply\n"  # diverges from b: both kept
+    assert cache.encode(c) == ref(qwen, c)
+    assert cache.stats()["entries"] == 2
+    assert cache.encode(c) == ref(qwen, c)  # identical text: a hit, nothing added
+    assert cache.stats()["entries"] == 2 and cache.stats()["hits"] == 3
+
+
+def test_eviction_by_entries_is_lru(qwen):
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, max_entries=3)
+    texts = [chat(2, user=f"user{i}") for i in range(5)]
+    for t in texts[:3]:
+        cache.encode(t)
+    cache.encode(texts[0] + "more")  # touches (and replaces) entry 0: entry 1 is now the oldest
+    cache.encode(texts[3])
+    assert cache.stats()["entries"] == 3
+    before = cache.stats()["hits"]
+    cache.encode(texts[0] + "more and more")  # still cached
+    assert cache.stats()["hits"] == before + 1
+    misses = cache.stats()["misses"]
+    cache.encode(texts[1] + "x")  # evicted: the shared preamble is all that can match (other entries)
+    assert cache.stats()["misses"] + cache.stats()["hits"] > misses
+    assert cache.stats()["entries"] == 3
+
+
+def test_eviction_by_chars(qwen):
+    one = chat(2)
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, max_chars=int(len(one) * 2.5))
+    for i in range(6):
+        t = chat(2, user=f"u{i}")
+        assert cache.encode(t) == ref(qwen, t)
+        s = cache.stats()
+        assert s["chars"] <= cache.options.max_chars
+    assert cache.stats()["entries"] == 2
+    huge = PrefixTokenCache(qwen, min_chars=0, max_chars=100)
+    assert huge.encode(one) == ref(qwen, one) and huge.stats()["entries"] == 0  # larger than the cap
+
+
+def test_short_texts_bypass_and_results_are_fresh_lists(qwen):
+    cache = PrefixTokenCache(qwen, min_chars=1000)
+    assert cache.encode("short") == ref(qwen, "short")
+    assert cache.stats()["bypassed"] == 1 and cache.stats()["entries"] == 0
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64)
+    t = chat(4)
+    first = cache.encode(t)
+    first.clear()  # the caller owns the list
+    assert cache.encode(t) == ref(qwen, t)
+    assert cache.encode(t + "x") == ref(qwen, t + "x")
+
+
+def test_many_entries_sharing_a_preamble(qwen):
+    """200 conversations share a long preamble; each extension still finds its own conversation."""
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=256, max_entries=512)
+    convs = [chat(2, user=f"user-{i}") for i in range(200)]
+    for t in convs:
+        cache.encode(t)
+    hits, tail = cache.stats()["hits"], cache.stats()["tail_tokens"]
+    for i in (0, 57, 199):
+        t = convs[i] + f"follow-up {i}\n"
+        assert cache.encode(t) == ref(qwen, t)
+    s = cache.stats()
+    # each follow-up re-tokenizes only from its own conversation's last anchor ("<|im_start|>assistant\n...")
+    assert s["hits"] == hits + 3 and s["tail_tokens"] - tail < 3 * 20
+
+
+def test_verify_every(qwen):
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, verify_every=1)
+    t = chat(2)
+    cache.encode(t)
+    for i in range(3):
+        t += f"more {i}\n"
+        assert cache.encode(t) == ref(qwen, t)
+    s = cache.stats()
+    assert s["verified"] == 3 and s["mismatches"] == 0 and s["enabled"]
+
+
+def test_threads_share_one_cache(qwen):
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, max_entries=16)
+    results: list[tuple[str, list[int]]] = []
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            text = chat(1, user=f"thread{n % 4}")
+            for step in range(25):
+                text += LINES[(n * 31 + step * 7) % 400] + ("<|im_end|>\n" if step % 3 == 0 else "")
+                results.append((text, cache.encode(text)))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert len(results) == 200
+    for text, ids in results:
+        assert ids == ref(qwen, text)
+    assert cache.stats()["hits"] > 100
+
+
+def test_added_token_after_creation_rebuilds():
+    tok = assets.gpt2_tokenizer() if assets.gpt2_tokenizer_file().exists() else assets.qwen_tokenizer()
+    cache = PrefixTokenCache(tok, min_chars=0, chunk_chars=8)
+    text = "hello <NEWTOKEN> world\nline two\n"
+    assert cache.encode(text) == ref(tok, text)
+    tok.add_special_tokens({"additional_special_tokens": ["<NEWTOKEN>"]})
+    assert cache.encode(text + "x") == ref(tok, text + "x")
+    assert ref(tok, text).count(tok.convert_tokens_to_ids("<NEWTOKEN>")) == 1
+
+
+# ---------------------------------------------------------------------------- cut rules
+def _toy(added=(), pre=None, normalizer=None, model=None) -> Tokenizer:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(model or models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre or pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if added:
+        tok.add_tokens(list(added))
+    return tok
+
+
+def test_rules_accept_the_proved_pipeline():
+    rules = analyze(_toy([AddedToken("<ok>", special=True, normalized=False)], normalizer=normalizers.NFC()))
+    assert rules.usable and rules.line_cuts and rules.anchors == {"<ok>": 256}
+
+
+def test_rules_refuse_overlapping_anchors():
+    rules = analyze(_toy([AddedToken(t, special=True, normalized=False) for t in ("<a>", "a><b", "<ok>", "xx")]))
+    assert set(rules.anchors) == {"<ok>"}  # "<a>"/"a><b" overlap; "xx" overlaps itself
+    rules = analyze(_toy([AddedToken(t, special=True, normalized=False) for t in ("<a>", "<a>b")]))
+    assert rules.anchors == {}  # one contains the other
+
+
+def test_rules_refuse_unproved_parts():
+    assert not analyze(_toy(pre=pre_tokenizers.Metaspace())).line_cuts
+    assert not analyze(_toy(normalizer=normalizers.Lowercase())).line_cuts
+    assert not analyze(_toy(pre=pre_tokenizers.Split(Regex(r"\w+|\s+"), behavior="isolated"))).line_cuts
+    assert not analyze(_toy([AddedToken("<l>", lstrip=True, normalized=False)])).line_cuts
+    assert not analyze(_toy([AddedToken("a\nb", normalized=False)])).line_cuts
+    assert not analyze(_toy(model=models.WordPiece({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))).usable
+    tok = _toy([AddedToken("<s>", special=True, normalized=False)])
+    tok.encode_special_tokens = True
+    assert analyze(tok).anchors == {}
+
+
+def test_unproved_pipeline_falls_back_exactly():
+    raw = _toy(pre=pre_tokenizers.Metaspace())  # no line cuts, no anchors: the cache stays out of the way
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    cache = PrefixTokenCache(tok, min_chars=0, chunk_chars=4)
+    text = "some words here\nand a second line\n"
+    cache.encode(text)
+    assert cache.encode(text + "more") == ref(tok, text + "more")
+    assert cache.stats()["bypassed"] == 2 and cache.stats()["entries"] == 0
+    # with an anchor but no line cuts: plain text falls back, text after an anchor hits
+    raw = _toy([AddedToken("<s>", special=True, normalized=False)], pre=pre_tokenizers.Metaspace())
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    cache = PrefixTokenCache(tok, min_chars=0, chunk_chars=4)
+    cache.encode(text)
+    assert cache.encode(text + "more") == ref(tok, text + "more")
+    assert cache.stats()["fallbacks"] == 1 and cache.stats()["hits"] == 0
+    cache.encode(text + "<s> next")
+    assert cache.encode(text + "<s> next turn") == ref(tok, text + "<s> next turn")
+    assert cache.stats()["hits"] == 1
+
+
+# ---------------------------------------------------------------------------- wrapper + registration
+def test_wrapper_matches_the_tokenizer(qwen):
+    from vllm_dsa_connector.tokenizer.wrapper import wrap_tokenizer
+
+    w = wrap_tokenizer(qwen, min_chars=0, chunk_chars=16)
+    assert isinstance(w, type(qwen))
+    t = chat(3)
+    for text in (t, t + "more\n", "short"):
+        for special in (True, False):
+            assert w(text, add_special_tokens=special)["input_ids"] == qwen(text, add_special_tokens=special)["input_ids"]
+            assert w.encode(text, add_special_tokens=special) == qwen.encode(text, add_special_tokens=special)
+        assert dict(w(text)) == dict(qwen(text))
+        assert w(text, truncation=True, max_length=5)["input_ids"] == qwen(text, truncation=True, max_length=5)["input_ids"]
+        assert w(text, return_offsets_mapping=True)["offset_mapping"] == qwen(text, return_offsets_mapping=True)["offset_mapping"]
+    assert w([t, "b"])["input_ids"] == qwen([t, "b"])["input_ids"]
+    assert w.prefix_cache.stats()["hits"] > 0
+    d = copy.deepcopy(w)
+    assert d.prefix_cache is w.prefix_cache
+    p = pickle.loads(pickle.dumps(w))
+    assert type(p).__name__ == type(w).__name__ and p(t)["input_ids"] == qwen(t)["input_ids"]
+
+
+def test_registration_is_idempotent(tiny_mla_dir):
+    from vllm.renderers.registry import RENDERER_REGISTRY
+    from vllm.tokenizers.registry import TokenizerRegistry
+
+    from vllm_dsa_connector.tokenizer.registration import register_tokenizer_mode
+
+    register_tokenizer_mode()
+    register_tokenizer_mode()
+    assert TokenizerRegistry.tokenizers["dsa-prefix-cache"][1] == "DSAPrefixCacheTokenizer"
+    assert RENDERER_REGISTRY.renderers["dsa-prefix-cache"] == ("vllm.renderers.hf", "HfRenderer")
+    tok = TokenizerRegistry.load_tokenizer("dsa-prefix-cache", str(tiny_mla_dir))
+    assert tok.prefix_cache.stats()["enabled"]
