@@ -1,0 +1,104 @@
+"""Fast DSAConnector tests: registration by name, options, stats, wire formats, side channel timeouts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+def test_factory_resolves_dsaconnector_by_name() -> None:
+    import vllm.plugins
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
+
+    vllm.plugins.load_general_plugins()
+    cfg = KVTransferConfig(kv_connector="DSAConnector", kv_role="kv_both")  # no kv_connector_module_path
+    cls = KVConnectorFactory.get_connector_class(cfg)
+    assert cls.__name__ == "DSAConnector" and cls.__module__.startswith("vllm_dsa_connector.connector")
+    assert issubclass(cls, KVConnectorBase_V1) and supports_hma(cls)
+    stats = cls.build_kv_connector_stats({"send_bytes": 10, "transfer_s": [0.5]})
+    assert stats.reduce()["send_bytes"] == 10
+
+
+def test_options_validated_at_startup() -> None:
+    from vllm_dsa_connector.connector.options import ConnectorOptions, OptionError
+
+    opts = ConnectorOptions.from_config({"verify_transfers": "true", "kv_lease_duration": 12,
+                                         "bounce_min_runs": 4}, environ={})
+    assert opts.verify_transfers is True and opts.kv_lease_duration == 12.0
+    assert abs(opts.heartbeat_s - 2.0) < 1e-9
+    with pytest.raises(OptionError, match="verify_transfer"):
+        ConnectorOptions.from_config({"verify_transfer": True}, environ={})  # typo: refused, named
+    with pytest.raises(OptionError, match="transfer_timeout_s"):
+        ConnectorOptions.from_config({"transfer_timeout_s": -1}, environ={})
+    with pytest.raises(OptionError, match="bounce_min_runs"):
+        ConnectorOptions.from_config({"bounce_min_runs": 0}, environ={})  # the gate's keys are checked too
+    env = ConnectorOptions.from_config({}, environ={"VLLM_DSA_VERIFY_TRANSFERS": "1"})
+    assert env.verify_transfers is True
+    assert ConnectorOptions.from_config({"verify_transfers": False},
+                                        environ={"VLLM_DSA_VERIFY_TRANSFERS": "1"}).verify_transfers is False
+
+
+def test_admission_keys_accepted() -> None:
+    from vllm_dsa_connector.connector.options import known_keys
+
+    try:
+        from vllm_dsa_connector.admission import ADMISSION_OPTION_KEYS
+    except ImportError:
+        pytest.skip("admission module absent")
+    assert set(ADMISSION_OPTION_KEYS) <= known_keys()
+
+
+def test_stats_aggregate_across_workers() -> None:
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
+
+    a, b = DSAKVConnectorStats(), DSAKVConnectorStats()
+    assert a.is_empty()
+    a.add("send_bytes", 100)
+    a.add("bounce_bytes", 25)
+    a.observe("transfer_s", 0.002)
+    b.add("send_bytes", 300)
+    b.observe("transfer_s", 0.004)
+    b.add("checksum_mismatches")
+    out = a.aggregate(b).reduce()
+    assert out["send_bytes"] == 400 and out["num_transfers"] == 2 and out["checksum_mismatches"] == 1
+    assert out["avg_transfer_ms"] == 3.0 and out["bounce_share"] == round(25 / 400, 3)
+    snap = a.clone_and_reset()
+    assert a.is_empty() and not snap.is_empty()
+
+
+def test_notice_and_payload_round_trip() -> None:
+    from vllm_dsa_connector.connector.metadata import (
+        PROTOCOL_VERSION,
+        Notice,
+        RankPayload,
+        decode_notice,
+        decode_payload,
+        encode,
+        encode_notice,
+    )
+
+    n = Notice("req-1", 3, True, 1024, 2, checks=[(0, 64, 512, 123), (0, 4096, 512, 456)])
+    assert decode_notice(encode_notice(n)) == n
+    assert decode_notice(b"HB:other connector") is None
+    p = RankPayload("e", 0, 0, 0, "agent", b"\x00meta", {"rank": 0}, [], {"model_dtype": "bf16"})
+    assert decode_payload(encode(p)) == p
+    old = RankPayload("e", 0, 0, 0, "agent", b"", {}, [], {}, protocol=PROTOCOL_VERSION + 1)
+    with pytest.raises(ValueError, match="protocol mismatch"):
+        decode_payload(encode(old))
+
+
+def test_side_channel_dead_peer_times_out_fast() -> None:
+    from vllm_dsa_connector.connector.handshake import HandshakeError, SideChannelServer, request
+
+    server = SideChannelServer("127.0.0.1", 24990, lambda kind, body: {"ok": True, "echo": [kind, body]})
+    try:
+        assert request("127.0.0.1", server.port, "hb", ["r1"], 5.0) == {"ok": True, "echo": ["hb", ["r1"]]}
+    finally:
+        server.close()
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeError, match="did not answer"):
+        request("127.0.0.1", 24991, "reg", {}, 0.5)  # nobody listens: a timeout, never a hang
+    assert time.monotonic() - t0 < 3
