@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -137,8 +138,11 @@ def _sender(conn: Any, rconn: Any, args: dict[str, Any]) -> None:
         rconn.send(eng.metadata())
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         auto_paths: set[str] = set()
+        phases: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}
+        order_rng = random.Random(args["seed"])
         for rep in range(args["reps"] + 1):  # rep 0 warms up every path
-            for method in METHODS:
+            # A fresh order every rep: no path always runs right after another (position effects).
+            for method in order_rng.sample(METHODS, len(METHODS)):
                 tag = f"{method}-{rep}".encode()
                 runs = contiguous if method == "contiguous" else scattered
                 rconn.send(("xfer", method, tag))
@@ -146,9 +150,13 @@ def _sender(conn: Any, rconn: Any, args: dict[str, Any]) -> None:
                 force = {"contiguous": "direct", "scattered": "direct", "bounce": "bounce"}.get(method)
                 t0 = time.perf_counter()
                 send = snd.send(peer, region, rdesc, runs, tag, slot=slot, path=force)
+                t1 = time.perf_counter()
                 snd.wait(send, args["timeout"])
+                t2 = time.perf_counter()
                 _expect(rconn, "done")
                 dt = time.perf_counter() - t0
+                if rep:
+                    phases[method].append((t1 - t0, t2 - t1, t0 + dt - t2))
                 _, ok = _expect(rconn, "verified")
                 if not ok:
                     raise RuntimeError(f"bench transfer: received bytes differ ({method}, rep {rep})")
@@ -171,6 +179,10 @@ def _sender(conn: Any, rconn: Any, args: dict[str, Any]) -> None:
         conn.send({
             **{f"{m}_ms": statistics.median(times[m]) * 1e3 for m in METHODS},
             "auto_path": "/".join(sorted(auto_paths)),
+            # Sender's view, medians in ms: [send() = gather + post, wait for the WRITE, receiver's
+            # completion (incl. scatter) + the pipe's ack].
+            "phases_ms": {m: [round(statistics.median(p[i] for p in phases[m]) * 1e3, 3) for i in range(3)]
+                          for m in METHODS},
             "gather_ms": statistics.median(gts) * 1e3,
             "scatter_ms": scatter_s * 1e3,
             "runs": scattered.num_runs,

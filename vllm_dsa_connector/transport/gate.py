@@ -13,7 +13,7 @@ AFTER merging (never blocks), at least ``min_bytes`` bytes, and an average run n
 defaults; a bad value raises :class:`~vllm_dsa_connector.options.OptionError` naming the key at start-up.
 
 Default profiles were measured on a 2-vCPU KVM guest (two processes, NIXL 1.5.1 UCX, torch CPU) and on an
-H200 (VRAM->VRAM over cuda_ipc); see CHANGELOG / the transport docstring for the tables.
+H200 (VRAM->VRAM over cuda_ipc); see the comment above :data:`PROFILES`.
 """
 
 from __future__ import annotations
@@ -62,12 +62,19 @@ class CostModel:
         return self.desc_us + self.fixed_us + 2.0 * total_bytes / (self.copy_gbps * 1e3)
 
 
-# Measured (see module docstring); "rdma" is an estimate (no RDMA NIC here), tune it on such hardware.
+# Tuned on this project's hosts (2026-11-29; ``vllm-dsa bench transfer`` and bench/gpu_transfer.py):
+# - cma (UCX default on one host): extra cost per descriptor 5-15 us (grows with run size), gather +
+#   scatter at ~3-6 GB/s effective with one thread; bounce won up to 8 KiB runs, tied at 16 KiB, lost
+#   at 64 KiB -> break-even run ~ desc_us * copy_gbps / 2 = 14 KB.
+# - tcp (UCX_TLS=tcp): 14-21 us per descriptor; bounce won up to 16 KiB runs, about even at 64 KiB.
+# - cuda (H200, VRAM->VRAM cuda_ipc): 593 descriptors cost ~5 ms more than one; gather/scatter ~1.8 TB/s
+#   of payload; ~0.5 ms fixed (post + notification + completion) -> bounce pays below ~6 MB per run.
+# - rdma: an estimate (no RDMA NIC here); tune it on such hardware with bounce_desc_cost_us & co.
 PROFILES: dict[str, CostModel] = {
-    "cma": CostModel(desc_us=5.0, copy_gbps=4.0, fixed_us=150.0),
-    "tcp": CostModel(desc_us=12.0, copy_gbps=4.0, fixed_us=150.0),
+    "cma": CostModel(desc_us=7.0, copy_gbps=4.0, fixed_us=200.0),
+    "tcp": CostModel(desc_us=16.0, copy_gbps=4.0, fixed_us=200.0),
     "rdma": CostModel(desc_us=2.0, copy_gbps=4.0, fixed_us=100.0),
-    "cuda": CostModel(desc_us=12.0, copy_gbps=1800.0, fixed_us=60.0),
+    "cuda": CostModel(desc_us=8.0, copy_gbps=1700.0, fixed_us=500.0),
 }
 
 _RDMA_TLS = ("rc", "ud", "dc", "ib", "roce", "mlx")
