@@ -53,6 +53,10 @@ class DSAScheduler(Scheduler):
         super().__init__(vllm_config, *args, **kwargs)
         self._admission = AdmissionLedger(config, self.block_size)
         self._admission_gated = config.policy == "budget"
+        if not self._admission_gated:
+            # Pass-through has no gate: bind vLLM's own method on the instance, so the per-request
+            # peek in schedule() costs nothing extra.
+            self._handle_blocked_waiting_request = super()._handle_blocked_waiting_request  # type: ignore[method-assign]
         self._admission_last: AdmissionStepStats | None = None
         self._admission_log_interval = config.log_interval_s
         self._admission_next_log = time.monotonic() + config.log_interval_s
