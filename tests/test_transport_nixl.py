@@ -135,6 +135,21 @@ def w_send(peer: str, dst: dict[str, Any], runs: dict[str, Any], tag: bytes, slo
     return {"path": send.path, "reason": send.reason, "runs": stats.num_runs, "free": snd.arena.free_bytes}
 
 
+def w_prepared_write(peer: str, dst: dict[str, Any], block: int, src_blocks: list[int],
+                     dst_blocks: list[int], timeout: float) -> dict[str, Any]:
+    """Per-block lists prepared once on both sides, a transfer picks entries by index."""
+    eng = STATE["engine"]
+    n = POOL // block
+    offs, lens = np.arange(n) * block, np.full(n, block)
+    local = eng.prepare_local(STATE["region"], offs, lens)
+    remote = eng.prepare_remote(peer, dst, offs, lens)
+    stats = eng.wait(eng.write_prepared(peer, local, src_blocks, remote, dst_blocks, b"dsa1:d0:prep"),
+                     timeout)
+    eng.release_prepared(local)
+    eng.release_prepared(remote)
+    return {"runs": stats.num_runs, "bytes": stats.total_bytes}
+
+
 def w_poll(seconds: float) -> int:
     """Keep the target's UCX worker progressing (as a connector's step loop does) for ``seconds``."""
     eng, n, end = STATE["engine"], 0, time.perf_counter() + seconds
@@ -287,6 +302,22 @@ def test_scattered_direct_write_exact(cluster: Cluster) -> None:
     runs = _scattered(1, 2048, 576)
     (res,) = cluster.transfer([(cluster.w0, runs, "direct")], b"direct", bounce=False)
     assert res["path"] == "direct" and res["runs"] == 2048
+
+
+def test_prepared_lists_write_exact(cluster: Cluster) -> None:
+    block = 4096
+    rng = np.random.default_rng(12)
+    src = rng.choice(POOL // block, 300, replace=False)
+    dst = rng.choice(POOL // block, 300, replace=False)
+    runs = {"src": src * block, "dst": dst * block, "len": np.full(300, block)}
+    c = cluster
+    c.rcv.call("w_expect", tag=b"prep", writers=[runs], bounce=False)
+    c.rcv.submit("w_receive", tag=b"prep", writers=[runs], timeout=20.0)
+    out = c.w0.call("w_prepared_write", peer=c.rcv_peer[0], dst=c.dst, block=block,
+                    src_blocks=src.tolist(), dst_blocks=dst.tolist(), timeout=20.0)
+    got = c.rcv.result()
+    assert out == {"runs": 300, "bytes": 300 * block}
+    assert got["digests"] == [c.w0.call("w_src_digest", runs=runs)] and got["untouched_zero"]
 
 
 def test_bounce_write_exact(cluster: Cluster) -> None:

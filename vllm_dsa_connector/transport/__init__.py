@@ -20,6 +20,12 @@ Engine (``engine.py``)
     - ``write(peer, local_region, remote_desc_or_dict, runs, notif=b"") -> Transfer``: WRITE of the runs
       via the two-step API (``prep_xfer_dlist`` on both sides, ``make_prepped_xfer``, ``transfer``); the
       target receives ``notif`` after the data landed. An empty ``Runs`` sends the notification alone.
+    - Prepared lists (NixlConnector style, prepare once at handshake, pick entries per request):
+      ``prepare_local(region, offsets, lengths)`` / ``prepare_remote(peer, remote_desc, offsets,
+      lengths) -> PreparedList``; ``write_prepared(peer, local_list, local_idx, remote_list,
+      remote_idx, notif) -> Transfer`` (NIXL merges picked entries contiguous on both sides);
+      ``release_prepared(list)``. ``write`` prepares both lists per call instead (~10 us + ~20 ns per
+      run on CPU), which suits arbitrary runs and the one-run bounce write.
     - ``wait(transfer, timeout_s) -> TransferStats`` (``desc_count`` from NIXL telemetry when
       ``telemetry=True``); ``state(transfer)`` -> "DONE"/"PROC"/"ERR" without raising.
       ERR, a NIXL exception, an unknown/vanished peer or the timeout raise ``TransferError`` (``.peer``,
@@ -88,6 +94,7 @@ __all__ = [
     "Decision",
     "LayoutError",
     "NixlEngine",
+    "PreparedList",
     "Region",
     "RegionDesc",
     "Reservation",

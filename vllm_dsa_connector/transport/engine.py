@@ -21,7 +21,15 @@ from vllm_dsa_connector.transport.runs import Runs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NixlEngine", "Region", "RegionDesc", "Transfer", "TransferError", "TransferStats"]
+__all__ = [
+    "NixlEngine",
+    "PreparedList",
+    "Region",
+    "RegionDesc",
+    "Transfer",
+    "TransferError",
+    "TransferStats",
+]
 
 
 class TransferError(RuntimeError):
@@ -109,6 +117,25 @@ class Transfer:
     _xfer: Any = field(default=None, repr=False)
     _dlists: tuple[Any, ...] = field(default=(), repr=False)
     stats: TransferStats | None = None
+
+
+@dataclass(eq=False)
+class PreparedList:
+    """A descriptor list prepared once (``prep_xfer_dlist``); transfers pick entries by index.
+
+    ``offsets``/``lengths`` are the entries (relative to the region); NIXL merges entries picked in a
+    row that are contiguous on both sides, as it does for vLLM's per-block lists.
+    """
+
+    agent: str  # "NIXL_INIT_AGENT" for local lists, else the peer's name
+    offsets: np.ndarray
+    lengths: np.ndarray
+    _handle: Any = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        """Number of entries."""
+        return int(self.lengths.size)
 
 
 def _state(agent: Any, xfer: Any) -> str:
@@ -265,6 +292,74 @@ class NixlEngine:
             raise TransferError(
                 f"transfer {name} to peer {peer!r} failed at post (ERR)", peer=peer, transfer=name
             )
+        self._inflight[tid] = xfer_obj
+        return xfer_obj
+
+    def prepare_local(self, region: Region, offsets: Any, lengths: Any) -> PreparedList:
+        """Prepare a local descriptor list once (e.g. one entry per block of a KV pool)."""
+        return self._prepare("NIXL_INIT_AGENT", region.addr, region.size, region.mem, region.dev,
+                             offsets, lengths)
+
+    def prepare_remote(self, peer: str, remote: RegionDesc | dict[str, Any], offsets: Any,
+                       lengths: Any) -> PreparedList:
+        """Prepare a peer's descriptor list once (after :meth:`add_peer`)."""
+        if peer not in self._peers:
+            raise TransferError(f"prepare_remote: unknown peer {peer!r}", peer=peer)
+        r = RegionDesc.from_dict(remote)
+        return self._prepare(peer, r.addr, r.size, r.mem, r.dev, offsets, lengths)
+
+    def _prepare(self, agent: str, addr: int, size: int, mem: str, dev: int, offsets: Any,
+                 lengths: Any) -> PreparedList:
+        offs = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
+        lens = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+        if offs.shape != lens.shape or offs.size == 0:
+            raise ValueError("prepare: offsets and lengths must be non-empty and of equal length")
+        if offs.min() < 0 or lens.min() <= 0 or int((offs + lens).max()) > size:
+            raise ValueError(f"prepare: entries must lie inside the {size}-byte region")
+        try:
+            h = self._agent.prep_xfer_dlist(agent, self._descs(addr, offs, lens, dev), mem)
+        except Exception as e:
+            raise TransferError(f"prepare for {agent!r} failed: {e}", peer=agent) from e
+        return PreparedList(agent, offs, lens, h)
+
+    def release_prepared(self, plist: PreparedList) -> None:
+        """Free a prepared list (no transfer may still use it)."""
+        if plist._handle is not None:
+            self._agent.release_dlist_handle(plist._handle)
+            plist._handle = None
+
+    def write_prepared(self, peer: str, local: PreparedList, local_idx: Any, remote: PreparedList,
+                       remote_idx: Any, notif: bytes = b"") -> Transfer:
+        """WRITE entries ``local_idx`` of ``local`` to entries ``remote_idx`` of ``remote`` (same lengths)."""
+        li = np.ascontiguousarray(local_idx, dtype=np.int32).reshape(-1)
+        ri = np.ascontiguousarray(remote_idx, dtype=np.int32).reshape(-1)
+        tid = next(self._ids)
+        name = f"{self.name}#{tid} notif={notif[:48]!r}"
+        if peer not in self._peers or remote.agent != peer:
+            raise TransferError(f"transfer {name}: unknown peer {peer!r} or list of another peer",
+                                peer=peer, transfer=name)
+        if li.shape != ri.shape:
+            raise ValueError(f"transfer {name}: {li.size} local vs {ri.size} remote entries")
+        if li.size and not np.array_equal(local.lengths[li], remote.lengths[ri]):
+            raise ValueError(f"transfer {name}: local and remote entry lengths differ")
+        total = int(local.lengths[li].sum()) if li.size else 0
+        xfer_obj = Transfer(name, peer, int(li.size), total, time.perf_counter())
+        try:
+            if li.size == 0:
+                self._agent.send_notif(peer, notif)
+                xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
+                return xfer_obj
+            xh = self._agent.make_prepped_xfer("WRITE", local._handle, li, remote._handle, ri, notif)
+            xfer_obj._xfer = xh
+            state = self._agent.transfer(xh)
+        except Exception as e:
+            self._release(xfer_obj)
+            raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}",
+                                peer=peer, transfer=name) from e
+        if state == "ERR":
+            self._release(xfer_obj)
+            raise TransferError(f"transfer {name} to peer {peer!r} failed at post (ERR)",
+                                peer=peer, transfer=name)
         self._inflight[tid] = xfer_obj
         return xfer_obj
 
