@@ -255,3 +255,42 @@ def test_gate_options_precedence() -> None:
 def test_gate_invalid_settings_name_the_key(config, env, key) -> None:
     with pytest.raises(OptionError, match=key):
         BounceGate.from_config(config, environ=env)
+
+
+# -- receiver state machine (one real NIXL agent; notifications fed by hand, the two-process tests
+#    in test_transport_nixl.py cover the same path with real writes) ---------------------------------
+
+
+def test_receiver_completes_only_after_every_writer_and_scatter() -> None:
+    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine
+
+    eng = NixlEngine(f"unit-rcv-{time.monotonic_ns()}")
+    try:
+        arena = StagingArena(1 << 16)
+        rcv = BounceReceiver(eng, arena)
+        dst = torch.zeros(8192, dtype=torch.uint8)
+        w0 = runs_from_blocks([0, 1], [3, 0], 512)
+        w1 = runs_from_blocks([0], [5], 512)
+        slots = rcv.expect(b"t", dst, [w0, w1])
+        assert [s.size for s in slots] == [1024, 512] and slots[1].offset == slots[0].offset + 1024
+        payload = torch.arange(1024, dtype=torch.int32).view(torch.uint8)[:1024].clone()
+        arena.buffer[slots[0].offset: slots[0].offset + 1024] = payload  # "writer 0's data landed"
+        assert rcv.handle("w0", encode_notif("bounce", 0, b"t"))
+        assert rcv._finish() == [] and b"t" in rcv.pending  # writer 1 still missing
+        assert torch.equal(dst[3 * 512: 4 * 512], payload[:512])  # scattered on arrival
+        assert torch.equal(dst[0:512], payload[512:])
+        rcv.handle("w1", encode_notif("direct", 1, b"t"))
+        assert rcv._finish() == [b"t"] and arena.free_bytes == arena.size
+        # A late duplicate is dropped, an early notification waits for its expect().
+        rcv.handle("w1", encode_notif("direct", 1, b"t"))
+        assert not rcv._early
+        rcv.handle("w0", encode_notif("direct", 0, b"u"))
+        rcv.expect(b"u", dst, [w1], bounce=False)
+        assert rcv._finish() == [b"u"]
+        assert not rcv.handle("x", b"foreign") and rcv.other == [("x", b"foreign")]
+        # Cancel quarantines the staging region: a late writer cannot corrupt a later request.
+        rcv.expect(b"v", dst, [w0])
+        rcv.cancel(b"v")
+        assert arena.quarantined_bytes == 1024
+    finally:
+        eng.close()

@@ -20,6 +20,7 @@ Both sides must describe a writer's transfer with the same :class:`Runs`; both m
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -480,6 +481,7 @@ class BounceReceiver:
         self.region = engine.register(arena.buffer)
         self._expected: dict[bytes, _Expected] = {}
         self._early: dict[bytes, list[tuple[str, int]]] = {}
+        self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent tags
         self.other: list[tuple[str, bytes]] = []  # notifications that are not ours
 
     def expect(
@@ -543,7 +545,10 @@ class BounceReceiver:
         path, writer, tag = parsed
         exp = self._expected.get(tag)
         if exp is None:
-            self._early.setdefault(tag, []).append((writer, path))
+            if tag in self._closed:  # a late writer of a finished or cancelled request
+                logger.warning("bounce: late notification for finished/cancelled %r dropped", tag)
+            else:
+                self._early.setdefault(tag, []).append((writer, path))
         else:
             self._arrive(exp, writer, path)
         return True
@@ -556,6 +561,7 @@ class BounceReceiver:
                 if exp.res is not None:
                     self.arena.release(exp.res)
                 del self._expected[tag]
+                self._remember(tag)
                 done.append(tag)
         return done
 
@@ -584,8 +590,15 @@ class BounceReceiver:
     def cancel(self, tag: bytes) -> None:
         """Abandon ``tag``; its staging region is quarantined (a late writer may still write into it)."""
         exp = self._expected.pop(tag, None)
+        self._early.pop(tag, None)
+        self._remember(tag)
         if exp is not None and exp.res is not None:
             self.arena.quarantine(exp.res)
+
+    def _remember(self, tag: bytes) -> None:
+        self._closed[tag] = None
+        while len(self._closed) > 4096:
+            self._closed.popitem(last=False)
 
     @property
     def pending(self) -> frozenset[bytes]:
