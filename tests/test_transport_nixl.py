@@ -409,3 +409,21 @@ def test_receiver_killed_mid_transfer(setting: str, tmp_path: Any) -> None:
         assert time.perf_counter() - t1 < 8.0
     finally:
         c.stop()
+
+
+def test_bench_transfer_cli_json() -> None:
+    """`vllm-dsa bench transfer --json`: two processes, bytes verified, last line one JSON object."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_dsa_connector.cli", "bench", "transfer", "--blocks", "64",
+         "--block-bytes", "600", "--reps", "2", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("contiguous_ms", "scattered_ms", "bounce_ms", "auto_ms"):
+        assert out[key] > 0
+    assert out["auto_path"] in ("bounce", "direct") and out["runs"] == 64
