@@ -7,7 +7,7 @@ and runs a greedy multi-turn chat through the proxy. Per request it prints TTFT 
 client), the KV bytes D received and the WRITE time P measured (both from the servers' Prometheus
 ``/metrics``: ``vllm:dsa_kv_bytes_total``, ``vllm:dsa_kv_transfer_seconds``).
 
-``--check`` then stops the pair, starts ONE server without a connector, replays the same conversation
+``--check`` also starts ONE server without a connector (alongside the pair), replays the same conversation
 (same message history per turn) and exits non-zero unless every decode output is identical, every turn
 really moved KV bytes (no silent local recompute: D's ``vllm:dsa_kv_requests_total{outcome="ok"}`` and
 received bytes grow per turn), and no checksum mismatch or failed transfer was counted.
@@ -243,7 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model dtype (float32: deterministic across P/D and one engine)")
     parser.add_argument("--base-port", type=int, default=24000,
-                        help="P, D, proxy HTTP ports: base, base+1, base+2; side channels base+3, base+4")
+                        help="P, D, proxy HTTP ports: base..base+2; side channels base+3, base+4; reference base+5")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for servers")
     parser.add_argument("--workdir", default=None, help="where logs go (default: a temporary directory)")
     parser.add_argument("--no-verify", action="store_true", help="turn verify_transfers off")
@@ -340,6 +340,10 @@ def run(args: argparse.Namespace) -> int:
     with cluster(workdir) as c:
         try:
             t0 = time.monotonic()
+            ref = ref_url = None
+            if args.check:  # start the reference engine now: its start-up overlaps the pair's
+                ref_url = f"http://127.0.0.1:{args.base_port + 5}"
+                ref = c.start("reference", engine_cmd(model, args.base_port + 5, args.dtype, None), engine_env("0"))
             p_url, d_url, x_url = start_pair(c, model, args, connector_config("kv_producer", verify, extra, args.base_port + 3),
                                              connector_config("kv_consumer", verify, extra, args.base_port + 4))
             print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
@@ -355,9 +359,9 @@ def run(args: argparse.Namespace) -> int:
             if not args.check:
                 return 0
             for proc in list(c.procs):
-                c.stop(proc)
-            ref = c.start("reference", engine_cmd(model, args.base_port, args.dtype, None), engine_env("0"))
-            ref_url = f"http://127.0.0.1:{args.base_port}"
+                if proc is not ref:
+                    c.stop(proc)
+            assert ref is not None and ref_url is not None
             wait_healthy(ref_url, [ref], args.startup_timeout)
             problems = []
             for i, r in enumerate(results):

@@ -49,6 +49,8 @@ from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
+_SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
+
 
 def crc_at(addr: int, length: int) -> int:
     """CRC32 of ``length`` bytes of this process's memory at ``addr``."""
@@ -160,6 +162,8 @@ class DSAConnectorWorker:
             self._learn(peer)
         for job in meta.push:
             self._push(job)
+        if meta.push:
+            self._progress_sends()
         for job in meta.recv:
             self._expect(job)
         for req_id, reason in meta.fail_recv.items():
@@ -205,19 +209,22 @@ class DSAConnectorWorker:
 
     def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, pool_runs: list[Any]) -> None:
         """One WRITE per (source pool, destination pool); the notice rides on the last one."""
-        from vllm_dsa_connector.transport.runs import Runs
+        from vllm_dsa_connector.transport.runs import merge_runs
 
         checks: list[tuple[int, int, int, int]] = []
         nbytes = sum(pr.total_bytes for pr in pool_runs)
-        nruns = sum(pr.num_runs for pr in pool_runs)
+        nruns = 0
         for k, pr in enumerate(pool_runs):
-            runs = Runs(pr.src_offsets, pr.dst_offsets, pr.lengths)
+            # sorted merge: blocks listed out of order (vLLM's free list hands them out in reverse) and
+            # layer-outermost layouts (one page per layer per block) still collapse into long runs
+            runs = merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths)
             region = self.regions[pr.src_pool]
             if job.verify:
                 checks.extend(
                     (pr.dst_pool, int(o), int(n), crc_at(region.addr + int(a), int(n)))
                     for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True)
                 )
+            nruns += runs.num_runs
             last = k == len(pool_runs) - 1
             notice = b""
             if last:
@@ -230,6 +237,15 @@ class DSAConnectorWorker:
                 send.xfers.append((xfer, agent, dst.rank))
         self.stats.add("send_bytes", nbytes)
         self.stats.add("send_runs", nruns)
+
+    def _progress_sends(self) -> None:
+        """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread
+        (it would busy-poll a core the engine needs), so UCX copies only while someone polls; without
+        this the copy would wait for the next engine step."""
+        deadline = time.perf_counter() + _SPIN_S
+        while time.perf_counter() < deadline:
+            if all(self.nixl.state(x) != "PROC" for s in self._sends.values() for x, _, _ in s.xfers):
+                return
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
         try:
