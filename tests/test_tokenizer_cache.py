@@ -7,7 +7,7 @@ import pickle
 import threading
 
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
@@ -217,6 +217,9 @@ def test_rules_refuse_unproved_parts():
     assert not analyze(_toy([AddedToken("<l>", lstrip=True, normalized=False)])).line_cuts
     assert not analyze(_toy([AddedToken("a\nb", normalized=False)])).line_cuts
     assert not analyze(_toy(model=models.WordPiece({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))).usable
+    trimmed = _toy()
+    trimmed.post_processor = processors.ByteLevel(trim_offsets=True)
+    assert not analyze(trimmed).line_cuts
     tok = _toy([AddedToken("<s>", special=True, normalized=False)])
     tok.encode_special_tokens = True
     assert analyze(tok).anchors == {}

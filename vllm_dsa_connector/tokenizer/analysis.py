@@ -33,6 +33,7 @@ proved below:
   changes nothing but (maybe) whether ``p`` is a boundary. Since every stage only splits the pieces of the
   previous one, one separating stage makes ``p`` a boundary of the final pieces and all other pieces agree.
 - model: BPE without dropout (each piece is encoded on its own).
+- offsets (used to find a cut's token index) untrimmed: no post-processor with ``trim_offsets``.
 - added tokens: none with lstrip or single_word, none with a newline before its last character (so no match
   can span ``p-1..p``; a leftmost-longest choice left of ``p`` never depends on text right of ``p``).
 
@@ -226,6 +227,13 @@ def analyze(backend: Any) -> CutRules:
         if not ok:
             line_cuts = False
             reasons.append(why)
+    if line_cuts:
+        post = _state(backend.post_processor, full, "post_processor")
+        if post is not None and '"trim_offsets": true' in json.dumps(post):
+            # trimmed offsets can give a whitespace token before a cut a start at the cut: cuts are located
+            # through offsets, so they must be untrimmed
+            line_cuts = False
+            reasons.append("post-processor trims offsets")
     if line_cuts:
         for tok in added:
             if tok.lstrip or tok.single_word or "\n" in tok.content[:-1]:

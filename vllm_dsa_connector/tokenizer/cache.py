@@ -227,15 +227,19 @@ class PrefixTokenCache:
 
     def _lookup(self, chain: list[int]) -> tuple[_Entry | None, int]:
         """The most recent entry sharing the most leading chunks, and how many (under the lock)."""
-        best: _Entry | None = None
-        depth = 0
-        for i, h in enumerate(chain):
-            owners = self._index.get(h)
-            if not owners:
-                break
-            uid = next(reversed(owners))
-            best = self._entries[uid]
-            depth = i + 1
+        # An entry that has chunk hash k has all hashes before it, so "chunk k is indexed" is monotone in k:
+        # binary search for the deepest indexed chunk (O(log chunks) probes; a collision only proposes an
+        # entry, which the caller verifies by comparing text).
+        index = self._index
+        lo, hi = 0, len(chain)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[mid - 1] in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        depth = lo
+        best = self._entries[next(reversed(index[chain[depth - 1]]))] if depth else None
         if best is not None:
             self._entries.move_to_end(best.uid)
         return best, depth
