@@ -44,6 +44,8 @@ CASES: dict[str, dict[str, Any]] = {
     "tp2_to_tp1": {"cfg": {"num_layers": 6, "index_topk_pattern": "FSSFSF"}, "p": (1, 2), "d": (1, 1)},
 }
 
+BOUNCE = {"bounce_mode": "always", "bounce_arena_bytes": 64 << 20}
+
 # ------------------------------------------------------------------------------ in the rank processes
 
 _STATE: dict[str, Any] = {}
@@ -59,7 +61,7 @@ def _fill_source(kv_caches: dict[str, Any]) -> None:
 
 
 def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_rank: int, tp: int,
-            tls: str, engine: str) -> bytes:
+            tls: str, engine: str, bounce: bool = False) -> bytes:
     """Allocate one rank's KV cache with vLLM's code, wrap it in the connector worker; return its payload."""
     if tls == "default":
         os.environ.pop("UCX_TLS", None)
@@ -79,7 +81,9 @@ def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_
     else:
         for t in kv_caches.values():
             t.view(__import__("torch").uint8).fill_(0xAB)
-    worker = DSAConnectorWorker(engine, ConnectorOptions(transfer_timeout_s=30.0), {"model_dtype": "bf16"})
+    opts = ConnectorOptions.from_config({"transfer_timeout_s": 30, **(BOUNCE if bounce else {})}, environ={})
+    role = "kv_producer" if side == "P" else "kv_consumer"
+    worker = DSAConnectorWorker(engine, opts, {"model_dtype": "bf16"}, role=role)
     payload = worker.register(kv_caches, table)
     _STATE[key] = (worker, kv_caches, table)
     return encode(payload)
@@ -202,20 +206,21 @@ def _ranks(pp: int, tp: int) -> list[tuple[int, int]]:
 
 
 def _setup(hosts: list[Host], case: dict[str, Any], tls: str, tag: str,
-           d_cfg: dict[str, Any] | None = None) -> tuple[list, list]:
+           d_cfg: dict[str, Any] | None = None, bounce: bool = False) -> tuple[list, list]:
     """Set up P ranks then D ranks on the hosts (in parallel); returns [(host, key, payload)] per side."""
     p_ranks, d_ranks = _ranks(*case["p"]), _ranks(*case["d"])
     assert len(p_ranks) + len(d_ranks) <= len(hosts)
     jobs = []
     for i, (pp_r, tp_r) in enumerate(p_ranks):
         key = f"{tag}-P{i}"
-        hosts[i].send("h_setup", key, "P", case["cfg"], pp_r, case["p"][0], tp_r, case["p"][1], tls, f"P-{tag}")
+        hosts[i].send("h_setup", key, "P", case["cfg"], pp_r, case["p"][0], tp_r, case["p"][1], tls, f"P-{tag}",
+                      bounce)
         jobs.append(("P", hosts[i], key))
     for j, (pp_r, tp_r) in enumerate(d_ranks):
         h = hosts[len(p_ranks) + j]
         key = f"{tag}-D{j}"
         h.send("h_setup", key, "D", d_cfg or case["cfg"], pp_r, case["d"][0], tp_r, case["d"][1], tls,
-               f"D-{tag}")
+               f"D-{tag}", bounce)
         jobs.append(("D", h, key))
     out: dict[str, list] = {"P": [], "D": []}
     for side, h, key in jobs:
@@ -229,9 +234,13 @@ def _close(*sides: list) -> None:
             h.call("h_close", key)
 
 
-@pytest.mark.parametrize("tls", ["default", "tcp"])
+@pytest.mark.parametrize("tls,path", [("default", "direct"), ("tcp", "direct"), ("tcp", "bounce")])
 @pytest.mark.parametrize("name", list(CASES))
-def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str) -> None:
+def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str, path: str) -> None:
+    """``path="bounce"``: the gate is forced to bounce and D's slots are planned by the scheduler's
+    ``plan_slots``, so every write is gathered into P's staging arena, written once, scattered on D."""
+    import torch
+
     from vllm_dsa_connector.connector.handshake import validate_peer
     from vllm_dsa_connector.connector.metadata import (
         DSAConnectorMetadata,
@@ -240,19 +249,32 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str)
         RecvJob,
         decode_payload,
     )
+    from vllm_dsa_connector.connector.scheduler import plan_slots
+    from vllm_dsa_connector.transport.bounce import StagingArena
+    from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings
 
     case = CASES[name]
-    tag = f"{name}-{tls}"
-    P, D = _setup(hosts, case, tls, tag)
+    tag = f"{name}-{tls}-{path}"
+    P, D = _setup(hosts, case, tls, tag, bounce=path == "bounce")
     try:
         p_payloads = [p for _, _, p in P]
         d_payloads = [p for _, _, p in D]
-        plan = validate_peer([decode_payload(p) for p in p_payloads], [decode_payload(p) for p in d_payloads])
-        expected = {decode_payload(p).rank: list(plan.senders_for(decode_payload(p).rank)) for p in d_payloads}
-        recv = RecvJob("d-req", f"P-{tag}", DST_BLOCKS, expected, 30.0, verify=True)
+        src, dst = [decode_payload(p) for p in p_payloads], [decode_payload(p) for p in d_payloads]
+        plan = validate_peer(src, dst)
+        expected = {d.rank: list(plan.senders_for(d.rank)) for d in dst}
+        slots: dict = {}
+        if path == "bounce":
+            arenas = {d.rank: StagingArena(0, buffer=torch.empty(d.staging["size"], dtype=torch.uint8,
+                                                                 device="meta")) for d in dst}
+            gate = BounceGate(BounceSettings.from_config(BOUNCE, environ={}))
+            slots, _ = plan_slots(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
+            assert sum(len(v) for v in slots.values()) == sum(len(v) for v in expected.values()), slots
+        recv = RecvJob("d-req", f"P-{tag}", DST_BLOCKS, expected, 30.0, verify=True, src_blocks=SRC_BLOCKS,
+                       slots=slots)
         for h, key, _ in D:
-            h.call("h_step", key, DSAConnectorMetadata(recv=[recv]))
-        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True)
+            h.call("h_step", key, DSAConnectorMetadata(peers=[PeerInfo(f"P-{tag}", p_payloads, as_source=True)],
+                                                       recv=[recv]))
+        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True, slots=slots)
         meta = DSAConnectorMetadata(local=PeerInfo(f"P-{tag}", p_payloads),
                                     peers=[PeerInfo(f"D-{tag}", d_payloads)], push=[push])
         for h, key, _ in P:
@@ -266,6 +288,9 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str)
             r = polls[key]
             assert "d-req" in r["recving"] and not r["failed"] and not r["error_blocks"], r
             assert r["stats"]["checksummed_runs"] > 0 and r["stats"]["checksum_mismatches"] == 0, r["stats"]
+        sent = [polls[key]["stats"] for _, key, _ in P]
+        bounced = sum(st["bounce_bytes"] for st in sent)
+        assert (bounced == sum(st["send_bytes"] for st in sent) > 0) if path == "bounce" else bounced == 0, sent
         for h, key, _ in D:
             res = h.call("h_check", key, SRC_BLOCKS, DST_BLOCKS)
             assert not res["bad"], f"{key}: wrong bytes in {res['bad']}"

@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[bench pd] FAILED: {e}", file=sys.stderr)
         return 1
     dsa, nixl = results["dsa"]["rows"], results["nixl"]["rows"]
+    (workdir / "rows.json").write_text(json.dumps(results, indent=1))
     match = [a["text"] == b["text"] for a, b in zip(dsa, nixl, strict=True)]
 
     def med(rows: list[dict[str, Any]], k: str) -> float:

@@ -159,7 +159,7 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, self._kv_cache_config, cfg.model_config.hf_config,
             kv_cache_dtype=str(cfg.cache_config.cache_dtype), pp_rank=pp_rank,
             pp_size=pp.pipeline_parallel_size, tp_rank=tp_rank, tp_size=pp.tensor_parallel_size)
-        self._worker = DSAConnectorWorker(self.engine_id, self.opts, compat_facts(cfg))
+        self._worker = DSAConnectorWorker(self.engine_id, self.opts, compat_facts(cfg), role=str(cfg.kv_transfer_config.kv_role))
         self._worker.register(kv_caches, table)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -37,6 +37,7 @@ class RankPayload(msgspec.Struct, frozen=True):
     page_table: dict[str, Any]
     regions: list[dict[str, Any]]  # transport RegionDesc.to_dict() per pool index
     compat: dict[str, str]
+    staging: dict[str, Any] | None = None  # receive staging arena (RegionDesc dict) for bounced writes
     protocol: int = PROTOCOL_VERSION
 
 
@@ -48,10 +49,18 @@ class DSAHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
-    """Every worker payload of one engine (encoded :class:`RankPayload`)."""
+    """Every worker payload of one engine (encoded :class:`RankPayload`).
+
+    ``as_source``: the peer writes to us (we are D); otherwise we write to it (we are P).
+    """
 
     engine_id: str
     payloads: list[bytes]
+    as_source: bool = False
+
+
+#: dst rank -> src rank -> [offset, size] in the destination rank's staging arena
+Slots = dict[int, dict[int, list[int]]]
 
 
 class PushJob(msgspec.Struct, frozen=True):
@@ -63,6 +72,7 @@ class PushJob(msgspec.Struct, frozen=True):
     src_blocks: list[int]
     dst_blocks: list[int]
     verify: bool = False
+    slots: Slots = {}
 
 
 class RecvJob(msgspec.Struct, frozen=True):
@@ -74,6 +84,8 @@ class RecvJob(msgspec.Struct, frozen=True):
     expected: dict[int, list[int]]  # local (dst) rank -> source ranks that write to it
     timeout_s: float
     verify: bool = False
+    src_blocks: list[int] = []  # the producer's blocks (to recompute bounced runs for the scatter)
+    slots: Slots = {}
 
 
 class Notice(msgspec.Struct, frozen=True):

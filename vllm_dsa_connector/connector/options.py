@@ -86,6 +86,7 @@ class ConnectorOptions:
     verify_transfers: bool = False
     nixl_backend: str = "UCX"
     heartbeat_interval_s: float = 0.0
+    bounce: Any = None  # transport.gate.BounceSettings (None: transport absent or never bounce)
 
     @property
     def heartbeat_s(self) -> float:
@@ -106,5 +107,5 @@ class ConnectorOptions:
         except ImportError:
             pass
         else:
-            BounceSettings.from_config(config, environ)
+            values["bounce"] = BounceSettings.from_config(config, environ)
         return cls(**values)

@@ -44,7 +44,9 @@ from vllm_dsa_connector.connector.metadata import (
     PushJob,
     RankPayload,
     RecvJob,
+    Slots,
     decode_payload,
+    encode,
 )
 from vllm_dsa_connector.connector.options import ConnectorOptions
 
@@ -58,6 +60,35 @@ if TYPE_CHECKING:
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _RETRY_UNREACHABLE_S = 5.0
+
+
+def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_blocks: list[int],
+               dst_blocks: list[int], gate: Any, arenas: dict[int, Any]) -> tuple[Slots, list[tuple[int, Any]]]:
+    """Staging slots for one request: per (destination rank, source rank) pair the gate wants bounced.
+
+    ``arenas`` maps a destination rank to an allocator over its staging arena (a ``StagingArena`` on a
+    ``meta`` buffer: bookkeeping only, the bytes live in D's worker). Returns the slots and the
+    reservations to free once the transfer is over. A pair gets no slot (= direct WRITE) when its runs do
+    not fit one write, the gate prefers direct, or the arena has no room right now.
+    """
+    from vllm_dsa_connector.connector.worker import pair_runs
+
+    slots: Slots = {}
+    held: list[tuple[int, Any]] = []
+    for d in dst:
+        arena = arenas.get(d.rank)
+        if arena is None or d.staging is None:
+            continue
+        for s in src:
+            parts = pair_runs(plan, s, d, src_blocks, dst_blocks)
+            if len(parts) != 1 or parts[0][2].total_bytes == 0 or gate.decide(parts[0][2], merged=True) != "bounce":
+                continue
+            res = arena.reserve(parts[0][2].total_bytes, 0.0)
+            if res is None:
+                continue
+            slots.setdefault(d.rank, {})[s.rank] = [res.offset, parts[0][2].total_bytes]
+            held.append((d.rank, res))
+    return slots, held
 
 
 @dataclass
@@ -76,6 +107,8 @@ class _Peer:
     port: int
     future: Future | None = None
     payloads: list[bytes] = field(default_factory=list)
+    remote: list[RankPayload] = field(default_factory=list)
+    plan: Any = None
     expected: dict[int, list[int]] = field(default_factory=dict)
     error: str | None = None
     failed_at: float = 0.0
@@ -122,6 +155,11 @@ class DSAConnectorScheduler:
         self._reg_futures: dict[str, Future] = {}
         self._fail: dict[str, str] = {}
         self._last_hb = 0.0
+        self._sources_sent: set[str] = set()
+        self._new_sources: list[PeerInfo] = []
+        self._slot_res: dict[str, list[tuple[int, Any]]] = {}
+        self._arenas: dict[int, Any] | None = None
+        self._gate: Any = None
 
     # ---------------------------------------------------------------- handshake data
 
@@ -179,15 +217,9 @@ class DSAConnectorScheduler:
 
     # ---------------------------------------------------------------- D side
 
-    def _handshake(self, peer: _Peer) -> tuple[list[bytes], dict[int, list[int]]]:
+    def _handshake(self, peer: _Peer) -> tuple[list[RankPayload], Any]:
         remote = fetch_payloads(peer.host, peer.port, self.opts.handshake_timeout_s)
-        plan = validate_peer(remote, self.local_payloads)
-        expected: dict[int, list[int]] = {}
-        for p in self.local_payloads:
-            expected[p.rank] = sorted({s.src_rank for s in plan.segments if s.dst_rank == p.rank})
-        from vllm_dsa_connector.connector.metadata import encode
-
-        return [encode(p) for p in remote], expected
+        return remote, validate_peer(remote, self.local_payloads)
 
     def _peer(self, engine: str, host: str, port: int) -> _Peer:
         peer = self._peers.get(engine)
@@ -200,7 +232,9 @@ class DSAConnectorScheduler:
             self._peers[engine] = peer
         if peer.future is not None and peer.future.done():
             try:
-                peer.payloads, peer.expected = peer.future.result()
+                peer.remote, peer.plan = peer.future.result()
+                peer.payloads = [encode(p) for p in peer.remote]
+                peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self.local_payloads}
                 logger.info("DSAConnector %s: handshake with %s done (%d workers, plan %s)",
                             self.engine_id, engine, len(peer.payloads), peer.expected)
             except HandshakeError as e:
@@ -263,13 +297,59 @@ class DSAConnectorScheduler:
             return
         n_blocks = -(-(num_external_tokens + request.num_computed_tokens) // self.block_size)
         ids = list(blocks.get_unhashed_block_ids_all_groups()[0])[:n_blocks]
+        src_blocks = [int(b) for b in params.get("remote_block_ids") or []]
+        n = min(len(ids), len(src_blocks)) if src_blocks else len(ids)
+        ids, src_blocks = ids[:n], src_blocks[:n]
+        slots: Slots = {}
+        if src_blocks and self._bouncing():
+            try:
+                slots, held = plan_slots(peer.plan, peer.remote, self.local_payloads, src_blocks, ids,
+                                         self._gate, self._arenas or {})
+                self._slot_res[req_id] = held
+            except Exception as e:  # noqa: BLE001 - no slot means a direct WRITE, never a failure
+                logger.warning("DSAConnector: no staging slots for %s: %s", req_id, e)
+        if engine not in self._sources_sent:
+            self._sources_sent.add(engine)
+            self._new_sources.append(PeerInfo(engine, list(peer.payloads), as_source=True))
         self._pending_recv.append(RecvJob(
             req_id=req_id, src_engine=engine, blocks=ids, expected=peer.expected,
-            timeout_s=self.opts.transfer_timeout_s, verify=self.opts.verify_transfers))
+            timeout_s=self.opts.transfer_timeout_s, verify=self.opts.verify_transfers,
+            src_blocks=src_blocks, slots=slots))
         self._inflight[req_id] = _Inflight(engine, peer.host, peer.port, p_req)
         body = {"p_req": p_req, "d_engine": self.engine_id, "d_req": req_id, "d_blocks": ids,
-                "verify": self.opts.verify_transfers}
+                "verify": self.opts.verify_transfers, "slots": slots}
         self._reg_futures[req_id] = self._pool.submit(self._register, peer, body)
+
+    def _bouncing(self) -> bool:
+        """Whether D offers staging slots (the gate is not off and the workers have staging arenas)."""
+        settings = self.opts.bounce
+        if settings is None or settings.mode == "never":
+            return False
+        if self._arenas is None:
+            import torch
+
+            from vllm_dsa_connector.transport.bounce import StagingArena
+            from vllm_dsa_connector.transport.gate import BounceGate
+
+            local = self.local_payloads
+            device = local[0].page_table["pools"][0].get("device", "cpu") if local else "cpu"
+            self._gate = BounceGate(settings, device=device)
+            self._arenas = {
+                p.rank: StagingArena(0, buffer=torch.empty(int(p.staging["size"]), dtype=torch.uint8,
+                                                           device="meta"))
+                for p in local if p.staging
+            }
+        return bool(self._arenas)
+
+    def _free_slots(self, req_id: str, failed: bool) -> None:
+        for rank, res in self._slot_res.pop(req_id, ()):
+            arena = (self._arenas or {}).get(rank)
+            if arena is None:
+                continue
+            if failed:  # a late WRITE could still land there: never reuse it
+                arena.quarantine(res)
+            else:
+                arena.release(res)
 
     def _register(self, peer: _Peer, body: dict[str, Any]) -> None:
         reply = request(peer.host, peer.port, "reg", body, self.opts.handshake_timeout_s)
@@ -356,6 +436,8 @@ class DSAConnectorScheduler:
             meta.local = PeerInfo(self.engine_id, list(self._local_payloads))
             self._local_sent = True
         # D side
+        meta.peers.extend(self._new_sources)
+        self._new_sources = []
         meta.recv, self._pending_recv = self._pending_recv, []
         for req_id, fut in list(self._reg_futures.items()):
             if not fut.done():
@@ -380,8 +462,11 @@ class DSAConnectorScheduler:
                     meta.peers.append(PeerInfo(d_engine, self._peer_payloads[d_engine]))
                     self._peers_sent.add(d_engine)
                 n = min(len(lease.blocks), len(reg["d_blocks"]))
+                slots = {int(r): {int(s): [int(v) for v in sl] for s, sl in per.items()}
+                         for r, per in (reg.get("slots") or {}).items()}
                 meta.push.append(PushJob(str(reg["p_req"]), d_engine, str(reg["d_req"]), lease.blocks[:n],
-                                         [int(b) for b in reg["d_blocks"][:n]], bool(reg.get("verify"))))
+                                         [int(b) for b in reg["d_blocks"][:n]], bool(reg.get("verify")),
+                                         slots))
                 lease.dispatched = True
             for req_id, lease in self._leases.items():
                 if lease.released:
@@ -403,6 +488,7 @@ class DSAConnectorScheduler:
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
             inf = self._inflight.pop(req_id, None)
+            self._free_slots(req_id, failed=req_id in failed)
             if inf is not None and req_id in failed:
                 self._cancel_async(inf.host, inf.port, [inf.p_req])
 

@@ -52,6 +52,23 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 _SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
 
 
+def _transfer(x: Any) -> Any:
+    """The NIXL transfer of a direct ``Transfer`` or of a bounce ``Send``."""
+    return getattr(x, "transfer", x)
+
+
+def _parse(msg: bytes) -> tuple[Notice | None, str]:
+    """(notice, path) from a notification: the bounce transport's format or our own."""
+    from vllm_dsa_connector.connector.metadata import NOTICE_PREFIX
+    from vllm_dsa_connector.transport.bounce import decode_notif
+
+    parsed = decode_notif(msg)
+    if parsed is not None:
+        path, _writer, tag = parsed
+        return decode_notice(NOTICE_PREFIX + tag), path
+    return decode_notice(msg), "direct"
+
+
 def crc_at(addr: int, length: int) -> int:
     """CRC32 of ``length`` bytes of this process's memory at ``addr``."""
     return zlib.crc32(memoryview((ctypes.c_char * length).from_address(addr)))
@@ -67,6 +84,26 @@ def pool_tensor(kv_caches: dict[str, torch.Tensor], base_ptr: int, nbytes: int) 
             full.set_(storage, 0, (storage.nbytes(),))
             return full[base_ptr - start : base_ptr - start + nbytes]
     raise ValueError(f"no KV cache tensor covers pool [{base_ptr:#x}, +{nbytes})")
+
+
+def pair_runs(plan: Any, src: RankPayload, dst: RankPayload, src_blocks: Any, dst_blocks: Any) -> list[Any]:
+    """``[(src_pool, dst_pool, Runs)]`` one source rank writes to one destination rank for these blocks.
+
+    Runs are merged with sorting (``transport.merge_runs``): blocks listed out of order (vLLM's free list
+    hands them out in reverse) and layer-outermost layouts still collapse into long runs. Sender and
+    receiver compute the same runs in the same order (a bounced write is packed in that order).
+    """
+    from vllm_dsa_connector.layout import PageTable
+    from vllm_dsa_connector.matching import expand_runs
+    from vllm_dsa_connector.transport.runs import merge_runs
+
+    segs = plan.for_pair(src.rank, dst.rank)
+    if not segs:
+        return []
+    pool_runs = expand_runs(segs, PageTable.from_dict(src.page_table), PageTable.from_dict(dst.page_table),
+                            np.asarray(src_blocks, np.int64), np.asarray(dst_blocks, np.int64))
+    return [(pr.src_pool, pr.dst_pool, merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths).merged())
+            for pr in pool_runs]
 
 
 @dataclass
@@ -98,10 +135,14 @@ class _RemoteEngine:
 class DSAConnectorWorker:
     """Connector worker state for one (pp, tp) rank."""
 
-    def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str]) -> None:
+    def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str],
+                 role: str = "kv_both") -> None:
         from vllm_dsa_connector.transport.engine import NixlEngine
 
         self.engine_id = engine_id
+        self.role = role
+        self.sender: Any = None  # transport BounceSender (P side) when bouncing is allowed
+        self.recv_arena: Any = None  # staging arena D's senders write bounced bytes into
         self.opts = options
         self.compat = dict(compat)
         self.nixl = NixlEngine(f"dsa-{engine_id}-{uuid.uuid4().hex[:8]}", (options.nixl_backend,),
@@ -115,7 +156,7 @@ class DSAConnectorWorker:
         self._sends: dict[str, _Send] = {}
         self._done_sending: set[str] = set()
         self._recvs: dict[str, _Recv] = {}
-        self._early: dict[str, list[tuple[float, Notice]]] = defaultdict(list)
+        self._early: dict[str, list[tuple[float, Notice, str]]] = defaultdict(list)
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._error_blocks: set[int] = set()
@@ -126,10 +167,23 @@ class DSAConnectorWorker:
         """Register every pool of ``table`` (views into ``kv_caches``) and build the handshake payload."""
         self.table = table
         self.regions = [self.nixl.register(pool_tensor(kv_caches, p.base_ptr, p.nbytes)) for p in table.pools]
+        staging = None
+        settings = self.opts.bounce
+        if settings is not None and settings.mode != "never":
+            from vllm_dsa_connector.transport.bounce import BounceSender, StagingArena
+            from vllm_dsa_connector.transport.gate import BounceGate
+
+            device = table.pools[0].device if table.pools else "cpu"
+            if self.role in ("kv_producer", "kv_both"):
+                self.sender = BounceSender(self.nixl, StagingArena(settings.arena_bytes, device=device),
+                                           BounceGate(settings, device=device))
+            if self.role in ("kv_consumer", "kv_both"):
+                self.recv_arena = StagingArena(settings.arena_bytes, device=device)
+                staging = self.nixl.register(self.recv_arena.buffer).desc().to_dict()
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
             agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=table.to_dict(),
-            regions=[r.desc().to_dict() for r in self.regions], compat=self.compat)
+            regions=[r.desc().to_dict() for r in self.regions], compat=self.compat, staging=staging)
         logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s",
                     self.engine_id, table.rank, len(self.regions), table.bytes_per_block,
                     [(v.role.value, len(v.entries)) for v in table.views])
@@ -143,10 +197,14 @@ class DSAConnectorWorker:
     def _learn(self, peer: PeerInfo) -> None:
         payloads = sorted((decode_payload(p) for p in peer.payloads), key=lambda p: p.rank)
         remote = _RemoteEngine(payloads, {})
+        local = self.local or [self.payload]
         try:
-            remote.plan = validate_peer(self.local or [self.payload], payloads)
-            for p in payloads:
-                remote.agents[p.rank] = self.nixl.add_peer(p.agent_metadata)
+            if peer.as_source:  # it writes to us: we only need the plan (to scatter bounced bytes)
+                remote.plan = validate_peer(payloads, local)
+            else:
+                remote.plan = validate_peer(local, payloads)
+                for p in payloads:
+                    remote.agents[p.rank] = self.nixl.add_peer(p.agent_metadata)
         except (HandshakeError, Exception) as e:  # noqa: BLE001 - refuse the peer, keep serving
             remote.error = str(e)
             logger.error("DSAConnector %s: peer %s refused: %s", self.engine_id, peer.engine_id, e)
@@ -178,63 +236,63 @@ class DSAConnectorWorker:
                 self._done_sending.add(req_id)
 
     def _push(self, job: PushJob) -> None:
-        from vllm_dsa_connector.layout import PageTable
-        from vllm_dsa_connector.matching import expand_runs
-
         send = _Send(job.req_id, job.dst_req_id)
         self._sends[job.req_id] = send
         remote = self.remotes.get(job.dst_engine)
-        me = self.table.rank
         if remote is None or remote.error:
             logger.error("DSAConnector: cannot push %s to %s: %s", job.req_id, job.dst_engine,
                          remote.error if remote else "unknown peer")
             send.failed = True
             return
-        src_blocks = np.asarray(job.src_blocks, np.int64)
-        dst_blocks = np.asarray(job.dst_blocks, np.int64)
+        me = self.payload
         for dst in remote.payloads:
-            segs = remote.plan.for_pair(me, dst.rank)
-            if not segs:
+            if dst.rank not in remote.agents:
                 continue
             agent = remote.agents[dst.rank]
             try:
-                dst_table = PageTable.from_dict(dst.page_table)
-                pool_runs = expand_runs(segs, self.table, dst_table, src_blocks, dst_blocks)
-                self._write(job, send, dst, agent, pool_runs)
+                parts = pair_runs(remote.plan, me, dst, job.src_blocks, job.dst_blocks)
+                if parts:
+                    self._write(job, send, dst, agent, parts)
             except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
                 logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
                              dst.rank, e)
                 send.failed = True
                 self._notify_failure(agent, job.dst_req_id, str(e))
 
-    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, pool_runs: list[Any]) -> None:
-        """One WRITE per (source pool, destination pool); the notice rides on the last one."""
-        from vllm_dsa_connector.transport.runs import merge_runs
-
+    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, parts: list[Any]) -> None:
+        """One WRITE per (source pool, destination pool), bounced when the gate says so and D gave a
+        staging slot; the notice rides on the last WRITE."""
+        me = self.table.rank
         checks: list[tuple[int, int, int, int]] = []
-        nbytes = sum(pr.total_bytes for pr in pool_runs)
-        nruns = 0
-        for k, pr in enumerate(pool_runs):
-            # sorted merge: blocks listed out of order (vLLM's free list hands them out in reverse) and
-            # layer-outermost layouts (one page per layer per block) still collapse into long runs
-            runs = merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths)
-            region = self.regions[pr.src_pool]
-            if job.verify:
-                checks.extend(
-                    (pr.dst_pool, int(o), int(n), crc_at(region.addr + int(a), int(n)))
-                    for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True)
-                )
-            nruns += runs.num_runs
-            last = k == len(pool_runs) - 1
-            notice = b""
-            if last:
-                notice = encode_notice(Notice(job.dst_req_id, self.table.rank, True, nbytes, nruns,
-                                              checks=checks))
-            xfer = self.nixl.write(agent, region, dst.regions[pr.dst_pool], runs, notice)
-            if not last:  # earlier WRITEs must be complete before the notice goes out
-                self.nixl.wait(xfer, self.opts.transfer_timeout_s)
-            else:
-                send.xfers.append((xfer, agent, dst.rank))
+        nbytes = sum(r.total_bytes for _, _, r in parts)
+        nruns = sum(r.num_runs for _, _, r in parts)
+        if job.verify:
+            for sp, dp, runs in parts:
+                base = self.regions[sp].addr
+                checks.extend((dp, int(o), int(n), crc_at(base + int(a), int(n)))
+                              for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True))
+        notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
+        slot = job.slots.get(dst.rank, {}).get(me)
+        if self.sender is not None and len(parts) == 1 and dst.staging is not None:
+            from vllm_dsa_connector.transport.bounce import StagingSlot
+            from vllm_dsa_connector.transport.engine import RegionDesc
+
+            sp, dp, runs = parts[0]
+            st = StagingSlot(RegionDesc.from_dict(dst.staging), int(slot[0]), int(slot[1])) if slot else None
+            snd = self.sender.send(agent, self.regions[sp], dst.regions[dp], runs, encode(notice), slot=st,
+                                   writer=me)
+            if snd.path == "bounce":
+                self.stats.add("bounce_bytes", nbytes)
+            send.xfers.append((snd, agent, dst.rank))
+        else:
+            for k, (sp, dp, runs) in enumerate(parts):
+                last = k == len(parts) - 1
+                xfer = self.nixl.write(agent, self.regions[sp], dst.regions[dp], runs,
+                                       encode_notice(notice) if last else b"")
+                if not last:  # earlier WRITEs must be complete before the notice goes out
+                    self.nixl.wait(xfer, self.opts.transfer_timeout_s)
+                else:
+                    send.xfers.append((xfer, agent, dst.rank))
         self.stats.add("send_bytes", nbytes)
         self.stats.add("send_runs", nruns)
 
@@ -244,7 +302,7 @@ class DSAConnectorWorker:
         this the copy would wait for the next engine step."""
         deadline = time.perf_counter() + _SPIN_S
         while time.perf_counter() < deadline:
-            if all(self.nixl.state(x) != "PROC" for s in self._sends.values() for x, _, _ in s.xfers):
+            if all(self.nixl.state(_transfer(x)) != "PROC" for s in self._sends.values() for x, _, _ in s.xfers):
                 return
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
@@ -259,10 +317,26 @@ class DSAConnectorWorker:
         now = time.monotonic()
         state = _Recv(job, set(job.expected.get(me, ())), now + job.timeout_s, now)
         self._recvs[job.req_id] = state
-        for _, notice in self._early.pop(job.req_id, ()):
-            self._apply(state, notice)
+        for _, notice, path in self._early.pop(job.req_id, ()):
+            self._apply(state, notice, path)
 
-    def _apply(self, state: _Recv, n: Notice) -> None:
+    def _scatter(self, job: RecvJob, src_rank: int) -> None:
+        """Unpack a bounced write: recompute the writer's runs and scatter its staging slot."""
+        from vllm_dsa_connector.transport.bounce import scatter
+
+        slot = job.slots.get(self.table.rank, {}).get(src_rank)
+        remote = self.remotes.get(job.src_engine)
+        if slot is None or remote is None or remote.plan is None or self.recv_arena is None:
+            raise RuntimeError(f"bounced write from rank {src_rank} without a staging slot / peer plan")
+        src = next(p for p in remote.payloads if p.rank == src_rank)
+        parts = pair_runs(remote.plan, src, self.payload, job.src_blocks, job.blocks)
+        if len(parts) != 1 or parts[0][2].total_bytes != int(slot[1]):
+            raise RuntimeError(f"bounced write from rank {src_rank} does not match the expected runs")
+        _, dp, runs = parts[0]
+        off, size = int(slot[0]), int(slot[1])
+        scatter(self.recv_arena.buffer[off : off + size], self.regions[dp].tensor, runs)
+
+    def _apply(self, state: _Recv, n: Notice, path: str = "direct") -> None:
         if n.src_rank not in state.pending:
             logger.warning("DSAConnector: unexpected notice for %s from rank %d", n.req_id, n.src_rank)
             return
@@ -270,6 +344,12 @@ class DSAConnectorWorker:
         if not n.ok:
             state.error = n.error or "sender reported a failure"
             return
+        if path == "bounce":
+            try:
+                self._scatter(state.job, n.src_rank)
+            except Exception as e:  # noqa: BLE001 - a bad bounce is a failed load, never a crash
+                state.error = f"scatter of rank {n.src_rank}'s bounced write failed: {e}"
+                return
         self.stats.add("recv_bytes", n.nbytes)
         self.stats.add("recv_runs", n.runs)
         if state.job.verify:
@@ -303,12 +383,16 @@ class DSAConnectorWorker:
         for req_id, send in list(self._sends.items()):
             remaining = []
             for xfer, agent, rank in send.xfers:
-                state = self.nixl.state(xfer)
-                if state == "PROC" and now - xfer.started < self.opts.transfer_timeout_s:
+                t = _transfer(xfer)
+                state = self.nixl.state(t)
+                if state == "PROC" and now - t.started < self.opts.transfer_timeout_s:
                     remaining.append((xfer, agent, rank))
                     continue
                 try:
-                    st = self.nixl.wait(xfer, self.opts.transfer_timeout_s)
+                    if t is xfer:
+                        st = self.nixl.wait(xfer, self.opts.transfer_timeout_s)
+                    else:  # a bounce Send: waiting also frees (or quarantines) its staging space
+                        st = self.sender.wait(xfer, self.opts.transfer_timeout_s)
                     secs = st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds
                     self.stats.observe("transfer_s", secs)
                     if st.desc_count >= 0:
@@ -326,14 +410,14 @@ class DSAConnectorWorker:
     def _poll_recvs(self) -> None:
         now = time.monotonic()
         for _peer, msg in self.nixl.poll_notifications():
-            n = decode_notice(msg)
+            n, path = _parse(msg)
             if n is None:
                 continue
             state = self._recvs.get(n.req_id)
             if state is None:
-                self._early[n.req_id].append((now, n))
+                self._early[n.req_id].append((now, n, path))
                 continue
-            self._apply(state, n)
+            self._apply(state, n, path)
         for req_id in [r for r, v in self._early.items() if v and now - v[0][0] > 600]:
             del self._early[req_id]
         for req_id, state in list(self._recvs.items()):
