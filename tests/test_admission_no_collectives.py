@@ -45,7 +45,7 @@ COLLECTIVE_NAMES = {
     "coordinate_batch_across_dp",
     "has_unfinished_dp",
 }
-BLOCKING_NAMES = {"sleep", "wait", "join", "acquire", "Event", "Condition", "Barrier"}
+BLOCKING_NAMES = {"sleep", "wait", "acquire", "Event", "Condition", "Barrier", "Future", "result"}
 
 
 def _modules() -> list[Path]:
@@ -66,7 +66,13 @@ def test_admission_source_has_no_collective_or_wait(path: Path) -> None:
                 else [node.module or ""]
             )
             for m in mods:
-                if m.startswith(("torch.distributed", "vllm.distributed")) or m == "threading":
+                if m.startswith(("torch.distributed", "vllm.distributed")) or m.split(".")[0] in {
+                    "threading",
+                    "multiprocessing",
+                    "asyncio",
+                    "concurrent",
+                    "zmq",
+                }:
                     problems.append(f"line {node.lineno}: import {m}")
             if isinstance(node, ast.ImportFrom):
                 for a in node.names:
@@ -74,6 +80,12 @@ def test_admission_source_has_no_collective_or_wait(path: Path) -> None:
                         problems.append(f"line {node.lineno}: from {node.module} import {a.name}")
         elif isinstance(node, ast.Attribute) and node.attr in COLLECTIVE_NAMES | BLOCKING_NAMES:
             problems.append(f"line {node.lineno}: .{node.attr}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "join"
+            and not isinstance(node.value, ast.Constant)  # ", ".join(...) is str.join
+        ):
+            problems.append(f"line {node.lineno}: .join (thread/process join)")
         elif isinstance(node, ast.Name) and node.id in COLLECTIVE_NAMES | BLOCKING_NAMES:
             problems.append(f"line {node.lineno}: {node.id}")
     assert not problems, f"{path.name}: " + "; ".join(problems)

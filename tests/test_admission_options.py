@@ -40,6 +40,7 @@ def test_admission_budget_parses_and_rounds_up_to_blocks() -> None:
         ({"admission_timeout_s": 0}, "admission_timeout_s"),
         ({"admission_timeout_s": "nan"}, "admission_timeout_s"),
         ({"admission_log_interval_s": -1}, "admission_log_interval_s"),
+        ({"admission_budget_token": 64}, "admission_budget_token"),  # a typo is not ignored
     ],
 )
 def test_admission_invalid_values_name_the_key(extra: dict, key: str) -> None:
@@ -79,7 +80,11 @@ def test_admission_ledger_fcfs_stop_and_oversized_first() -> None:
     assert not ledger.admit("b", 5 * 16)  # 6 + 5 > 10: stops admission behind it
     assert not ledger.admit("c", 1)  # would fit, but FCFS
     stats = ledger.end_step(1)
-    assert stats is not None and (stats.admitted, stats.deferred, stats.in_flight_blocks) == (1, 2, 6)
+    assert stats is not None and (stats.admitted, stats.deferred, stats.in_flight_blocks) == (
+        1,
+        2,
+        6,
+    )
     ledger.begin_step()
     ledger.ended("a")
     assert ledger.admit("big", 40 * 16)  # larger than the budget, nothing in flight

@@ -78,6 +78,13 @@ class AdmissionConfig:
         """
         extra = extra or {}
         environ = os.environ if environ is None else environ
+        typos = sorted(
+            k for k in extra if k.startswith("admission") and k not in ADMISSION_OPTION_KEYS
+        )
+        if typos:
+            raise OptionError(
+                f"{typos[0]}: unknown admission option; known: {', '.join(sorted(ADMISSION_OPTION_KEYS))}"
+            )
         policy = OPT_POLICY.resolve(extra, environ)
         budget = OPT_BUDGET_TOKENS.resolve(extra, environ)
         timeout_s = OPT_TIMEOUT_S.resolve(extra, environ)

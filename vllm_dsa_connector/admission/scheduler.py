@@ -59,7 +59,8 @@ class DSAScheduler(Scheduler):
             self._handle_blocked_waiting_request = super()._handle_blocked_waiting_request  # type: ignore[method-assign]
         self._admission_last: AdmissionStepStats | None = None
         self._admission_log_interval = config.log_interval_s
-        self._admission_next_log = time.monotonic() + config.log_interval_s
+        self._admission_last_log = time.monotonic()
+        self._admission_next_log = self._admission_last_log + config.log_interval_s
         self._admission_logged_totals = dict(self._admission.totals)
         if config.policy == "passthrough" and config.budget_tokens is not None:
             logger.info(
@@ -107,7 +108,7 @@ class DSAScheduler(Scheduler):
             now = time.monotonic()
             if now >= self._admission_next_log:
                 self._admission_next_log = now + self._admission_log_interval
-                self._log_interval()
+                self._log_interval(now)
         return output
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
@@ -131,14 +132,16 @@ class DSAScheduler(Scheduler):
 
     # logging ----------------------------------------------------------------------------------
 
-    def _log_interval(self) -> None:
+    def _log_interval(self, now: float) -> None:
         totals = self._admission.totals
         last = self._admission_logged_totals
         delta = {k: totals[k] - last[k] for k in totals}
         ledger = self._admission
         if not any(delta.values()) and not ledger.in_flight_requests:
+            self._admission_last_log = now
             return
         self._admission_logged_totals = dict(totals)
+        elapsed, self._admission_last_log = now - self._admission_last_log, now
         logger.info(
             "admission (%s): admitted %d, deferred %d, completed %d, expired %d in the last "
             "%.0f s; in flight now: %d requests, %d blocks%s",
@@ -147,7 +150,7 @@ class DSAScheduler(Scheduler):
             delta["deferred"],
             delta["completed"],
             delta["expired"],
-            self._admission_log_interval,
+            elapsed,
             ledger.in_flight_requests,
             ledger.in_flight_blocks,
             f" of {ledger.budget_blocks}" if ledger.budget_blocks is not None else "",

@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+_COUNTS = re.compile(r"admitted (\d+), deferred (\d+), completed")
 PD_PORTS = {"prefill": 23100, "passthrough": 23101, "budget": 23102}
 SIDE_CHANNEL_PORTS = {"prefill": 23110, "passthrough": 23111, "budget": 23112}
 
@@ -425,14 +427,11 @@ def bench_pd(model: str, args: argparse.Namespace, budget_tokens: int) -> int:
         print(
             f"budget / passthrough burst wall time: {summary['budget'] / summary['passthrough']:.3f}"
         )
-        for s in servers[1:]:
-            lines = [
-                ln
-                for ln in s.log_path.read_text(errors="replace").splitlines()
-                if "admission" in ln
-            ]
-            if lines:
-                print(f"[{s.name} log] {lines[-1].split('] ', 1)[-1]}")
+        for s in servers[1:]:  # the decode servers' periodic admission lines, summed
+            text = s.log_path.read_text(errors="replace")
+            counts = [tuple(map(int, m)) for m in _COUNTS.findall(text)]
+            adm, dfr = sum(c[0] for c in counts), sum(c[1] for c in counts)
+            print(f"{s.name:12s} admission log: admitted {adm}, deferred {dfr} (warm-up included)")
         return 0
     except RuntimeError as e:
         print(f"bench admission (P/D): {e}", file=sys.stderr)
