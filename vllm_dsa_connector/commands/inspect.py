@@ -95,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{m.architecture}: {m.num_hidden_layers} layers + {m.num_mtp_layers} MTP, "
           f"{len(m.owning_layers)} own an indexer ({_ranges(m.owning_layers)}); "
           f"pp={args.pp_size} tp={args.tp_size} block={args.block_size} kv_cache_dtype={args.kv_cache_dtype}")
-    hdr = f"{'stage':>5}  {'layers':<14} {'owning indexer layers':<34} {'rows':<9} " \
+    def owners(s: dict) -> str:
+        idx = next((p for p in s["pools"] if p["role"] == "indexer_k"), None)
+        return _ranges(tuple(idx["layers"])) if idx else "none (no indexer pool)"
+
+    w = max(22, *(len(owners(s)) for s in stages))
+    hdr = f"{'stage':>5}  {'layers':<14} {'owning indexer layers':<{w}} {'rows':<9} " \
           f"{'mla B/tok':>10} {'idx B/tok':>10} {'B/block':>11}"
     print(hdr)
     print("-" * len(hdr))
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         mla = by_role.get("mla") or by_role.get("kv")
         rows = f"0..{len(idx['rows']) - 1}" if idx else "-"
         print(f"{s['pp_rank']:>5}  {_ranges(tuple(s['layers'])):<14} "
-              f"{_ranges(tuple(idx['layers'])) if idx else 'none (no indexer pool)':<34} {rows:<9} "
+              f"{owners(s):<{w}} {rows:<9} "
               f"{mla['bytes_per_token'] if mla else 0:>10,} {idx['bytes_per_token'] if idx else 0:>10,} "
               f"{s['bytes_per_block']:>11,}")
     print(f"total bytes per token: {total_tok:,}")
