@@ -267,7 +267,29 @@ def test_wrapper_matches_the_tokenizer(qwen):
     assert type(p).__name__ == type(w).__name__ and p(t)["input_ids"] == qwen(t)["input_ids"]
 
 
-def test_registration_is_idempotent(tiny_mla_dir):
+def test_wrapper_adds_constant_special_tokens_and_falls_back():
+    from vllm_dsa_connector.tokenizer.wrapper import wrap_tokenizer
+
+    if not assets.gpt2_ranks_file().exists():
+        pytest.skip("GPT-2 ranks not fetched (python -m vllm_dsa_connector.tokenizer.assets fetch)")
+    tok = assets.gpt2_tokenizer()
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)])
+    w = wrap_tokenizer(tok, min_chars=0, chunk_chars=16)
+    assert w._dsa_affixes == ([eot], [eot])
+    text = "".join(LINES[:20])
+    for t in (text, text + "more\n", text + "<|endoftext|>x"):
+        n = len(tok(t)["input_ids"])
+        assert w(t)["input_ids"] == tok(t)["input_ids"] and w(t)["input_ids"][0] == eot
+        for limit in (5, n, n + 1):  # truncating (falls back) and not truncating
+            assert w(t, truncation=True, max_length=limit)["input_ids"] == tok(t, truncation=True, max_length=limit)["input_ids"]
+        assert w(t, None, None, None, False)["input_ids"] == tok(t, None, None, None, False)["input_ids"]
+        assert w.encode(t, None, False) == tok.encode(t, None, False)
+    assert w.prefix_cache.stats()["hits"] > 0
+
+
+def test_registration_is_idempotent():
     from vllm.renderers.registry import RENDERER_REGISTRY
     from vllm.tokenizers.registry import TokenizerRegistry
 
@@ -277,5 +299,5 @@ def test_registration_is_idempotent(tiny_mla_dir):
     register_tokenizer_mode()
     assert TokenizerRegistry.tokenizers["dsa-prefix-cache"][1] == "DSAPrefixCacheTokenizer"
     assert RENDERER_REGISTRY.renderers["dsa-prefix-cache"] == ("vllm.renderers.hf", "HfRenderer")
-    tok = TokenizerRegistry.load_tokenizer("dsa-prefix-cache", str(tiny_mla_dir))
-    assert tok.prefix_cache.stats()["enabled"]
+    cls = TokenizerRegistry.load_tokenizer_cls("dsa-prefix-cache")
+    assert callable(cls.from_pretrained)  # loading through it is covered by test_tokenizer_serve

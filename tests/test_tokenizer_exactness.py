@@ -8,11 +8,16 @@ A control test shows the snippets do break a naive splice, so the sweeps can fai
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
+from vllm_dsa_connector.tokenizer.analysis import SEPARATING_PATTERNS
 
 SNIPPETS = {
     "combining_noncanonical": "caf\u0065\u0301 e\u0323\u0301 a\u0301\u0323\u0302b \u1100\u1161\u11a8 A\u030a\nx\u0301y\n\u0301z\n",
@@ -34,6 +39,7 @@ CONTINUATIONS = (
 PREAMBLE = "<|im_start|>system\nYou are helpful.<|im_end|>\n<｜User｜>Hi there\n"
 
 
+@functools.cache
 def _load(name: str):
     if name == "qwen":
         return assets.qwen_tokenizer()
@@ -120,7 +126,7 @@ text_pieces = st.one_of(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.tuples(st.lists(text_pieces, min_size=1, max_size=6), st.integers(0, 40)),
                       min_size=2, max_size=6))
 def test_property_conversations(tok, cache, steps):
@@ -132,7 +138,7 @@ def test_property_conversations(tok, cache, steps):
         assert cache.encode(text) == ref(tok, text)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(a=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60),
        b=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60))
 def test_property_arbitrary_unicode(tok, cache, a, b):
@@ -140,3 +146,47 @@ def test_property_arbitrary_unicode(tok, cache, a, b):
     assert cache.encode(a) == ref(tok, a)
     assert cache.encode(a + b) == ref(tok, a + b)
     assert cache.encode(b + a) == ref(tok, b + a)
+
+
+MIXED = ("x = 1\n<|im_start|>u\ne\u0301\u0323 b\n  \n\t12345 中文\n'll \U0001F44D\r\n!!\n...\n\u0301y\n"
+         "a  \n\nb<|im_end|>\n")
+
+
+@pytest.mark.parametrize("pattern", sorted(SEPARATING_PATTERNS))
+def test_every_proved_split_pattern(pattern):
+    """Line cuts alone, for each regex in the proved table, behind the 'local' digit and CJK stages."""
+    # real merges (GPT-2's: small and quick to copy) plus NFC and the Qwen-style added tokens
+    _load("gpt2")  # skips when the GPT-2 ranks cannot be had
+    raw = Tokenizer.from_file(str(assets.gpt2_tokenizer_file()))
+    raw.normalizer = normalizers.NFC()
+    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    raw.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
+        pre_tokenizers.Split(Regex("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    cache = PrefixTokenCache(tok, min_chars=0, chunk_chars=4, cut_spacing=1, anchors=False)
+    assert cache.rules.line_cuts, cache.rules.reasons
+    for cut in range(len(MIXED) + 1):
+        old = MIXED[:cut]
+        for cont in (MIXED[cut:], ">\n", "\u0301", "  \n", "\nX", "9"):
+            cache.clear()
+            cache.encode(old)
+            assert cache.encode(old + cont) == ref(tok, old + cont), (pattern, cut, cont)
+    assert cache.stats()["hits"] > 0
+
+
+@pytest.mark.parametrize("mode", [{"line_cuts": False}, {"anchors": False}])
+def test_each_cut_kind_alone(mode):
+    tok = _load("qwen")
+    cache = PrefixTokenCache(tok, min_chars=0, chunk_chars=4, cut_spacing=1, **mode)
+    base = PREAMBLE + SNIPPETS["special_seam"] + SNIPPETS["combining_noncanonical"] + SNIPPETS["whitespace"]
+    for cut in range(len(PREAMBLE), len(base) + 1):
+        old = base[:cut]
+        for cont in (base[cut:], ">\n", "im_end|>", "\u0301", " \n"):
+            cache.clear()
+            cache.encode(old)
+            assert cache.encode(old + cont) == ref(tok, old + cont), (mode, cut, cont)
+    assert cache.stats()["hits"] > 0

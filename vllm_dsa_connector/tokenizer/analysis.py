@@ -191,8 +191,9 @@ def _anchor_candidates(added: list[Any]) -> tuple[list[str], list[str]]:
     return anchors, refused
 
 
-def analyze(backend: Any) -> CutRules:
-    """Work out the exact cuts of a ``tokenizers.Tokenizer`` (cheap: reads only its component states)."""
+def analyze(backend: Any, encode_special_tokens: bool | None = None) -> CutRules:
+    """Work out the exact cuts of a ``tokenizers.Tokenizer`` (reads only its component states and added
+    tokens). ``encode_special_tokens`` overrides the backend's flag (transformers sets it on every call)."""
     full: dict[str, Any] = {}
     try:
         normalizer = _state(backend.normalizer, full, "normalizer")
@@ -211,7 +212,9 @@ def analyze(backend: Any) -> CutRules:
     ids = {tok.content: i for i, tok in decoder.items()}
 
     anchors: dict[str, int] = {}
-    if backend.encode_special_tokens:
+    if encode_special_tokens is None:
+        encode_special_tokens = backend.encode_special_tokens
+    if encode_special_tokens:
         reasons.append("encode_special_tokens=True: special tokens are not split out")
     else:
         cands, refused = _anchor_candidates(added)

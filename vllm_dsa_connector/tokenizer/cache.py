@@ -32,7 +32,7 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 _MAX_BLOCKS = 48  # compact an entry's id blocks into one list beyond this many
 
 _CLONE_LOCK = threading.Lock()
-_CLONES: OrderedDict[tuple[int, tuple[Any, ...]], tuple[Any, Any, CutRules]] = OrderedDict()
+_CLONES: OrderedDict[tuple[Any, ...], tuple[Any, Any, CutRules]] = OrderedDict()
 
 
 def _fingerprint(tokenizer: Any) -> tuple[Any, ...]:
@@ -45,27 +45,31 @@ def _fingerprint(tokenizer: Any) -> tuple[Any, ...]:
     )
 
 
-def _private_backend(tokenizer: Any) -> tuple[Any, CutRules]:
-    """A private copy of the Rust tokenizer (never mutated: safe to share between threads) and its cut rules.
+def _shared_state(tokenizer: Any, need_clone: bool) -> tuple[Any, CutRules]:
+    """The cut rules of the tokenizer's pipeline and, when asked, a private copy of its Rust tokenizer.
 
     transformers mutates its backend on every call (truncation, padding, special-token splitting), so the
-    cache never encodes with it. Copies are shared between caches of the same tokenizer state.
+    cache encodes with a copy that nobody mutates (safe to share between threads). The copy is made on first
+    use (processes that never encode a prompt, like vLLM's engine core, never pay for it) and shared between
+    caches of the same tokenizer state.
     """
     backend = tokenizer.backend_tokenizer
-    fp = _fingerprint(tokenizer)
-    key = (id(backend), fp)
+    key = _fingerprint(tokenizer)
     with _CLONE_LOCK:
         hit = _CLONES.get(key)
-        if hit is not None and hit[0] is backend:
+        if hit is not None and hit[0] is backend and (hit[1] is not None or not need_clone):
             _CLONES.move_to_end(key)
             return hit[1], hit[2]
-    clone = copy.deepcopy(backend)
-    clone.no_truncation()
-    clone.no_padding()
-    clone.encode_special_tokens = fp[2]
-    rules = analyze(clone)
+    rules = hit[2] if hit is not None and hit[0] is backend else analyze(backend, encode_special_tokens=key[2])
+    clone = None
+    if need_clone:
+        clone = copy.deepcopy(backend)
+        clone.no_truncation()
+        clone.no_padding()
+        clone.encode_special_tokens = key[2]
     with _CLONE_LOCK:
         _CLONES[key] = (backend, clone, rules)  # holds the backend so its id cannot be reused
+        _CLONES.move_to_end(key)
         while len(_CLONES) > 8:
             _CLONES.popitem(last=False)
     return clone, rules
@@ -138,8 +142,10 @@ class PrefixTokenCache:
 
     # ------------------------------------------------------------------ set-up
     def _load(self) -> None:
+        self._generation = getattr(self, "_generation", 0) + 1  # entries computed before a reload are dropped
         self._fp = _fingerprint(self.tokenizer)
-        self._backend, rules = _private_backend(self.tokenizer)
+        self._backend: Any = None  # private Rust tokenizer, made on first encode
+        _, rules = _shared_state(self.tokenizer, need_clone=False)
         anchors = rules.anchors if self.options.anchors else {}
         self.rules = CutRules(anchors=anchors, line_cuts=rules.line_cuts and self.options.line_cuts,
                               usable=rules.usable, reasons=rules.reasons)
@@ -149,6 +155,15 @@ class PrefixTokenCache:
         self._chars = 0
         if not rules.usable:
             logger.warning("prefix token cache off for this tokenizer: %s", "; ".join(rules.reasons))
+
+    def _encoder(self) -> Any:
+        backend = self._backend
+        if backend is None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend, _ = _shared_state(self.tokenizer, need_clone=True)
+                backend = self._backend
+        return backend
 
     def __copy__(self) -> PrefixTokenCache:  # tokenizer copies share one cache
         return self
@@ -169,7 +184,7 @@ class PrefixTokenCache:
         if (self._disabled_reason or not self.rules.usable or len(text) < self.options.min_chars
                 or not (self.rules.anchors or self.rules.line_cuts)):
             self._count("bypassed")
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return self._encoder().encode(text, add_special_tokens=False).ids
         return self._encode_cached(text)
 
     def stats(self) -> dict[str, Any]:
@@ -301,13 +316,15 @@ class PrefixTokenCache:
         return pos, tok, wid
 
     def _encode_cached(self, text: str) -> list[int]:
+        generation = self._generation
+        backend = self._encoder()
         chain = self._chain(text)
         with self._lock:
             entry, depth = self._lookup(chain)
         if entry is None:
-            enc = self._backend.encode(text, add_special_tokens=False)
+            enc = backend.encode(text, add_special_tokens=False)
             ids = enc.ids
-            self._insert(text, (ids,), self._cuts_of(text, 0, enc, 0), chain, None)
+            self._insert(text, (ids,), self._cuts_of(text, 0, enc, 0), chain, None, generation)
             self._count("misses")
             return list(ids)
 
@@ -322,19 +339,19 @@ class PrefixTokenCache:
             j -= 1
         if j < 0:
             self._count("fallbacks")
-            enc = self._backend.encode(text, add_special_tokens=False)
-            self._insert(text, (enc.ids,), self._cuts_of(text, 0, enc, 0), chain, None)
+            enc = backend.encode(text, add_special_tokens=False)
+            self._insert(text, (enc.ids,), self._cuts_of(text, 0, enc, 0), chain, None, generation)
             return list(enc.ids)
 
         p, k = entry.cut_pos[j], entry.cut_tok[j]
         tail_text = text[p:]
-        enc = self._backend.encode(tail_text, add_special_tokens=False)
+        enc = backend.encode(tail_text, add_special_tokens=False)
         tail = enc.ids
         blocks = entry.prefix_blocks(k) + (tail,)
         t_pos, t_tok, t_wid = self._cuts_of(tail_text, p, enc, k)  # never includes p itself
         cuts = (entry.cut_pos[: j + 1] + t_pos, entry.cut_tok[: j + 1] + t_tok, entry.cut_w[: j + 1] + t_wid)
         replace = entry if common == len(entry.text) else None
-        new = self._insert(text, blocks, cuts, chain, replace)
+        new = self._insert(text, blocks, cuts, chain, replace, generation)
         out = new.ids() if new is not None else _join(blocks)
         n_hits = 0
         with self._lock:
@@ -348,7 +365,7 @@ class PrefixTokenCache:
         return out
 
     def _verify(self, text: str, got: list[int]) -> None:
-        full = self._backend.encode(text, add_special_tokens=False).ids
+        full = self._encoder().encode(text, add_special_tokens=False).ids
         self._count("verified")
         if full != got:
             self._count("mismatches")
@@ -359,10 +376,12 @@ class PrefixTokenCache:
             got[:] = full
 
     def _insert(self, text: str, blocks: tuple[list[int], ...], cuts: tuple[list[int], list[int], list[int]],
-                chain: list[int], replace: _Entry | None) -> _Entry | None:
+                chain: list[int], replace: _Entry | None, generation: int) -> _Entry | None:
         if len(text) > self.options.max_chars:
             return None
         with self._lock:
+            if generation != self._generation:  # the tokenizer changed while this text was encoded
+                return None
             self._uid += 1
             entry = _Entry(text, blocks, cuts, chain, self._uid)
             if replace is not None and replace.uid in self._entries:

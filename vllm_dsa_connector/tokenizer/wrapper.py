@@ -42,7 +42,11 @@ _BENIGN: dict[str, tuple[Any, ...]] = {
     "padding_side": (None,),
     "split_special_tokens": (None,),
     "verbose": (True, False),
+    "text_target": (None,),
+    "text_pair_target": (None,),
+    "tokenizer_kwargs": (None,),
 }
+_KNOWN = {"add_special_tokens", "truncation", "max_length"}  # handled by the cached path
 
 
 def _postprocessor_is_constant(desc: Any) -> bool:
@@ -94,15 +98,17 @@ def _truncation_limit(tok: Any, truncation: Any, max_length: int | None) -> int 
 
 def _make_class(base_cls: type) -> type:
     class DSAPrefixCacheTokenizer(base_cls):  # type: ignore[misc, valid-type]
-        def __call__(self, text: Any = None, text_pair: Any = None, add_special_tokens: bool = True,
-                     truncation: Any = None, max_length: int | None = None, **kwargs: Any) -> Any:
-            if (isinstance(text, str) and text_pair is None
-                    and all(k in _BENIGN and v in _BENIGN[k] for k, v in kwargs.items())
+        def __call__(self, text: Any = None, text_pair: Any = None, *args: Any, **kwargs: Any) -> Any:
+            # Same positional order as transformers (text, text_pair, text_target, ...): any further
+            # positional argument goes to the original implementation untouched.
+            add_special_tokens = kwargs.get("add_special_tokens", True)
+            if (not args and isinstance(text, str) and text_pair is None
+                    and all(k in _KNOWN or (k in _BENIGN and v in _BENIGN[k]) for k, v in kwargs.items())
                     and (not add_special_tokens or self._dsa_affixes is not None)):
                 ids = self._dsa_cache.encode(text)
                 if add_special_tokens and (self._dsa_affixes[0] or self._dsa_affixes[1]):
                     ids = self._dsa_affixes[0] + ids + self._dsa_affixes[1]
-                limit = _truncation_limit(self, truncation, max_length)
+                limit = _truncation_limit(self, kwargs.get("truncation"), kwargs.get("max_length"))
                 if limit is None or len(ids) <= limit:
                     self._dsa_cache.log_if_due()
                     from transformers import BatchEncoding
@@ -114,17 +120,15 @@ def _make_class(base_cls: type) -> type:
                     if "attention_mask" in names:
                         data["attention_mask"] = [1] * len(ids)
                     return BatchEncoding(data)
-            return super().__call__(text, text_pair=text_pair, add_special_tokens=add_special_tokens,
-                                    truncation=truncation, max_length=max_length, **kwargs)
+            return super().__call__(text, text_pair, *args, **kwargs)
 
-        def encode(self, text: Any, text_pair: Any = None, add_special_tokens: bool = True,
-                   padding: Any = False, truncation: Any = None, max_length: int | None = None,
-                   **kwargs: Any) -> Any:
-            if isinstance(text, str) and text_pair is None and padding in (False, None) and not kwargs:
-                return self.__call__(text, add_special_tokens=add_special_tokens, truncation=truncation,
-                                     max_length=max_length)["input_ids"]
-            return super().encode(text, text_pair=text_pair, add_special_tokens=add_special_tokens,
-                                  padding=padding, truncation=truncation, max_length=max_length, **kwargs)
+        def encode(self, text: Any, text_pair: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if (not args and isinstance(text, str) and text_pair is None
+                    and set(kwargs) <= {"add_special_tokens", "truncation", "max_length", "padding"}
+                    and kwargs.get("padding", False) in (False, None)):
+                kwargs.pop("padding", None)
+                return self.__call__(text, **kwargs)["input_ids"]
+            return super().encode(text, text_pair, *args, **kwargs)
 
         @property
         def prefix_cache(self) -> PrefixTokenCache:
