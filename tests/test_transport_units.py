@@ -217,7 +217,9 @@ def test_gate_decides_from_merged_runs() -> None:
     assert gate.decide(scattered) == "bounce"
     assert gate.decide(adjacent) == "direct"  # 4096 blocks, but one run after merging
     big = runs_from_blocks(np.arange(1024), np.arange(1024) * 2, 64 << 10)
-    assert gate.decide(big) == "direct"
+    assert BounceGate(BounceSettings(profile="cma")).decide(big) == "direct"  # copy costs more there
+    huge = runs_from_blocks(np.arange(64), np.arange(64) * 2, 4 << 20)
+    assert gate.decide(huge) == "direct"  # 4 MiB runs: descriptors are cheap next to the copy
     assert gate.decide(Runs.empty()) == "direct"
     d = gate.decision(runs_from_blocks(np.arange(4), np.arange(4) * 2, 576))
     assert d.path == "direct" and "bounce_min_runs" in d.reason

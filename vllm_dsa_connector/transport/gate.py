@@ -66,13 +66,15 @@ class CostModel:
 # - cma (UCX default on one host): extra cost per descriptor 5-15 us (grows with run size), gather +
 #   scatter at ~3-6 GB/s effective with one thread; bounce won up to 8 KiB runs, tied at 16 KiB, lost
 #   at 64 KiB -> break-even run ~ desc_us * copy_gbps / 2 = 14 KB.
-# - tcp (UCX_TLS=tcp): 14-21 us per descriptor; bounce won up to 16 KiB runs, about even at 64 KiB.
+# - tcp (UCX_TLS=tcp): 14-21 us per descriptor for runs <= 16 KiB, 18-94 us at 64 KiB (rendezvous
+#   messages; grows with host load). 64 KiB runs: bounce 1.2-1.3x faster on the loaded host (medians of
+#   20-30), 1.27x slower once when idle -> 40 us, so the gate bounces up to ~80 KB runs on tcp.
 # - cuda (H200, VRAM->VRAM cuda_ipc): 593 descriptors cost ~5 ms more than one; gather/scatter ~1.8 TB/s
 #   of payload; ~0.5 ms fixed (post + notification + completion) -> bounce pays below ~6 MB per run.
 # - rdma: an estimate (no RDMA NIC here); tune it on such hardware with bounce_desc_cost_us & co.
 PROFILES: dict[str, CostModel] = {
     "cma": CostModel(desc_us=7.0, copy_gbps=4.0, fixed_us=200.0),
-    "tcp": CostModel(desc_us=16.0, copy_gbps=4.0, fixed_us=200.0),
+    "tcp": CostModel(desc_us=40.0, copy_gbps=4.0, fixed_us=200.0),
     "rdma": CostModel(desc_us=2.0, copy_gbps=4.0, fixed_us=100.0),
     "cuda": CostModel(desc_us=8.0, copy_gbps=1700.0, fixed_us=500.0),
 }
