@@ -289,6 +289,22 @@ def test_wrapper_adds_constant_special_tokens_and_falls_back():
     assert w.prefix_cache.stats()["hits"] > 0
 
 
+def test_wrapper_stays_out_when_python_preprocesses_text(qwen):
+    from vllm_dsa_connector.tokenizer.wrapper import wrap_tokenizer
+
+    class Lowercasing(type(qwen)):  # a tokenizer class that changes the text before its Rust backend
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(text.lower() if isinstance(text, str) else text, *args, **kwargs)
+
+    tok = copy.copy(qwen)
+    tok.__class__ = Lowercasing
+    w = wrap_tokenizer(tok, min_chars=0)
+    assert not w._dsa_agrees
+    text = "CAPS Text\nMore CAPS\n" * 20
+    assert w(text)["input_ids"] == tok(text)["input_ids"] != qwen(text)["input_ids"]
+    assert w.prefix_cache.stats()["misses"] == 0
+
+
 def test_registration_is_idempotent():
     from vllm.renderers.registry import RENDERER_REGISTRY
     from vllm.tokenizers.registry import TokenizerRegistry

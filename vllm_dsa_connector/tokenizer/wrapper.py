@@ -84,6 +84,23 @@ def _special_affixes(base_cls: type, tok: Any) -> tuple[list[int], list[int]] | 
     return found
 
 
+def _backend_path_agrees(base_cls: type, tok: Any) -> bool:
+    """Whether the Rust backend alone (what the cache runs) gives transformers' ids for some probes.
+
+    A tokenizer class that pre-processes text in Python would differ: then the wrapper never uses the cache.
+    """
+    backend = tok.backend_tokenizer
+    probes = (*_PROBES, "  two  spaces\n\tand tabs", "CAPS & ünïcödé 中文 123,456",
+              *(f"{t}x{t}" for t in list(getattr(tok, "all_special_tokens", []))[:4]))
+    for probe in probes:
+        expected = base_cls.__call__(tok, probe, add_special_tokens=False)["input_ids"]
+        if backend.encode(probe, add_special_tokens=False).ids != expected:
+            logger.warning("%s: %s pre-processes text outside its Rust backend; prefix cache not used",
+                           MODE, base_cls.__name__)
+            return False
+    return True
+
+
 def _truncation_limit(tok: Any, truncation: Any, max_length: int | None) -> int | None:
     """The length above which transformers would truncate (None: it never does)."""
     if truncation in (False, "do_not_truncate"):
@@ -102,7 +119,7 @@ def _make_class(base_cls: type) -> type:
             # Same positional order as transformers (text, text_pair, text_target, ...): any further
             # positional argument goes to the original implementation untouched.
             add_special_tokens = kwargs.get("add_special_tokens", True)
-            if (not args and isinstance(text, str) and text_pair is None
+            if (self._dsa_agrees and not args and isinstance(text, str) and text_pair is None
                     and all(k in _KNOWN or (k in _BENIGN and v in _BENIGN[k]) for k, v in kwargs.items())
                     and (not add_special_tokens or self._dsa_affixes is not None)):
                 ids = self._dsa_cache.encode(text)
@@ -123,7 +140,7 @@ def _make_class(base_cls: type) -> type:
             return super().__call__(text, text_pair, *args, **kwargs)
 
         def encode(self, text: Any, text_pair: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if (not args and isinstance(text, str) and text_pair is None
+            if (self._dsa_agrees and not args and isinstance(text, str) and text_pair is None
                     and set(kwargs) <= {"add_special_tokens", "truncation", "max_length", "padding"}
                     and kwargs.get("padding", False) in (False, None)):
                 kwargs.pop("padding", None)
@@ -171,11 +188,12 @@ def wrap_tokenizer(tokenizer: Any, *, environ: Any = None, **options: Any) -> An
     wrapped.__class__ = _make_class(base_cls)
     wrapped._dsa_cache = cache
     wrapped._dsa_affixes = _special_affixes(base_cls, tokenizer)
+    wrapped._dsa_agrees = _backend_path_agrees(base_cls, tokenizer)
     cache.tokenizer = wrapped  # fingerprint the tokenizer that is served (shares the backend)
     s = cache.stats()
     logger.info(
         "DSA prefix token cache on %s: enabled=%s anchors=%d line_cuts=%s specials=%s options=%s",
-        base_cls.__name__, s["enabled"], s["anchors"], s["line_cuts"],
+        base_cls.__name__, s["enabled"] and wrapped._dsa_agrees, s["anchors"], s["line_cuts"],
         "constant" if wrapped._dsa_affixes is not None else "fallback", cache.options,
     )
     return wrapped
