@@ -321,3 +321,31 @@ def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
     finally:
         server.close()
         _close(P, D)
+
+
+def h_corrupt_notice(key: str, blocks: list[int]) -> dict[str, Any]:
+    """Arm a receive, then feed it a notice whose checksum cannot match (a fault we cannot cause on a
+    real wire: the notice is fabricated, the rest is the worker's real receive path)."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, Notice, RecvJob
+
+    worker = _STATE[key][0]
+    me = worker.table.rank
+    worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("bad-req", "P-x", blocks, {me: [7]}, 30.0, True)]))
+    region = worker.regions[0]
+    worker._apply(worker._recvs["bad-req"], Notice("bad-req", 7, True, 4096, 1, checks=[(0, 0, 4096, 12345)]))
+    done = worker.get_transfer_results()
+    return {"done": done, "error_blocks": worker.get_block_ids_with_load_errors(),
+            "mismatches": worker.stats.data["checksum_mismatches"], "region": region.size}
+
+
+def test_checksum_mismatch_is_a_load_failure(hosts: list[Host]) -> None:
+    case = CASES["tp2_to_tp1"]
+    P, D = _setup(hosts, {**case, "p": (1, 1)}, "default", "crc")
+    try:
+        h, key, _ = D[0]
+        out = h.call("h_corrupt_notice", key, DST_BLOCKS)
+        assert "bad-req" in out["done"][1]  # finished receiving (vLLM then applies the policy) ...
+        assert out["error_blocks"] == set(DST_BLOCKS)  # ... on these blocks, reported the vLLM way
+        assert out["mismatches"] == 1
+    finally:
+        _close(P, D)

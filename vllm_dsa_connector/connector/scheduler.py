@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _RETRY_UNREACHABLE_S = 5.0
+_IDLE_SLEEP_S = 0.001
 
 
 def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_blocks: list[int],
@@ -477,6 +478,11 @@ class DSAConnectorScheduler:
                                        "cancelled by D" if lease.cancelled else "lease expired")
                     meta.release.append(req_id)
                     lease.released = True
+        if (meta.is_empty() and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+                and (self._leases or self._inflight)):
+            # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests
+            # waiting for remote KV); yield the core the other engine may need.
+            time.sleep(_IDLE_SLEEP_S)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
