@@ -141,6 +141,10 @@ class CpuDSAIndexerBackend(DeepseekV32IndexerBackend):
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return False
 
+    @classmethod
+    def supports_pcp(cls) -> bool:
+        return False
+
     @staticmethod
     def get_builder_cls() -> type[CpuDSAMetadataBuilder]:  # type: ignore[override]
         return CpuDSAMetadataBuilder
