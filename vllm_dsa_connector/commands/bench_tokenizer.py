@@ -116,7 +116,7 @@ def run_scenario(tok: Any, target: int, turns: int, seed: int, cache_options: di
 
     n_tokens = request(False)
     while n_tokens < build_to:  # grow with pasted files and short replies
-        messages.append(("user", "Please review this file:\n" + src.take(12000)))
+        messages.append(("user", "Please review this file:\n" + src.take(6000)))
         n_tokens = request(False)
         messages.append(("assistant", src.take(600)))
     for user_chars, assistant_chars in sizes:
