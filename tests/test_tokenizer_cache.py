@@ -145,6 +145,37 @@ def test_verify_every(qwen):
     assert s["verified"] == 3 and s["mismatches"] == 0 and s["enabled"]
 
 
+def test_verify_mismatch_disables_the_cache(qwen):
+    """Fault injection (a corrupted cached id cannot happen through the API): the shadow check catches it,
+    returns the full encode and turns the cache off."""
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, verify_every=1)
+    t = chat(2)
+    cache.encode(t)
+    entry = next(iter(cache._entries.values()))
+    entry.blocks[0][3] = 0  # corrupt one cached id
+    assert cache.encode(t + "more\n") == ref(qwen, t + "more\n")
+    s = cache.stats()
+    assert s["mismatches"] == 1 and not s["enabled"] and s["entries"] == 0
+    assert cache.encode(t + "again\n") == ref(qwen, t + "again\n") and cache.stats()["bypassed"] == 1
+
+
+def test_empty_and_tiny_texts(qwen):
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=1)
+    for text in ("", "a", "", "\n", "\na", "<|im_end|>", "<|im_end|>\nb"):
+        assert cache.encode(text) == ref(qwen, text)
+
+
+def test_bench_cli_json_smoke(capsys):
+    import json
+
+    from vllm_dsa_connector.cli import main
+
+    assert main(["bench", "tokenizer", "--json", "--targets", "3000", "--turns", "3"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (r,) = last["results"]
+    assert r["mismatches"] == 0 and r["requests_measured"] == 3 and r["hits"] >= 3
+
+
 def test_threads_share_one_cache(qwen):
     cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, max_entries=16)
     results: list[tuple[str, list[int]]] = []
