@@ -102,6 +102,7 @@ def test_cut_sweep(tok, cache, snippet):
         assert cache.encode(old) == ref(tok, old), (snippet, cut, "prefix")
     assert checked > 0
     assert cache.stats()["hits"] > 0
+    assert cache.stats()["cut_rejects"] == 0  # every proved line cut also passed its offsets check
 
 
 def test_naive_splice_breaks_on_these_snippets(tok):
