@@ -32,8 +32,8 @@ def _worker(conn: Any, env: dict[str, str]) -> None:
     while True:
         try:
             name, kwargs = conn.recv()
-        except EOFError:
-            return
+        except (EOFError, OSError):  # the test process went away: nothing left to do
+            break
         if name == "stop":
             break
         try:
