@@ -1,6 +1,7 @@
 """A tiny GLM-MoE-DSA model on vLLM CPU through the plugin's reference DSA backends.
 
-Starts ONE real vLLM engine for the module (in-process, eager) and checks it against
+Starts ONE real vLLM engine for the module (in-process; default mode, i.e. torch.compile'd, so the
+reference ops run as opaque custom ops inside the compiled graph) and checks it against
 transformers' own ``GlmMoeDsaForCausalLM`` on the same weights, float32 on both sides, with the
 reference indexer rounding q/k through vLLM's fp8 quantization (see ``cpu_dsa.tiny_model``).
 """
@@ -59,8 +60,7 @@ def llm(glm_dsa_dir: Path) -> Iterator[object]:
     os.environ.update(env)
     from vllm import LLM
 
-    engine = LLM(model=str(glm_dsa_dir), dtype="float32", max_model_len=1024, enforce_eager=True,
-                 max_num_seqs=8, seed=0)
+    engine = LLM(model=str(glm_dsa_dir), dtype="float32", max_model_len=1024, max_num_seqs=8, seed=0)
     try:
         yield engine
     finally:
@@ -112,58 +112,42 @@ def test_greedy_tokens_equal_transformers(llm, glm_dsa_dir, prompt_ids):
     assert got == want
 
 
-def _corrupt_indexer_layer_on_first_decode(layer_idx: int):
-    """Install a hook that, at the first decode step, reverses the order of the prefill tokens'
-    rows (fp8 values and scales) in ``layer_idx``'s indexer cache: what a misrouted page
-    transfer would leave behind. The MLA latent cache is not touched."""
+def _indexer_cache_ptr(layer_idx: int):
+    def get(model) -> int:
+        return model.model.layers[layer_idx].self_attn.indexer.k_cache.kv_cache.data_ptr()
 
-    def install(model):
-        from vllm.forward_context import get_forward_context
+    return get
 
-        from vllm_dsa_connector.cpu_dsa.quant import indexer_cache_views
 
-        indexer = model.model.layers[layer_idx].self_attn.indexer
-        state = {"done": False}
+def test_corrupting_one_owning_layers_indexer_cache_changes_output(llm, prompt_ids, monkeypatch):
+    """At the first decode step, reverse the order of the prefill tokens' rows (fp8 values and
+    scales) in layer 1's indexer cache, what a misrouted page transfer would leave behind; the MLA
+    latent cache is untouched. Done inside the indexer op (runs eagerly, also in a compiled model)."""
+    from vllm_dsa_connector.cpu_dsa import indexer_op
+    from vllm_dsa_connector.cpu_dsa.quant import indexer_cache_views
 
-        def pre_hook(module, args):
-            md = get_forward_context().attn_metadata
-            if state["done"] or not isinstance(md, dict):
-                return None
-            m = md[indexer.k_cache.prefix]
-            if m.max_query_len != 1:
-                return None
-            cache = indexer.k_cache.kv_cache
-            values, scales = indexer_cache_views(cache, 128)
-            bs = cache.shape[1]
-            for r in range(m.num_reqs):
-                pos = torch.arange(int(m.seq_lens[r]) - 1)
-                blocks, offs = m.block_table[r][pos // bs], pos % bs
+    (target,) = llm.apply_model(_indexer_cache_ptr(1))
+    clean = _generate(llm, prompt_ids)
+    real_select = indexer_op.select_topk
+    state = {"corrupted": 0}
+
+    def select_after_corruption(md, kv_cache, q_fp8, weights, out, topk_tokens):
+        if state["corrupted"] == 0 and kv_cache.data_ptr() == target and md.max_query_len == 1:
+            values, scales = indexer_cache_views(kv_cache, q_fp8.shape[-1])
+            bs = kv_cache.shape[1]
+            for r in range(md.num_reqs):
+                pos = torch.arange(int(md.seq_lens[r]) - 1)
+                blocks, offs = md.block_table[r][pos // bs], pos % bs
                 values[blocks, offs] = values[blocks, offs].flip(0).clone()
                 scales[blocks, offs] = scales[blocks, offs].flip(0).clone()
-            state["done"] = True
-            return None
+                state["corrupted"] += 1
+        return real_select(md, kv_cache, q_fp8, weights, out, topk_tokens)
 
-        handle = indexer.register_forward_pre_hook(pre_hook)
-        model._vllm_dsa_test_hook = handle
-        return 0
-
-    return install
-
-
-def _remove_hook(model):
-    model._vllm_dsa_test_hook.remove()
-    del model._vllm_dsa_test_hook
-    return 0
-
-
-def test_corrupting_one_owning_layers_indexer_cache_changes_output(llm, prompt_ids):
-    clean = _generate(llm, prompt_ids)
-    llm.apply_model(_corrupt_indexer_layer_on_first_decode(1))
-    try:
-        corrupted = _generate(llm, prompt_ids)
-    finally:
-        llm.apply_model(_remove_hook)
-    assert _generate(llm, prompt_ids) == clean  # hook gone: deterministic again
+    monkeypatch.setattr(indexer_op, "select_topk", select_after_corruption)
+    corrupted = _generate(llm, prompt_ids)
+    monkeypatch.undo()
+    assert state["corrupted"] == len(prompt_ids)
+    assert _generate(llm, prompt_ids) == clean  # patch gone: deterministic again
     # Layer 1 owns the top-k that layers 1 and 2 use; wrong indexer pages pick other tokens.
-    assert corrupted != clean
     assert [c[0] for c in corrupted] == [c[0] for c in clean]  # first token comes from the prefill
+    assert corrupted != clean

@@ -169,7 +169,7 @@ def transformers_greedy(
         seq = list(prompt)
         new: list[int] = []
         for _ in range(max_new_tokens):
-            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+            logits = model(torch.tensor([seq]), use_cache=False, logits_to_keep=1).logits[0, -1]
             token = int(torch.argmax(logits))
             new.append(token)
             seq.append(token)
