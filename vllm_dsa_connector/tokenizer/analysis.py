@@ -74,6 +74,12 @@ LOCAL_PATTERNS: frozenset[str] = frozenset(
     {r"\p{N}{1,3}", r"\p{N}", r"\p{N}+", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"}
 )
 _NORMALIZERS_OK = {"NFC", "NFD", "NFKC", "NFKD"}
+# Built-in pre-tokenizers that work on one split at a time (Metaspace's "first" scheme looks only at a split's
+# original offset 0, which lies in the shared prefix): anchor cuts need nothing else.
+_PER_SPLIT_PRETOKENIZERS = {
+    "Split", "ByteLevel", "Digits", "Metaspace", "Whitespace", "WhitespaceSplit", "Punctuation",
+    "UnicodeScripts", "BertPreTokenizer", "CharDelimiterSplit", "FixedLength",
+}
 
 # A line cut: "\n" then a printable, non-space ASCII character.
 LINE_CUT_RE = re.compile(r"\n(?=[!-~])")
@@ -87,10 +93,6 @@ class CutRules:
     line_cuts: bool = False
     usable: bool = False  # False: the cache must not be used at all (every encode is a full encode)
     reasons: tuple[str, ...] = ()
-
-    @property
-    def anchor_ids(self) -> frozenset[int]:
-        return frozenset(self.anchors.values())
 
 
 def _state(component: Any, full: dict[str, Any], key: str) -> Any:
@@ -214,8 +216,11 @@ def analyze(backend: Any, encode_special_tokens: bool | None = None) -> CutRules
     anchors: dict[str, int] = {}
     if encode_special_tokens is None:
         encode_special_tokens = backend.encode_special_tokens
+    unknown = sorted({st.get("type", "?") for st in _flatten(pre)} - _PER_SPLIT_PRETOKENIZERS)
     if encode_special_tokens:
         reasons.append("encode_special_tokens=True: special tokens are not split out")
+    elif unknown:
+        reasons.append(f"pre-tokenizer {', '.join(unknown)} not known to work split by split: no anchors")
     else:
         cands, refused = _anchor_candidates(added)
         anchors = {c: ids[c] for c in cands}
