@@ -147,15 +147,10 @@ def merge_runs(
 
 def _merge_linear(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, ...]:
     """Merge each run into its predecessor when it continues it on both sides (given order)."""
-    if src.size < 2:
-        return src, dst, lens
-    # A run starts a new group unless it continues the previous run on both sides.
-    starts = np.ones(src.size, dtype=bool)
-    starts[1:] = (src[1:] != src[:-1] + lens[:-1]) | (dst[1:] != dst[:-1] + lens[:-1])
-    idx = np.flatnonzero(starts)
-    if idx.size == src.size:
-        return src, dst, lens
-    return src[idx], dst[idx], np.add.reduceat(lens, idx)
+    # One implementation of the merge rule for planning and transport alike.
+    from vllm_dsa_connector.matching import merge_adjacent
+
+    return merge_adjacent(src, dst, lens)
 
 
 def runs_from_blocks(
