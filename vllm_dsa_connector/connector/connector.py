@@ -7,16 +7,23 @@ Use it by name (the general plugin registers it)::
 
 Why push (P WRITEs into D's blocks) and not pull (D READs P's blocks):
 
-- Measured here (2-vCPU KVM guest, NIXL 1.5.1 UCX, two processes, ``vllm-dsa bench pd``-style request of
-  the tiny MLA model; see CHANGELOG for the table): a WRITE and a READ of the same merged runs cost the
-  same within noise on CMA and tcp, so the transport does not force a direction on CPU; on one GPU node it
-  does: READ over cuda_ipc fell back to TCP at 0.5 GB/s against 49 GB/s for WRITE (vLLM #52607).
+- Measured here (2-vCPU KVM guest, NIXL 1.5.1 UCX, two processes, the same runs posted as WRITE or as
+  READ from one side, median of 12; the peer polls every 5 ms, as a busy engine would)::
+
+      runs              CMA WRITE  CMA READ   tcp WRITE  tcp READ
+      4 x 1 MiB          0.36 ms    0.36 ms    15.5 ms    24.5 ms
+      112 x 36 KiB       0.67 ms    0.90 ms    15.8 ms    19.6 ms
+      1024 x 4 KiB      10.7 ms    10.6 ms     21.2 ms    26.3 ms
+
+  On loopback (CMA) the direction does not matter; on the network path (tcp), where both directions
+  need the peer to progress, WRITE is 1.2-1.6x faster. On one GPU node vLLM measured READ over cuda_ipc
+  falling back to TCP at 0.5 GB/s against 49 GB/s for WRITE (vLLM #52607).
 - The sender knows its source layout, so only push can coalesce fragmented KV through the bounce
-  transport (gather into a staging slot, ONE write, scatter): on an H200 a GLM-5.2-shaped request went
-  from 744 ms (58,806 descriptors, what NixlConnector posts) to 2.2 ms with one bounced write
-  (transport-measurements.md). Pull would need P to pre-gather every finished request and hold the copy
-  for the whole lease.
-- P frees its blocks as soon as its WRITE completes instead of waiting for D's read plus a notification.
+  transport (gather into a staging slot, ONE write, scatter on D): on an H200 a GLM-5.2-shaped request
+  went from 744 ms (58,806 descriptors, what NixlConnector posts) to 2.2 ms with one bounced write
+  (transport-measurements.md). Pull would need P to pre-gather every finished request and hold the
+  copy for the whole lease.
+- P frees its blocks as soon as its WRITE completes instead of waiting for D's read and a notification.
 
 The cost of push is one extra message (D registers its block ids with P over the side channel), paid in
 parallel with D's scheduling, and a rule that D must not reuse blocks a late WRITE could still hit:
