@@ -76,15 +76,15 @@ def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_
     kv_caches, _, table = allocate_offline(glm_dsa_config(**cfg), pp_rank=pp_rank, pp_size=pp,
                                            tp_rank=tp_rank, tp_size=tp, block_size=BLOCK_SIZE,
                                            num_blocks=NUM_BLOCKS)
+    opts = ConnectorOptions.from_config({"transfer_timeout_s": 30, **(BOUNCE if bounce else {})}, environ={})
+    role = "kv_producer" if side == "P" else "kv_consumer"
+    worker = DSAConnectorWorker(engine, opts, {"model_dtype": "bf16"}, role=role)
+    payload = worker.register(kv_caches, table)  # (pre-faults D's pools: fill after it, as vLLM would)
     if side == "P":
         _fill_source(kv_caches)
     else:
         for t in kv_caches.values():
             t.view(__import__("torch").uint8).fill_(0xAB)
-    opts = ConnectorOptions.from_config({"transfer_timeout_s": 30, **(BOUNCE if bounce else {})}, environ={})
-    role = "kv_producer" if side == "P" else "kv_consumer"
-    worker = DSAConnectorWorker(engine, opts, {"model_dtype": "bf16"}, role=role)
-    payload = worker.register(kv_caches, table)
     _STATE[key] = (worker, kv_caches, table)
     return encode(payload)
 
