@@ -110,7 +110,8 @@ def pair_runs(plan: Any, src: RankPayload, dst: RankPayload, src_blocks: Any, ds
 class _Send:
     req_id: str
     dst_req: str
-    xfers: list[tuple[Any, str, int]] = field(default_factory=list)  # (xfer, agent, dst rank)
+    # (xfer, agent, dst rank, notice to send once the WRITE is DONE; b"" when it rides on the WRITE)
+    xfers: list[tuple[Any, str, int, bytes]] = field(default_factory=list)
     failed: bool = False
 
 
@@ -299,16 +300,19 @@ class DSAConnectorWorker:
                                    writer=me)
             if snd.path == "bounce":
                 self.stats.add("bounce_bytes", nbytes)
-            send.xfers.append((snd, agent, dst.rank))
+            send.xfers.append((snd, agent, dst.rank, b""))
         else:
+            # The notice is sent on its own once the WRITE is DONE (NIXL's DONE means the data landed):
+            # a notification riding on the WRITE makes its completion wait for the TARGET to progress
+            # (measured: 9.9 MB with the target polling every 20 ms, 1.1 ms bare vs 7.8 ms with a
+            # notification), and a decode engine polls only between its steps.
             for k, (sp, dp, runs) in enumerate(parts):
                 last = k == len(parts) - 1
-                xfer = self.nixl.write(agent, self.regions[sp], dst.regions[dp], runs,
-                                       encode_notice(notice) if last else b"")
-                if not last:  # earlier WRITEs must be complete before the notice goes out
+                xfer = self.nixl.write(agent, self.regions[sp], dst.regions[dp], runs)
+                if not last:
                     self.nixl.wait(xfer, self.opts.transfer_timeout_s)
                 else:
-                    send.xfers.append((xfer, agent, dst.rank))
+                    send.xfers.append((xfer, agent, dst.rank, encode_notice(notice)))
         self.stats.add("send_bytes", nbytes)
         self.stats.add("send_runs", nruns)
 
@@ -317,9 +321,8 @@ class DSAConnectorWorker:
         (it would busy-poll a core the engine needs), so UCX copies only while someone polls; without
         this the copy would wait for the next engine step."""
         deadline = time.perf_counter() + _SPIN_S
-        while time.perf_counter() < deadline:
-            if all(self.nixl.state(_transfer(x)) != "PROC" for s in self._sends.values() for x, _, _ in s.xfers):
-                return
+        while self._sends and time.perf_counter() < deadline:
+            self._poll_sends()
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
         try:
@@ -398,11 +401,11 @@ class DSAConnectorWorker:
         now = time.perf_counter()
         for req_id, send in list(self._sends.items()):
             remaining = []
-            for xfer, agent, rank in send.xfers:
+            for xfer, agent, rank, notice in send.xfers:
                 t = _transfer(xfer)
                 state = self.nixl.state(t)
                 if state == "PROC" and now - t.started < self.opts.transfer_timeout_s:
-                    remaining.append((xfer, agent, rank))
+                    remaining.append((xfer, agent, rank, notice))
                     continue
                 try:
                     if t is xfer:
@@ -413,6 +416,8 @@ class DSAConnectorWorker:
                     self.stats.observe("transfer_s", secs)
                     if st.desc_count >= 0:
                         self.stats.add("send_descriptors", st.desc_count)
+                    if notice:
+                        self.nixl.send_notification(agent, notice)
                 except TransferError as e:
                     logger.error("DSAConnector: %s", e)
                     send.failed = True
