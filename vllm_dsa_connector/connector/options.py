@@ -52,6 +52,8 @@ _OPTIONS: tuple[Option[Any], ...] = (
            "NIXL backend"),
     Option("heartbeat_interval_s", _pos, 0.0, "VLLM_DSA_HEARTBEAT_INTERVAL_S",
            "D renews P's lease this often (s; 0: kv_lease_duration / 6)"),
+    Option("nixl_progress_thread", parse_bool, False, "VLLM_DSA_NIXL_PROGRESS_THREAD",
+           "run NIXL's progress thread (busy-polls a core) instead of progressing from the engine's steps"),
     Option("prefault_kv_cache", parse_bool, True, "VLLM_DSA_PREFAULT_KV_CACHE",
            "receiver: touch every page of the CPU KV pools and staging arena at start-up, so WRITEs never "
            "pay first-touch page faults (9.9 MB into fresh pages: 8.0 ms vs 1.05 ms)"),
@@ -89,6 +91,7 @@ class ConnectorOptions:
     verify_transfers: bool = False
     nixl_backend: str = "UCX"
     heartbeat_interval_s: float = 0.0
+    nixl_progress_thread: bool = False
     prefault_kv_cache: bool = True
     bounce: Any = None  # transport.gate.BounceSettings (None: transport absent or never bounce)
 

@@ -19,6 +19,7 @@ block-level path), so ``kv_load_failure_policy`` decides: recompute them or fail
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import uuid
 import zlib
@@ -50,6 +51,7 @@ from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
+_RECV_POLL_S = 0.0002  # receiver progress period while transfers are expected
 
 
 def _transfer(x: Any) -> Any:
@@ -147,7 +149,7 @@ class DSAConnectorWorker:
         self.opts = options
         self.compat = dict(compat)
         self.nixl = NixlEngine(f"dsa-{engine_id}-{uuid.uuid4().hex[:8]}", (options.nixl_backend,),
-                               telemetry=True)
+                               telemetry=True, progress_thread=options.nixl_progress_thread)
         self.table: Any = None
         self.regions: list[Any] = []
         self.payload: RankPayload | None = None
@@ -161,6 +163,12 @@ class DSAConnectorWorker:
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._error_blocks: set[int] = set()
+        # NIXL agents are not thread-safe: every NIXL call below holds this lock.
+        self._lock = threading.RLock()
+        self._notifs: list[tuple[str, bytes]] = []
+        self._progress_stop = threading.Event()
+        self._progress_wake = threading.Event()
+        self._progress_thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- set-up
 
@@ -229,8 +237,34 @@ class DSAConnectorWorker:
 
     # ---------------------------------------------------------------- per step
 
+    def _receiver_progress(self) -> None:
+        """While receives are expected, progress NIXL every ``_RECV_POLL_S``: a WRITE into this worker
+        completes only when the TARGET progresses too (measured, 9.9 MB over CMA: 9.4 ms when D polled
+        every 10 ms, 1.3 ms every 2 ms), and the engine polls only between its steps. Idle otherwise."""
+        while not self._progress_stop.is_set():
+            if not self._recvs:
+                self._progress_wake.wait(0.05)
+                self._progress_wake.clear()
+                continue
+            with self._lock:
+                try:
+                    self._notifs.extend(self.nixl.poll_notifications())
+                except Exception as e:  # noqa: BLE001 - keep the engine alive; the main thread polls too
+                    logger.warning("DSAConnector receiver progress: %s", e)
+            time.sleep(_RECV_POLL_S)
+
     def start_load_kv(self, meta: DSAConnectorMetadata) -> None:
         """Apply the scheduler's step metadata: learn peers, post WRITEs, arm receive expectations."""
+        with self._lock:
+            self._start_load_kv(meta)
+        if meta.recv:
+            if self._progress_thread is None:
+                self._progress_thread = threading.Thread(target=self._receiver_progress, daemon=True,
+                                                         name="dsa-recv-progress")
+                self._progress_thread.start()
+            self._progress_wake.set()
+
+    def _start_load_kv(self, meta: DSAConnectorMetadata) -> None:
         if meta.local is not None:
             self.local = sorted((decode_payload(p) for p in meta.local.payloads), key=lambda p: p.rank)
         for peer in meta.peers:
@@ -389,8 +423,9 @@ class DSAConnectorWorker:
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
-        self._poll_sends()
-        self._poll_recvs()
+        with self._lock:
+            self._poll_sends()
+            self._poll_recvs()
         out = (self._done_sending, self._done_recving, self._failed_recving)
         self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
         return out
@@ -430,7 +465,8 @@ class DSAConnectorWorker:
 
     def _poll_recvs(self) -> None:
         now = time.monotonic()
-        for _peer, msg in self.nixl.poll_notifications():
+        msgs, self._notifs = self._notifs + self.nixl.poll_notifications(), []
+        for _peer, msg in msgs:
             n, path = _parse(msg)
             if n is None:
                 continue
@@ -472,5 +508,10 @@ class DSAConnectorWorker:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
-        """Release NIXL resources."""
-        self.nixl.close()
+        """Stop the receiver thread, release NIXL resources."""
+        self._progress_stop.set()
+        self._progress_wake.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=2)
+        with self._lock:
+            self.nixl.close()
