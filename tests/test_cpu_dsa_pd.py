@@ -22,12 +22,9 @@ INDEXER_PAGE = BLOCK * (128 + 4)  # fp8 values + fp32 scale per token
 
 
 def test_dsa_pd_demo_check_passes(tmp_path: Path) -> None:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
-
-    model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_dsa_connector.cli", "demo", "--turns", "2", "--check", "--max-tokens", "12",
-         "--model", str(model), "--base-port", "22300", "--workdir", str(tmp_path)],
+         "--model-kind", "dsa", "--base-port", "22300", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=1200,
     )
     out = proc.stdout + proc.stderr

@@ -239,7 +239,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="also run one engine without a connector; fail unless outputs match and KV moved")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (default 16)")
-    parser.add_argument("--model", default=None, help="model directory (default: the tiny MLA model, made if absent)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the tiny model of --model-kind, made if absent)")
+    parser.add_argument("--model-kind", default="mla", choices=("mla", "dsa"),
+                        help="tiny model to make when --model is not given: mla (DeepSeek-V2) or dsa "
+                             "(GLM-MoE-DSA, index_topk_freq 2, index_topk 16; runs on the plugin's CPU DSA "
+                             "backend)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model dtype (float32: deterministic across P/D and one engine)")
     parser.add_argument("--base-port", type=int, default=24000,
@@ -332,7 +337,14 @@ def run(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as e:
         print(f"vllm-dsa demo: --extra-config is not JSON: {e}", file=sys.stderr)
         return 2
-    model = Path(args.model) if args.model else make_tiny_mla()
+    if args.model:
+        model = Path(args.model)
+    elif args.model_kind == "dsa":
+        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+
+        model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
+    else:
+        model = make_tiny_mla()
     verify = not args.no_verify
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-dsa-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
