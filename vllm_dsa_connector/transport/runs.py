@@ -106,7 +106,6 @@ class Runs:
         """These runs with neighbours contiguous on both sides merged (see :func:`merge_runs`); cached."""
         if self._merged is None:
             m = merge_runs(self.src_offsets, self.dst_offsets, self.lengths)
-            object.__setattr__(m, "_merged", m)
             object.__setattr__(self, "_merged", m)
         return self._merged
 
@@ -142,7 +141,9 @@ def merge_runs(
     if sort and src.size > 1 and np.any(src[1:] < src[:-1]):
         order = np.argsort(src, kind="stable")
         src, dst, lens = _merge_linear(src[order], dst[order], lens[order])
-    return Runs(src, dst, lens)
+    out = Runs(src, dst, lens)
+    object.__setattr__(out, "_merged", out)  # already merged: ``out.merged()`` costs nothing
+    return out
 
 
 def _merge_linear(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, ...]:
