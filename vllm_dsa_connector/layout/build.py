@@ -210,20 +210,20 @@ def load_hf_config(source: str | Path | Any) -> Any:
     path = Path(source)
     if not path.exists():
         raise LayoutError(f"{path}: no such file or directory")
-    if path.is_file():
-        tmp = Path(tempfile.mkdtemp(prefix="vllm-dsa-cfg-"))
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise LayoutError(f"{path}: not valid JSON ({e})") from e
-        (tmp / "config.json").write_text(json.dumps(data))
-        path = tmp
-    elif not (path / "config.json").exists():
+    if path.is_dir() and not (path / "config.json").exists():
         raise LayoutError(f"{path}: no config.json in this directory")
-    try:
-        return get_config(str(path), trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as e:
-        raise LayoutError(f"{source}: cannot load the model config ({e})") from e
+    with tempfile.TemporaryDirectory(prefix="vllm-dsa-cfg-") as tmp:
+        if path.is_file():  # vLLM loads configs from a directory
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise LayoutError(f"{path}: not valid JSON ({e})") from e
+            (Path(tmp) / "config.json").write_text(json.dumps(data))
+            path = Path(tmp)
+        try:
+            return get_config(str(path), trust_remote_code=False)
+        except (ValueError, KeyError, OSError) as e:
+            raise LayoutError(f"{source}: cannot load the model config ({e})") from e
 
 
 def stage_layers(hf_config: Any, pp_rank: int, pp_size: int) -> tuple[int, ...]:
@@ -293,10 +293,10 @@ def kv_cache_specs(
     return specs
 
 
-def _vllm_config(hf_config: Any, block_size: int, layout: str) -> Any:
+def _vllm_config(hf_config: Any, block_size: int, layout: str, tmp: Path) -> Any:
+    """A real VllmConfig for ``hf_config`` (written to ``tmp``, which vLLM reads it from)."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-dsa-model-"))
     (tmp / "config.json").write_text(hf_config.to_json_string())
     mc = ModelConfig(model=str(tmp), skip_tokenizer_init=True, max_model_len=block_size, dtype=_model_dtype(hf_config))
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=block_size))
@@ -327,12 +327,13 @@ def kv_cache_configs(
                        kv_cache_dtype=kv_cache_dtype)
         for r in range(pp_size)
     ]
-    vc = _vllm_config(hf_config, block_size, layout)
     per_block = [sum(s.page_size_bytes for s in st.values()) for st in specs]
-    try:
-        configs = get_kv_cache_configs(vc, specs, [num_blocks * pb for pb in per_block])
-    except ValueError as e:
-        raise LayoutError(f"vLLM cannot plan {num_blocks} blocks for this model: {e}") from e
+    with tempfile.TemporaryDirectory(prefix="vllm-dsa-model-") as tmp:
+        vc = _vllm_config(hf_config, block_size, layout, Path(tmp))
+        try:
+            configs = get_kv_cache_configs(vc, specs, [num_blocks * pb for pb in per_block])
+        except ValueError as e:
+            raise LayoutError(f"vLLM cannot plan {num_blocks} blocks for this model: {e}") from e
     return hf_config, configs
 
 
