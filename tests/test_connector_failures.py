@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from vllm_dsa_connector.commands.demo import (
+    check_backend,
+    choose_backend,
     cluster,
     engine_cmd,
     engine_env,
@@ -64,6 +66,8 @@ def test_prefill_killed_mid_transfer(tiny_mla_dir: Path, tmp_path: Path) -> None
                                                _cfg("kv_consumer", BASE + 12, "fail")), engine_env("1"))
         for url in (p_url, dr_url, df_url):
             wait_healthy(url, [p, dr, df], 900)
+        for proc in (p, dr, df):  # float32 asks for CPU_MLA on every CPU (AMX_MLA takes bf16 only)
+            check_backend(proc, choose_backend(tiny_mla_dir, "float32"))
 
         def prefill() -> dict:
             status, out = _post(p_url, {**prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})

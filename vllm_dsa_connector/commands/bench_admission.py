@@ -34,7 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_dsa_connector.commands.demo import backends_in_log
+
 _COUNTS = re.compile(r"admitted (\d+), deferred (\d+), completed")
+ADMISSION_BACKEND = "CPU_MLA"
 PD_PORTS = {"prefill": 23100, "passthrough": 23101, "budget": 23102}
 SIDE_CHANNEL_PORTS = {"prefill": 23110, "passthrough": 23111, "budget": 23112}
 
@@ -250,7 +253,10 @@ class _Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--port", str(self.port), "--host", "127.0.0.1",
             "--max-model-len", "2048", "--max-num-seqs", "64", "--enforce-eager",
-            "--kv-transfer-config", json.dumps(kv_config), *extra,
+            "--kv-transfer-config", json.dumps(kv_config),
+            # Pinned on every CPU: the comparison is about admission, and AMX_MLA (vLLM's pick where
+            # AMX tiles exist) would change block size and kernels between machines.
+            "--attention-backend", ADMISSION_BACKEND, *extra,
         ]  # fmt: skip
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # closed in stop()
@@ -387,6 +393,13 @@ def bench_pd(model: str, args: argparse.Namespace, budget_tokens: int) -> int:
         )
         t0 = time.monotonic()
         asyncio.run(_wait_ready(servers, args.start_timeout))
+        for s in servers:
+            found = backends_in_log(s.log_path.read_text(errors="replace"))
+            if found != {ADMISSION_BACKEND}:
+                raise RuntimeError(
+                    f"{s.name}: expected attention backend {ADMISSION_BACKEND}, the engine reported "
+                    f"{sorted(found) or 'none'}; log {s.log_path}"
+                )
         print(f"servers ready in {time.monotonic() - t0:.0f} s", flush=True)
         rng = random.Random(0)
         results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}

@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--model", default=None, help="model directory (default: the tiny MLA model)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "CPU_MLA", "AMX_MLA"),
+                        help="as for `vllm-dsa demo` (auto: CPU_MLA for float32, vLLM's choice for bf16)")
     parser.add_argument("--base-port", type=int, default=24400)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--workdir", default=None)

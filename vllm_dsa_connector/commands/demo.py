@@ -134,15 +134,83 @@ def engine_env(bind: str) -> dict[str, str]:
     return env
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (vLLM CPU then picks AMX_MLA for MLA models unless told otherwise)."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def is_dsa_model_dir(model: Path) -> bool:
+    """Whether ``model``'s config.json describes a DSA (sparse indexer) model."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("index_topk") is not None
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The attention backend an engine is asked for (``--attention-backend``, None = vLLM's choice) and the
+    one it must end up with (read back from its log), with the reason."""
+
+    requested: str | None
+    expected: str
+    reason: str
+
+
+def choose_backend(model: Path, dtype: str, requested: str = "auto") -> BackendChoice:
+    """Which attention backend a CPU engine of ``model`` runs, and why.
+
+    - DSA models run on the plugin's ``CPU_DSA_SPARSE_MLA`` (vLLM has no CPU sparse backend).
+    - MLA models: vLLM picks AMX_MLA whenever the CPU has AMX tiles, but AMX_MLA takes bf16/fp16/int8
+      weights only and a block size that is a multiple of 32; a float32 run (the deterministic demo)
+      therefore asks for CPU_MLA explicitly, which vLLM honours on every CPU. ``requested`` overrides.
+    """
+    if is_dsa_model_dir(model):
+        return BackendChoice(None, "CPU_DSA_SPARSE_MLA", "DSA model: the plugin's CPU sparse MLA backend")
+    if requested != "auto":
+        return BackendChoice(requested, requested, "requested")
+    if dtype == "float32":
+        return BackendChoice("CPU_MLA", "CPU_MLA", "float32 needs CPU_MLA (AMX_MLA takes bf16/fp16/int8 only)")
+    if cpu_has_amx():
+        return BackendChoice(None, "AMX_MLA", "vLLM's choice on a CPU with AMX tiles")
+    return BackendChoice(None, "CPU_MLA", "vLLM's choice on a CPU without AMX tiles")
+
+
+_BACKEND_LINE = re.compile(r"Using (\w+) backend\.")
+
+
+def backends_in_log(text: str) -> set[str]:
+    """Attention backends an engine reported choosing (vLLM's and the plugin's "Using X backend." lines)."""
+    return set(_BACKEND_LINE.findall(text))
+
+
+def check_backend(proc: Proc, choice: BackendChoice) -> None:
+    """RuntimeError unless the engine's log shows exactly the expected attention backend: a future vLLM
+    that picks another one must not silently change what runs (and what the tests test)."""
+    found = backends_in_log(proc.log.read_text(errors="replace"))
+    if found != {choice.expected}:
+        raise RuntimeError(
+            f"{proc.name}: expected attention backend {choice.expected} ({choice.reason}), the engine "
+            f"reported {sorted(found) or 'none'}; log {proc.log}"
+        )
+
+
 def engine_cmd(model: Path, port: int, dtype: str, kv_config: dict[str, Any] | None,
-               max_model_len: int = 2048) -> list[str]:
-    """``api_server`` command line of one engine."""
+               max_model_len: int = 2048, backend: BackendChoice | None = None,
+               extra: list[str] | None = None) -> list[str]:
+    """``api_server`` command line of one engine (``backend``: see :func:`choose_backend`)."""
+    backend = backend or choose_backend(model, dtype)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager",
            "--max-model-len", str(max_model_len), "--seed", "0"]
+    if backend.requested:
+        cmd += ["--attention-backend", backend.requested]
     if kv_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-    return cmd
+    return cmd + list(extra or [])
 
 
 def wait_healthy(url: str, procs: list[Proc], timeout_s: float) -> None:
@@ -247,6 +315,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "backend)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model dtype (float32: deterministic across P/D and one engine)")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "CPU_MLA", "AMX_MLA"),
+                        help="MLA models: auto = CPU_MLA for float32 (AMX_MLA takes bf16 only), vLLM's "
+                             "choice for bf16 (AMX_MLA on CPUs with AMX tiles); the demo fails if the "
+                             "engines report another backend")
     parser.add_argument("--base-port", type=int, default=24000,
                         help="P, D, proxy HTTP ports: base..base+2; side channels base+3, base+4; reference base+5")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for servers")
@@ -281,15 +353,19 @@ def start_pair(c: Cluster, model: Path, args: argparse.Namespace, p_cfg: dict[st
     p_url, d_url, x_url = (f"http://127.0.0.1:{base + i}" for i in range(3))
     ncpu = os.cpu_count() or 1
     extra_env = extra_env or {}
-    p = c.start("prefill", engine_cmd(model, base, args.dtype, p_cfg),
+    backend = choose_backend(model, args.dtype, getattr(args, "attention_backend", "auto"))
+    p = c.start("prefill", engine_cmd(model, base, args.dtype, p_cfg, backend=backend),
                 {**engine_env("0"), **extra_env.get("prefill", {})})
-    d = c.start("decode", engine_cmd(model, base + 1, args.dtype, d_cfg),
+    d = c.start("decode", engine_cmd(model, base + 1, args.dtype, d_cfg, backend=backend),
                 {**engine_env(str(min(1, ncpu - 1))), **extra_env.get("decode", {})})
     x = c.start("proxy", [sys.executable, "-m", "vllm_dsa_connector.pd_proxy", "--prefill", p_url,
                           "--decode", d_url, "--port", str(base + 2)], dict(os.environ))
     wait_healthy(p_url, [p, d, x], args.startup_timeout)
     wait_healthy(d_url, [p, d, x], args.startup_timeout)
     wait_healthy(x_url, [x], 60)
+    for proc in (p, d):
+        check_backend(proc, backend)
+    print(f"[demo] attention backend {backend.expected} on P and D ({backend.reason})", flush=True)
     return p_url, d_url, x_url
 
 
@@ -355,7 +431,9 @@ def run(args: argparse.Namespace) -> int:
             ref = ref_url = None
             if args.check:  # start the reference engine now: its start-up overlaps the pair's
                 ref_url = f"http://127.0.0.1:{args.base_port + 5}"
-                ref = c.start("reference", engine_cmd(model, args.base_port + 5, args.dtype, None), engine_env("0"))
+                ref = c.start("reference", engine_cmd(
+                    model, args.base_port + 5, args.dtype, None,
+                    backend=choose_backend(model, args.dtype, args.attention_backend)), engine_env("0"))
             p_url, d_url, x_url = start_pair(c, model, args, connector_config("kv_producer", verify, extra, args.base_port + 3),
                                              connector_config("kv_consumer", verify, extra, args.base_port + 4))
             print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
@@ -375,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
                     c.stop(proc)
             assert ref is not None and ref_url is not None
             wait_healthy(ref_url, [ref], args.startup_timeout)
+            check_backend(ref, choose_backend(model, args.dtype, args.attention_backend))
             problems = []
             for i, r in enumerate(results):
                 want = chat(ref_url, str(model), r.messages, args.max_tokens)

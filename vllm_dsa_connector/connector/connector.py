@@ -33,6 +33,7 @@ tells P to cancel what it gave up on.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,14 +71,34 @@ if TYPE_CHECKING:
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 
-def compat_facts(vllm_config: VllmConfig) -> dict[str, str]:
-    """Facts both sides must share exactly (the page tables cover the layout itself)."""
+def attention_backends(vllm_config: VllmConfig, layer_names: Iterable[str]) -> list[str]:
+    """Names of the attention backends that own these KV cache layers (what vLLM picked, e.g. ``CPU_MLA``,
+    ``AMX_MLA``, ``FLASHMLA_SPARSE``), sorted and deduplicated."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names))
+    return sorted({layer.get_attn_backend().get_name() for layer in layers.values()})
+
+
+def compat_facts(vllm_config: VllmConfig, backends: Iterable[str] = ()) -> dict[str, str]:
+    """Facts both sides must share exactly (the page tables cover the layout itself).
+
+    The attention backends and the block size are part of it: backends fix the KV page format and block
+    size (on CPU, AMX_MLA needs bf16 and a multiple of 32, CPU_MLA uses 16), so a pair whose engines
+    picked different ones is refused at the handshake, naming both sides' values.
+    """
     mc = vllm_config.model_config
-    return {
+    facts = {
         "model_dtype": str(mc.dtype),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "architecture": ",".join(getattr(mc.hf_config, "architectures", None) or []),
+        "block_size": str(vllm_config.cache_config.block_size),
     }
+    names = sorted(set(backends))
+    if names:
+        facts["attention_backend"] = ",".join(names)
+    return facts
 
 
 class DSAConnector(KVConnectorBase_V1, SupportsHMA):
@@ -166,7 +187,11 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, self._kv_cache_config, cfg.model_config.hf_config,
             kv_cache_dtype=str(cfg.cache_config.cache_dtype), pp_rank=pp_rank,
             pp_size=pp.pipeline_parallel_size, tp_rank=tp_rank, tp_size=pp.tensor_parallel_size)
-        self._worker = DSAConnectorWorker(self.engine_id, self.opts, compat_facts(cfg), role=str(cfg.kv_transfer_config.kv_role))
+        backends = attention_backends(cfg, kv_caches)
+        logger.info("DSAConnector %s (pp %d, tp %d): attention backend(s) %s, KV block size %d",
+                    self.engine_id, pp_rank, tp_rank, ",".join(backends), cfg.cache_config.block_size)
+        self._worker = DSAConnectorWorker(self.engine_id, self.opts, compat_facts(cfg, backends),
+                                          role=str(cfg.kv_transfer_config.kv_role))
         self._worker.register(kv_caches, table)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -142,13 +142,14 @@ def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any
     if not src or not dst:
         raise HandshakeError("DSAConnector handshake: a side published no worker payloads")
     a, b = src[0], dst[0]
-    for key in sorted(set(a.compat) | set(b.compat)):
-        va, vb = a.compat.get(key), b.compat.get(key)
-        if va != vb:
-            raise HandshakeError(
-                f"DSAConnector refuses peer {a.engine_id} -> {b.engine_id}: {key} differs "
-                f"(producer {va!r}, consumer {vb!r}); transferring would corrupt KV"
-            )
+    diffs = [f"{key} differs (producer {a.compat.get(key)!r}, consumer {b.compat.get(key)!r})"
+             for key in sorted(set(a.compat) | set(b.compat)) if a.compat.get(key) != b.compat.get(key)]
+    if diffs:
+        raise HandshakeError(
+            f"DSAConnector refuses peer {a.engine_id} -> {b.engine_id}: {'; '.join(diffs)}; "
+            "transferring would corrupt KV (run both engines with the same attention backend, block size "
+            "and dtypes)"
+        )
     try:
         src_tables = [PageTable.from_dict(p.page_table) for p in src]
         dst_tables = [PageTable.from_dict(p.page_table) for p in dst]

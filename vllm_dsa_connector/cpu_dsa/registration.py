@@ -10,7 +10,9 @@ runtime patches once per process (logged once):
    DeepSeek-V4 excluded: it has its own CPU path) the KV block size becomes 64, the size the GPU
    sparse backends and the GPU indexer use, instead of the 16 forced for CPU MLA (that constraint
    comes from the dense CPU MLA decode kernel, which DSA does not use). An explicit
-   ``--block-size`` is kept: the CPU backends accept any block size.
+   ``--block-size`` is kept: the CPU backends accept any block size. Prefix caching stays as the user
+   set it (vLLM turns it off for every CPU MLA model whose backend is not AMX_MLA; ours attends over
+   cached context through the block table like the GPU backends).
 3. ``DeepseekV32IndexerCache.get_attn_backend`` returns ``CpuDSAIndexerBackend`` (torch metadata
    instead of Triton kernels); the cache spec and bytes are unchanged.
 4. ``SparseAttnIndexer`` gets an out-of-tree replacement (``CpuReferenceSparseAttnIndexer``) that
@@ -35,6 +37,7 @@ from vllm_dsa_connector.plugin import runtime_fixes_disabled
 _LOCK = threading.Lock()
 _APPLIED = False
 BACKEND_PATH = "vllm_dsa_connector.cpu_dsa.backend.CpuSparseMLABackend"
+SPARSE_BACKEND_NAME = "CPU_DSA_SPARSE_MLA"  # CpuSparseMLABackend.get_name()
 DSA_BLOCK_SIZE = 64
 
 
@@ -94,6 +97,11 @@ def _patch_backend_selection() -> None:
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         if attn_selector_config.use_sparse and attn_selector_config.use_mla:
+            from vllm.logger import init_logger
+
+            # Same words as vLLM's own selection line, so logs name the backend either way.
+            init_logger("vllm.plugins.vllm_dsa_connector.cpu_dsa").info_once(
+                "Using %s backend.", SPARSE_BACKEND_NAME)
             return BACKEND_PATH
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
@@ -118,12 +126,19 @@ def _patch_block_size() -> None:
             if cache_config is not None and cache_config.user_specified_block_size
             else None
         )
+        prefix_caching = getattr(cache_config, "enable_prefix_caching", None)
         original(cls, vllm_config)
         if cache_config is None or not is_dsa_model_config(vllm_config.model_config):
             return
         cache_config.block_size = user_block_size or DSA_BLOCK_SIZE
+        # vLLM turns prefix caching off for MLA on CPU because the dense CPU MLA kernels cannot attend
+        # over cached context; the DSA backends here address every token through the block table (as on
+        # GPU), so a DSA model keeps what the user asked for (on by default, as on GPU).
+        if prefix_caching is not None:
+            cache_config.enable_prefix_caching = prefix_caching
         logger.info_once(
-            "vllm-dsa-connector: DSA model on CPU: KV block size %d", cache_config.block_size
+            "vllm-dsa-connector: DSA model on CPU: KV block size %d, prefix caching %s",
+            cache_config.block_size, "on" if cache_config.enable_prefix_caching else "off",
         )
 
     check_and_update_config._vllm_dsa_cpu = True  # type: ignore[attr-defined]

@@ -1,0 +1,66 @@
+"""A vLLM worker extension that reads back KV pages by token position (for placement checks).
+
+Start an engine with ``--worker-extension-cls vllm_dsa_connector.kv_probe.KVProbe`` and call
+:meth:`KVProbe.dsa_probe_running` through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
+api_server's ``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). For every request the worker is
+running it returns the prompt, vLLM's own block list (position order) and a CRC32 per *full* prompt
+block over every KV cache layer's page of that block (MLA latent and indexer K alike).
+
+Comparing the digests of block ``j`` on P and on D checks that D holds, at token positions
+``[j*B, (j+1)*B)``, the bytes P computed for those positions: the block lists come from each engine's
+scheduler, not from the connector, so a connector that pairs blocks wrongly cannot hide it (byte
+checksums of a transfer only prove that the bytes arrived, not where). The last prompt token is
+excluded (D recomputes it locally), and so is the partial last block.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+__all__ = ["KVProbe", "block_digests"]
+
+
+def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
+    """Layer name -> KV cache tensor (``[num_blocks, ...]``) of this worker, sorted by name."""
+    ctx = worker.vllm_config.compilation_config.static_forward_context
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(ctx):
+        cache = getattr(ctx[name], "kv_cache", None)
+        if isinstance(cache, list | tuple):
+            cache = cache[0] if cache else None
+        if isinstance(cache, torch.Tensor) and cache.numel() > 0:
+            out[name] = cache
+    return out
+
+
+def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> list[int]:
+    """CRC32 per block over every layer's page of that block (layers in name order)."""
+    digests = []
+    for b in block_ids:
+        crc = 0
+        for cache in caches.values():
+            crc = zlib.crc32(cache[b].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        digests.append(crc)
+    return digests
+
+
+class KVProbe:
+    """Mixed into vLLM's worker by ``--worker-extension-cls`` (methods run on every worker)."""
+
+    def dsa_probe_running(self) -> list[dict[str, Any]]:
+        """Every running request: prompt ids, block ids, block size and digests of its full prompt blocks
+        (positions ``< num_prompt_tokens - 1``)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        caches = _layer_caches(self)
+        block_size = int(self.vllm_config.cache_config.block_size)  # type: ignore[attr-defined]
+        out = []
+        for req_id, state in list(runner.requests.items()):
+            prompt = list(state.prompt_token_ids or [])
+            blocks = [int(b) for b in state.block_ids[0]]
+            full = max(len(prompt) - 1, 0) // block_size
+            out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
+                        "block_size": block_size, "digests": block_digests(caches, blocks[:full])})
+        return out
