@@ -20,6 +20,7 @@ CONNECTOR_CLASS = "DSAConnector"
 
 # Each registration step: (name, module, function). Steps whose module is absent are skipped.
 _STEPS: tuple[tuple[str, str, str], ...] = (
+    ("vllm_version", "vllm_dsa_connector.compat", "warn_if_unsupported"),
     ("connector", "vllm_dsa_connector.plugin", "_register_connector"),
     ("tokenizer", "vllm_dsa_connector.tokenizer.registration", "register_tokenizer_mode"),
     ("runtime_fixes", "vllm_dsa_connector.fixes", "apply_runtime_fixes"),

@@ -286,8 +286,13 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuDSAMetadata], SharedTopkIndicesBuffer
         slot_mapping: torch.Tensor,
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,
     ) -> None:
-        """Write ``[kv_c | k_pe]`` rows at their slots; the cache may be a strided layer view."""
+        """Write ``[kv_c | k_pe]`` rows at their slots; the cache may be a strided layer view.
+
+        ``skip_scale`` (passed by vLLM >= 0.33 for fp8 caches with a unit scale) has no effect:
+        this cache holds the model dtype, never scaled values.
+        """
         if kv_cache.numel() == 0:
             return
         slots = slot_mapping.reshape(-1).to(torch.int64)

@@ -12,7 +12,9 @@ runtime patches once per process (logged once):
    comes from the dense CPU MLA decode kernel, which DSA does not use). An explicit
    ``--block-size`` is kept: the CPU backends accept any block size. Prefix caching stays as the user
    set it (vLLM turns it off for every CPU MLA model whose backend is not AMX_MLA; ours attends over
-   cached context through the block table like the GPU backends).
+   cached context through the block table like the GPU backends). vLLM 0.33 sets the block size
+   again from the backends once the model is built (``update_block_size_for_backend``, 128 here);
+   that hook keeps 64 for DSA models too.
 3. ``DeepseekV32IndexerCache.get_attn_backend`` returns ``CpuDSAIndexerBackend`` (torch metadata
    instead of Triton kernels); the cache spec and bytes are unchanged.
 4. ``SparseAttnIndexer`` gets an out-of-tree replacement (``CpuReferenceSparseAttnIndexer``) that
@@ -144,6 +146,28 @@ def _patch_block_size() -> None:
     check_and_update_config._vllm_dsa_cpu = True  # type: ignore[attr-defined]
     check_and_update_config.__wrapped__ = original  # type: ignore[attr-defined]
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+
+    # vLLM 0.33 sets the block size again, from the attention backends, after the model is
+    # built (update_block_size_for_backend: 128 for the CPU DSA backends, which accept any
+    # size). 0.32's version returns early for non-hybrid models. Keep 64 for DSA models.
+    update = getattr(CpuPlatform.update_block_size_for_backend, "__func__", None)
+    if update is None or getattr(update, "_vllm_dsa_cpu", False):
+        return
+
+    def update_block_size_for_backend(cls, vllm_config):
+        cache_config = vllm_config.cache_config
+        update(cls, vllm_config)
+        if (
+            cache_config is None
+            or cache_config.user_specified_block_size
+            or not is_dsa_model_config(vllm_config.model_config)
+        ):
+            return
+        cache_config.block_size = DSA_BLOCK_SIZE
+
+    update_block_size_for_backend._vllm_dsa_cpu = True  # type: ignore[attr-defined]
+    update_block_size_for_backend.__wrapped__ = update  # type: ignore[attr-defined]
+    CpuPlatform.update_block_size_for_backend = classmethod(update_block_size_for_backend)  # type: ignore[method-assign]
 
 
 def _patch_indexer() -> None:

@@ -1,9 +1,12 @@
 """Runtime fixes of vLLM bugs that affect DSA models, applied by the plugin's ``register()``.
 
-Each fix is applied only when the installed vLLM is a known-affected release AND a
-behaviour probe shows the bug; it is logged once per process, and
-``VLLM_DSA_DISABLE_RUNTIME_FIXES=1`` turns all of them off. ``patches/`` holds the same
-fixes as upstream diffs.
+Each fix decides by behaviour, never by a list of releases: a probe drives vLLM's own class
+on tiny CPU tensors; a vLLM that does not show the bug (a fixed release, or one carrying the
+upstream patch) is left alone; one that shows it, whatever its version, is fixed, the fix is
+probed again (and removed if the bug is still there), and the outcome is logged once per
+process with the vLLM version and what the probe saw. A class whose fields the fix does not
+know is left alone with a warning. ``VLLM_DSA_DISABLE_RUNTIME_FIXES=1`` turns all of them off.
+``patches/`` holds the same fixes as upstream diffs.
 
 Fixes:
 
@@ -28,9 +31,10 @@ _LOGGED: set[str] = set()
 class FixReport:
     """Outcome of :func:`apply_runtime_fixes` for one fix.
 
-    ``status`` is one of ``"applied"``, ``"already-applied"``, ``"disabled"``,
-    ``"not-needed"`` (probe shows no bug), ``"unlisted-version"`` (probe shows the bug on a
-    release we have not checked; left alone).
+    ``status`` is one of ``"applied"`` (probe showed the bug; the fix is installed and a second
+    probe shows it gone), ``"already-applied"``, ``"disabled"``, ``"not-needed"`` (probe shows
+    no bug), ``"unsupported"`` (probe shows the bug but the class lacks fields the fix uses;
+    left alone) or ``"failed"`` (the fix did not remove the bug; removed again).
     """
 
     name: str
@@ -81,28 +85,48 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
                 result.detail,
             )
             return (FixReport(fix.FIX_NAME, "not-needed", version, result.detail),)
-        if not fix.version_affected(version):
+        missing = fix.missing_fields(CommonAttentionMetadata)
+        if missing:
             _log_once(
                 fix.FIX_NAME,
                 "warning",
                 "vllm-dsa-connector: vLLM %s shows the stale MTP draft-loop token map (%s) "
-                "but is not a release this fix was checked against; not patching. Apply "
-                "patches/0001-*.patch or use vLLM 0.32.",
+                "but its CommonAttentionMetadata lacks %s, which fix %s uses; not patching. "
+                "MTP draft steps of DSA models may read another request's KV: apply "
+                "patches/0001-*.patch.",
                 version,
                 result.detail,
+                ", ".join(missing),
+                fix.FIX_NAME,
             )
-            return (FixReport(fix.FIX_NAME, "unlisted-version", version, result.detail),)
+            return (FixReport(fix.FIX_NAME, "unsupported", version, result.detail),)
         fix.install(CommonAttentionMetadata)
+        after = fix.probe(CommonAttentionMetadata)
+        if after.buggy:
+            fix.uninstall(CommonAttentionMetadata)
+            _log_once(
+                fix.FIX_NAME,
+                "warning",
+                "vllm-dsa-connector: fix %s did not remove the stale MTP draft-loop token map "
+                "on vLLM %s (before: %s; after: %s); removed it again. Apply "
+                "patches/0001-*.patch.",
+                fix.FIX_NAME,
+                version,
+                result.detail,
+                after.detail,
+            )
+            return (FixReport(fix.FIX_NAME, "failed", version, after.detail),)
         _log_once(
             fix.FIX_NAME,
             "info",
             "vllm-dsa-connector: applied runtime fix %s to vLLM %s: "
             "CommonAttentionMetadata.token_to_req_indices/compute_num_computed_tokens now "
-            "follow the draft loop's batch layout (probe: %s). "
+            "follow the draft loop's batch layout (probe: %s; after the fix: %s). "
             "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.",
             fix.FIX_NAME,
             version,
             result.detail,
+            after.detail,
         )
         return (FixReport(fix.FIX_NAME, "applied", version, result.detail),)
 

@@ -1,6 +1,6 @@
 """Runtime fix: stale token->request map in vLLM's MTP/EAGLE draft loop.
 
-vLLM 0.32's ``CommonAttentionMetadata.token_to_req_indices`` caches the map in
+vLLM 0.32's (and 0.33's) ``CommonAttentionMetadata.token_to_req_indices`` caches the map in
 ``_token_to_req_indices_cache``. The V1 proposer (``v1/spec_decode/llm_base_proposer.py``)
 rewrites the target forward's metadata in place to one token per request for draft steps
 >= 1 without clearing it, and ``dataclasses.replace`` copies it, so draft token ``j`` is
@@ -31,20 +31,27 @@ import torch
 from vllm_dsa_connector.fixes.token_map import compute_token_to_req_indices
 
 FIX_NAME = "mtp-draft-token-map"
-# (major, minor) releases whose CommonAttentionMetadata has the stale caches.
-AFFECTED_RELEASES: tuple[tuple[int, int], ...] = ((0, 32),)
+# Fields of CommonAttentionMetadata the fixed methods read or write. A class without one of
+# them is a layout this fix does not know: it is left alone even if the probe sees stale maps.
+REQUIRED_FIELDS: tuple[str, ...] = (
+    "query_start_loc",
+    "query_start_loc_cpu",
+    "seq_lens",
+    "num_actual_tokens",
+    "_token_to_req_indices_cache",
+)
 _KEY_ATTR = "_vllm_dsa_layout_key"
 _MARK_ATTR = "_vllm_dsa_fix"
 
 __all__ = [
-    "AFFECTED_RELEASES",
     "FIX_NAME",
+    "REQUIRED_FIELDS",
     "ProbeResult",
     "install",
     "is_installed",
+    "missing_fields",
     "probe",
     "uninstall",
-    "version_affected",
 ]
 
 
@@ -62,15 +69,12 @@ class ProbeResult:
         return self.token_map_stale or self.num_computed_stale
 
 
-def version_affected(version: str) -> bool:
-    """True if ``version`` (e.g. ``"0.32.0"``, ``"0.32.1+cpu"``) is a known-affected release."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(version).release
-    except InvalidVersion:
-        return False
-    return tuple(release[:2]) in AFFECTED_RELEASES
+def missing_fields(cls: type) -> tuple[str, ...]:
+    """The :data:`REQUIRED_FIELDS` that the dataclass ``cls`` does not declare."""
+    if not dataclasses.is_dataclass(cls):
+        return REQUIRED_FIELDS
+    names = {f.name for f in dataclasses.fields(cls)}
+    return tuple(name for name in REQUIRED_FIELDS if name not in names)
 
 
 def _layout_key(cm: Any, num_mapped_tokens: int) -> tuple:

@@ -4,8 +4,9 @@
     views into one shared buffer; only ``data_ptr()``, ``stride(0)`` and page bytes are trusted, never
     dict order or contiguity.
 (b) ``build_offline`` / ``allocate_offline``: from a HF config + parallel sizes, through vLLM's own code
-    (``get_pp_indices``, ``MLAAttentionSpec``, ``get_kv_cache_configs``, ``allocate_kv_cache``), so the
-    two builders agree by construction (tests check they do).
+    (``get_pp_indices``, ``MLAAttentionSpec``, ``get_kv_cache_configs`` through
+    :mod:`vllm_dsa_connector.compat`, ``allocate_kv_cache``), so the two builders agree by construction
+    (tests check they do).
 """
 
 from __future__ import annotations
@@ -253,6 +254,8 @@ def kv_cache_specs(
     """The KV cache spec of each layer exactly as vLLM's MLA and indexer-cache layers declare them."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
 
+    from vllm_dsa_connector.compat import dataclass_has_field
+
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise LayoutError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if not is_mla(hf_config):
@@ -268,6 +271,11 @@ def kv_cache_specs(
     head = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
     owners = set(owning_layers(hf_config))
     idx_head = getattr(hf_config, "index_head_dim", 128)
+    # vLLM 0.33's sparse MLA layers declare the width of the shared top-k buffer (index_topk
+    # columns for V3.2/GLM-5); it takes part in spec equality, not in page sizes.
+    sparse_extra: dict[str, Any] = {}
+    if is_dsa(hf_config) and dataclass_has_field(MLAAttentionSpec, "topk_buffer_width"):
+        sparse_extra["topk_buffer_width"] = int(hf_config.index_topk)
     specs: dict[str, Any] = {}
     for i in layers:
         specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
@@ -280,6 +288,7 @@ def kv_cache_specs(
             kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
             state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(kv_cache_dtype),
             is_index_group_leader=i in owners,
+            **sparse_extra,
         )
         if i in owners:
             specs[f"model.layers.{i}{'.self_attn'}{INDEXER_SUFFIX}"] = MLAAttentionSpec(
@@ -316,7 +325,7 @@ def kv_cache_configs(
     layout: str | None = None,
 ) -> tuple[Any, list[Any]]:
     """(hf_config, one vLLM ``KVCacheConfig`` per PP stage) from vLLM's grouping/allocation planning."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm_dsa_connector.compat import get_kv_cache_configs
 
     hf_config = load_hf_config(source)
     if block_size < 1 or num_blocks < 1:
