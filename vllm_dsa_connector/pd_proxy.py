@@ -1,79 +1,226 @@
 """A small P/D proxy for OpenAI-compatible vLLM servers (what ``vllm-dsa demo`` runs).
 
-For every ``/v1/chat/completions`` or ``/v1/completions`` request:
+Each ``/v1/chat/completions`` or ``/v1/completions`` request goes (1) to the prefill server (P) as a
+one-token, non-streaming request with ``kv_transfer_params={"do_remote_decode": true,
+"do_remote_prefill": false}``, then (2) to the decode server (D) with exactly the ``kv_transfer_params``
+P returned, or none; D's answer is returned (or streamed) with headers ``x-prefill-ms`` and
+``x-kv-transfer`` (``1`` when D got P's params).
 
-1. send it to the prefill server with ``max_tokens=1`` (streaming off) and
-   ``kv_transfer_params={"do_remote_decode": true}``;
-2. send the original request to the decode server with the ``kv_transfer_params`` P returned (P's engine
-   id, request id and side channel: the connector on D takes it from there);
-3. return (or stream) D's answer. The response headers carry ``x-prefill-ms``.
+Fields. Only the proxy sets ``kv_transfer_params``: a client's own is dropped on both legs, and so is
+``vllm_xargs["kv_transfer_params"]`` (vLLM hands ``kv_transfer_params`` to the engine in ``extra_args``).
+The prefill leg gets ``max_tokens=1`` (``max_completion_tokens=1`` when sent), ``n=1``, ``stream=false``
+and loses what would make P generate more than one token or compute what nobody reads: ``best_of``,
+``use_beam_search``, ``min_tokens``/``min_completion_tokens`` (vLLM rejects ``min_tokens > max_tokens``),
+``stream_options``, ``logprobs``, ``top_logprobs``, ``logprob_token_ids``, ``prompt_logprobs``, ``echo``.
+What shapes the prompt (messages, templates, ``cache_salt``, ...) reaches both legs unchanged; D gets the
+client's sampling fields as sent. Prompt logprobs (``prompt_logprobs``, or ``echo`` with logprobs) need
+the prompt's logits where the answer is made and vLLM ignores external KV for them
+(``skip_reading_prefix_cache``): such requests go to D alone rather than leave P's blocks held for nothing.
 
-Run it alone::
+Errors are JSON ``{"error": {"message", "type", "side", "upstream_status", "param"}}``, ``side`` being
+``prefill``, ``decode`` or ``proxy``: a malformed client body is a 400; an upstream 4xx keeps its status and
+message (vLLM's 400 for a bad request stays a 400); an upstream 5xx, unreachable upstream or bad upstream
+body is a 502; an upstream timeout is a 504. Timeouts are per read (``--read-timeout``: the longest wait
+for the next bytes, so a long stream that keeps sending is never cut) and per connect
+(``--connect-timeout``), never a total. A decode stream failing mid-way is logged and ends with an SSE
+``data: {"error": ...}`` event, no ``[DONE]``. One ``aiohttp.ClientSession`` serves the app's lifetime.
 
-    python -m vllm_dsa_connector.pd_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+Alone: ``python -m vllm_dsa_connector.pd_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import math
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from vllm.logger import init_logger
 
-__all__ = ["make_app", "main"]
+__all__ = ["make_app", "main", "prefill_body", "decode_body", "needs_local_prefill"]
+
+logger = init_logger("vllm." + __name__)
+
+DEFAULT_READ_TIMEOUT_S = 600.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+_PREFILL_DROP = frozenset({"best_of", "use_beam_search", "min_tokens", "min_completion_tokens",
+                           "stream_options", "logprobs", "top_logprobs", "logprob_token_ids",
+                           "prompt_logprobs", "echo"})
 
 
-def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    out = dict(body)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+def _client_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body without the P/D-internal fields only the proxy may set."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if isinstance(xargs := out.get("vllm_xargs"), dict) and "kv_transfer_params" in xargs:
+        out["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
     return out
 
 
-def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> FastAPI:
-    """The proxy as a FastAPI app."""
-    app = FastAPI(title="vllm-dsa P/D proxy")
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: one token, ``n=1``, no stream, the proxy's ``kv_transfer_params``."""
+    out = {k: v for k, v in _client_fields(body).items() if k not in _PREFILL_DROP}
+    out.update(max_tokens=1, n=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg's body: the client's request with exactly P's ``kv_transfer_params`` (or none)."""
+    out = _client_fields(body)
+    return {**out, "kv_transfer_params": params} if params else out
+
+
+def needs_local_prefill(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the request asks for prompt logprobs (then D must compute the prompt itself)."""
+    echo_lp = body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    return body.get("prompt_logprobs") is not None or (bool(body.get("echo")) and echo_lp is not None)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    """``data`` parsed, when it is a JSON object."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class ProxyError(Exception):
+    """An error answered to the client as JSON, naming the side that failed."""
+
+    def __init__(self, status: int, side: str, etype: str, message: str,
+                 upstream_status: int | None = None, param: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.payload = {"error": {"message": message, "type": etype, "side": side,
+                                  "upstream_status": upstream_status, "param": param}}
+
+
+def _upstream_status_error(side: str, status: int, data: bytes) -> ProxyError:
+    """A non-200 answer: a 4xx keeps its status, anything else becomes a 502; upstream message kept."""
+    err = obj = _json_object(data) or {}
+    if isinstance(obj.get("error"), dict):  # vLLM: {"error": {"message", "type", "param", "code"}}
+        err = obj["error"]
+    message = str(err.get("message") or data.decode("utf-8", "replace")[:2000] or f"HTTP {status}")
+    logger.warning("P/D proxy: %s server answered HTTP %d: %s", side, status, message[:200])
+    return ProxyError(status if 400 <= status < 500 else 502, side,
+                      str(err.get("type") or "upstream_error"), message, status, err.get("param"))
+
+
+def _transport_error(side: str, url: str, exc: BaseException, mid_stream: bool = False) -> ProxyError:
+    """A timeout (504) or a connection failure (502) talking to ``url``, logged."""
+    what = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    if isinstance(exc, TimeoutError):
+        err = ProxyError(504, side, "upstream_timeout", f"{side} server {url} timed out ({what})")
+    else:
+        err = ProxyError(502, side, "upstream_unreachable", f"{side} server {url} failed ({what})")
+    logger.log(logging.ERROR if mid_stream else logging.WARNING, "P/D proxy: %s%s", err.message,
+               " (mid-stream: the client's stream ends here)" if mid_stream else "")
+    return err
+
+
+async def _post_json(session: aiohttp.ClientSession, side: str, url: str,
+                     body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """POST ``body`` and return the raw and parsed JSON object of a 200 answer, or raise ProxyError."""
+    try:
+        async with session.post(url, json=body) as r:
+            status, data = r.status, await r.read()
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise _transport_error(side, url, e) from e
+    if status != 200:
+        raise _upstream_status_error(side, status, data)
+    if (obj := _json_object(data)) is None:
+        raise ProxyError(502, side, "bad_upstream_response", f"{side} server {url} answered a body "
+                         f"that is not a JSON object: {data[:200]!r}", status)
+    return data, obj
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                  headers: dict[str, str]) -> Response:
+    """Stream D's answer; a failure mid-way is logged and ends the stream with an error event."""
+    try:
+        resp = await session.post(url, json=body)
+        if resp.status != 200:
+            async with resp:
+                data = await resp.read()
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise _transport_error("decode", url, e) from e
+    if resp.status != 200:
+        raise _upstream_status_error("decode", resp.status, data)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.content.iter_any():
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as e:
+            err = _transport_error("decode", url, e, mid_stream=True)
+            yield b"\n\ndata: " + json.dumps(err.payload).encode() + b"\n\n"
+        finally:
+            resp.close()
+
+    return StreamingResponse(chunks(), headers=headers, media_type="text/event-stream")
+
+
+def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_TIMEOUT_S, *,
+             connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> FastAPI:
+    """The proxy as a FastAPI app.
+
+    ``timeout_s`` is the read timeout: the longest wait for the next bytes of an upstream answer (not
+    a total). ``connect_timeout_s`` bounds each connect. Both must be > 0.
+    """
+    for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+                                    sock_connect=connect_timeout_s, sock_read=timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # limit=0: no pool cap, so long streams never make other requests wait for a connection
+        app.state.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        try:
+            yield
+        finally:
+            await app.state.session.close()
+
+    app = FastAPI(title="vllm-dsa P/D proxy", lifespan=lifespan)
 
     async def forward(path: str, request: Request) -> Response:
-        body = await request.json()
-        t0 = time.perf_counter()
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(prefill_url + path, json=_prefill_body(body)) as r:
-                if r.status != 200:
-                    return Response(await r.read(), status_code=r.status, media_type="application/json")
-                pre = await r.json()
-        prefill_ms = (time.perf_counter() - t0) * 1000
-        params = pre.get("kv_transfer_params")
-        dbody = dict(body)
-        if params:
-            dbody["kv_transfer_params"] = params
-        headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0"}
-        if body.get("stream"):
-            session = aiohttp.ClientSession(timeout=timeout)
-            resp = await session.post(decode_url + path, json=dbody)
-
-            async def gen():  # noqa: ANN202
-                try:
-                    async for chunk in resp.content.iter_any():
-                        yield chunk
-                finally:
-                    resp.release()
-                    await session.close()
-
-            return StreamingResponse(gen(), status_code=resp.status, headers=headers,
-                                     media_type="text/event-stream")
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(decode_url + path, json=dbody) as r:
-                data = await r.read()
-                return Response(data, status_code=r.status, headers=headers, media_type="application/json")
+        session: aiohttp.ClientSession = request.app.state.session
+        try:
+            if (body := _json_object(await request.body())) is None:
+                raise ProxyError(400, "proxy", "invalid_request_error",
+                                 "the request body must be a JSON object (malformed JSON?)")
+            params, prefill_ms = None, 0.0
+            if not needs_local_prefill(body, chat=path == "/v1/chat/completions"):
+                t0 = time.perf_counter()
+                _, pre = await _post_json(session, "prefill", prefill_url + path, prefill_body(body))
+                prefill_ms = (time.perf_counter() - t0) * 1000
+                params = pre.get("kv_transfer_params")
+                if params is not None and not isinstance(params, dict):
+                    raise ProxyError(502, "prefill", "bad_upstream_response",
+                                     f"kv_transfer_params is not an object: {params!r}", 200)
+                if not params:
+                    logger.warning_once("P/D proxy: the prefill server returned no kv_transfer_params "
+                                        "(no KV connector on P?): D computes the prompt itself")
+            headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0"}
+            dbody = decode_body(body, params)
+            if body.get("stream"):
+                return await _stream(session, decode_url + path, dbody, headers)
+            data, _ = await _post_json(session, "decode", decode_url + path, dbody)
+            return Response(data, headers=headers, media_type="application/json")
+        except ProxyError as e:
+            return JSONResponse(e.payload, status_code=e.status)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -90,18 +237,34 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Fas
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line: ``--prefill URL --decode URL --port N``."""
-    import uvicorn
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: ``--prefill URL --decode URL [--host H] [--port N] [--read-timeout S] [--connect-timeout S]``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prefill", required=True)
-    p.add_argument("--decode", required=True)
+    p.add_argument("--prefill", required=True, help="prefill server base URL")
+    p.add_argument("--decode", required=True, help="decode server base URL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--read-timeout", type=_seconds, default=DEFAULT_READ_TIMEOUT_S,
+                   help="longest wait in seconds for the next bytes of an upstream answer, between "
+                        "stream chunks included; not a total (default: %(default)s)")
+    p.add_argument("--connect-timeout", type=_seconds, default=DEFAULT_CONNECT_TIMEOUT_S,
+                   help="longest wait in seconds to connect to an upstream (default: %(default)s)")
     a = p.parse_args(argv)
-    uvicorn.run(make_app(a.prefill.rstrip("/"), a.decode.rstrip("/")), host=a.host, port=a.port,
-                log_level="warning")
+    import uvicorn
+
+    uvicorn.run(make_app(a.prefill, a.decode, a.read_timeout, connect_timeout_s=a.connect_timeout),
+                host=a.host, port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":
