@@ -1,5 +1,7 @@
-"""Scheduler side of DSAConnector with a real VllmConfig, real vLLM Requests and the real side channel:
-leases, heartbeats, registrations, cancellation, aborts (P side); the D side's refusal of a dead peer."""
+"""Scheduler side of DSAConnector with a real VllmConfig, real vLLM Requests and KVCacheBlocks, and real side
+channels between a P and a D scheduler in this process. Time is an injected clock (no sleeps decide a
+deadline): leases, heartbeats of queued requests, the D-side give-up rule (blocks handed back only when no
+WRITE can land), cancels that do not queue behind a dead peer's handshake."""
 
 from __future__ import annotations
 
@@ -8,105 +10,255 @@ from pathlib import Path
 
 import pytest
 
-LEASE_S = 0.6
+from vllm_dsa_connector.connector.messages import ReqRef
+from vllm_dsa_connector.connector.producer import LeaseState
+
+BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def producer(tiny_mla_dir: Path):
-    import vllm.plugins
+class Clock:
+    def __init__(self) -> None:
+        self.t = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _config(model: Path, role: str, extra: dict):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
+    return EngineArgs(model=str(model), enforce_eager=True, dtype="float32", max_model_len=2048,
+                      kv_transfer_config=KVTransferConfig(kv_connector="DSAConnector", kv_role=role,
+                                                          kv_connector_extra_config=extra)).create_engine_config()
+
+
+def _payload(engine: str) -> bytes:
+    from vllm_dsa_connector.connector.metadata import RankPayload, encode
+
+    table = {"rank": 0, "pools": [{"num_blocks": 512}]}
+    return encode(RankPayload(engine, 0, 0, 0, f"agent-{engine}", b"", table, [], {"model_dtype": "f32"}))
+
+
+class _Plan:
+    def senders_for(self, rank: int) -> tuple[int, ...]:
+        return (0,)
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_mla_dir: Path):
+    """A P and a D scheduler (real side channels) sharing one injected clock."""
+    import vllm.plugins
+
+    from vllm_dsa_connector.connector import consumer as consumer_mod
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
 
     vllm.plugins.load_general_plugins()
-    extra = {"kv_lease_duration": LEASE_S, "side_channel_port": 24970, "handshake_timeout_s": 2}
-    cfg = EngineArgs(model=str(tiny_mla_dir), enforce_eager=True, dtype="float32", max_model_len=2048,
-                     kv_transfer_config=KVTransferConfig(kv_connector="DSAConnector", kv_role="kv_producer",
-                                                         kv_connector_extra_config=extra)).create_engine_config()
-    sched = DSAConnectorScheduler(cfg, "P-test", ConnectorOptions.from_config(extra))
-    yield sched
-    sched.shutdown()
+    clock = Clock()
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "handshake_timeout_s": 2.0,
+             "heartbeat_interval_s": 1.0, "bounce_mode": "never"}
+    p = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P", ConnectorOptions.from_config(extra),
+                              clock)
+    d = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D", ConnectorOptions.from_config(extra),
+                              clock)
+    p.set_local_payloads([_payload("P")])
+    d.set_local_payloads([_payload("D")])
+    # the page tables are fakes: skip the layout check, keep the real handshake round trip
+    original = consumer_mod.validate_peer
+    consumer_mod.validate_peer = lambda src, dst: _Plan()
+    yield p, d, clock
+    consumer_mod.validate_peer = original
+    p.shutdown()
+    d.shutdown()
 
 
-def _finished(req_id: str, status_name: str = "FINISHED_LENGTH_CAPPED", params: dict | None = None):
+def _request(req_id: str, n: int, params: dict, status: str = "WAITING"):
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
-    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params or {"do_remote_decode": True}})
-    r = Request(req_id, list(range(40)), sp, None)
-    r.status = getattr(RequestStatus, status_name)
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+    r = Request(req_id, list(range(100, 100 + n)), sp, None)
+    r.status = getattr(RequestStatus, status)
     return r
 
 
-def _output(sending: set[str]):
+def _prefill(p, req_id: str, n: int, blocks: list[int]) -> dict:
+    r = _request(req_id, n, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED")
+    r.num_computed_tokens = n
+    delay, params = p.request_finished(r, (blocks,))
+    assert delay and params["remote_num_tokens"] == n and params["remote_token"]
+    return params
+
+
+def _blocks(hit: int, new: list[int]):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    cached = [KVCacheBlock(block_id=200 + i) for i in range(hit)]
+    for b in cached:
+        b._block_hash = b"h" * 8  # a prefix-cache hit is a hashed block
+    return KVCacheBlocks(blocks=(cached + [KVCacheBlock(block_id=b) for b in new],))
+
+
+def _load(d, clock, req_id: str, params: dict, n: int, hit_blocks: int, new: list[int]):
+    req = _request(req_id, n, dict(params))
+    deadline = time.monotonic() + 10
+    while (res := d.get_num_new_matched_tokens(req, hit_blocks * BLOCK))[0] is None:
+        assert time.monotonic() < deadline, "handshake did not finish"
+        time.sleep(0.02)
+    assert res == (n - hit_blocks * BLOCK, True)
+    d.update_state_after_alloc(req, _blocks(hit_blocks, new), res[0])
+    return req
+
+
+def _wait(fut) -> None:
+    deadline = time.monotonic() + 10
+    while not fut.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_d_prefix_hits_take_p_blocks_of_the_same_positions(pd) -> None:
+    p, d, clock = pd
+    params = _prefill(p, "p-pos", 5 * BLOCK + 3, [11, 12, 13, 14, 15, 16])
+    _load(d, clock, "d-pos", params, 5 * BLOCK + 3, hit_blocks=2, new=[40, 41, 42, 43, 44])
+    meta = d.build_connector_meta(None)
+    (job,) = meta.recv
+    assert job.src_blocks == [13, 14, 15, 16] and job.blocks == [40, 41, 42, 43]
+    _wait(d.consumer.loads["d-pos"].reg)
+    d.build_connector_meta(None)
+    push = p.build_connector_meta(None).push
+    assert [(j.src_blocks, j.dst_blocks) for j in push] == [([13, 14, 15, 16], [40, 41, 42, 43])]
+    p.update_connector_output(_output(sending={"p-pos"}))
+    d.update_connector_output(_output(recving={"d-pos"}))
+    assert "d-pos" not in d.consumer.loads
+
+
+def test_token_count_mismatch_is_a_load_failure(pd) -> None:
+    p, d, clock = pd
+    params = _prefill(p, "p-short", 3 * BLOCK, [1, 2, 3])
+    req = _request("d-long", 3 * BLOCK + 5, dict(params))  # not the prompt P computed
+    while d.get_num_new_matched_tokens(req, 0)[0] is None:
+        time.sleep(0.02)
+    d.update_state_after_alloc(req, _blocks(0, [5, 6, 7, 8]), 3 * BLOCK + 5)
+    meta = d.build_connector_meta(None)
+    assert not meta.recv and "not the same prompt" in meta.fail_recv["d-long"]
+
+
+def _output(sending=(), recving=(), failed=()):
     from vllm.v1.outputs import KVConnectorOutput
 
-    return KVConnectorOutput(finished_sending=sending)
+    return KVConnectorOutput(finished_sending=set(sending), finished_recving=set(recving),
+                             failed_recving=set(failed))
 
 
-def test_lease_heartbeat_and_expiry(producer) -> None:
-    from vllm_dsa_connector.connector.handshake import request
-
-    delay, params = producer.request_finished(_finished("r-lease"), ([4, 5, 6],))
-    assert delay is True and params["remote_block_ids"] == [4, 5, 6]
-    assert params["remote_port"] == producer.server.port and params["transfer_mode"] == "push"
-    assert producer.has_pending_push_work()
-    for _ in range(3):  # D's heartbeats keep the lease alive past its duration
-        time.sleep(LEASE_S / 2)
-        assert request("127.0.0.1", producer.server.port, "hb", ["r-lease"], 2.0)["ok"]
-        assert "r-lease" not in producer.build_connector_meta(None).release
-    time.sleep(LEASE_S + 0.1)  # no heartbeat: the lease expires, the workers release the blocks
-    assert producer.build_connector_meta(None).release == ["r-lease"]
-    assert producer.build_connector_meta(None).release == []  # once
-    producer.update_connector_output(_output({"r-lease"}))
-    assert not producer.has_pending_push_work()
-
-
-def test_registration_becomes_one_push_job(producer) -> None:
-    from vllm_dsa_connector.connector.handshake import request
-
-    producer.request_finished(_finished("r-reg"), ([7, 8],))
-    port = producer.server.port
-    unknown = request("127.0.0.1", port, "reg", {"p_req": "nope", "d_engine": "D", "d_req": "x", "d_blocks": [1]}, 2)
-    assert not unknown["ok"] and "no KV for request nope" in unknown["error"]
-    body = {"p_req": "r-reg", "d_engine": "D1", "d_req": "d-1", "d_blocks": [30, 31], "d_payloads": [b"x"],
-            "slots": {0: {0: [512, 4096]}}}
-    assert request("127.0.0.1", port, "reg", body, 2)["ok"]
-    again = request("127.0.0.1", port, "reg", body, 2)
-    assert not again["ok"] and "already registered" in again["error"]
-    meta = producer.build_connector_meta(None)
-    assert [p.engine_id for p in meta.peers] == ["D1"]
-    (job,) = meta.push
-    assert (job.req_id, job.dst_req_id, job.src_blocks, job.dst_blocks) == ("r-reg", "d-1", [7, 8], [30, 31])
-    assert job.slots == {0: {0: [512, 4096]}}
-    assert not producer.build_connector_meta(None).push  # dispatched once
-    producer.update_connector_output(_output({"r-reg"}))
-    assert "r-reg" not in producer._leases
+def test_give_up_before_dispatch_releases_at_once_and_p_never_writes(pd) -> None:
+    p, d, clock = pd
+    params = _prefill(p, "p-stall", 2 * BLOCK, [21, 22])
+    _load(d, clock, "d-stall", params, 2 * BLOCK, 0, [50, 51])
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["d-stall"].reg)
+    d.build_connector_meta(None)
+    assert p.producer.lease("p-stall").state is LeaseState.REGISTERED  # P's engine has not stepped yet
+    clock.t += 5.1  # D's transfer timeout passes
+    meta = d.build_connector_meta(None)
+    assert "d-stall" not in meta.fail_recv  # the cancel is on its way: not before P's answer
+    _wait(d.consumer.loads["d-stall"].cancel)
+    meta = d.build_connector_meta(None)
+    assert "P confirmed nothing was written" in meta.fail_recv["d-stall"]
+    p_meta = p.build_connector_meta(None)  # P's engine resumes: the registration is dropped
+    assert not p_meta.push and "p-stall" in p_meta.release
+    p.update_connector_output(_output(sending={"p-stall"}))
+    d.update_connector_output(_output(recving={"d-stall"}, failed={"d-stall"}))
 
 
-def test_cancel_and_abort_free_blocks(producer) -> None:
-    from vllm_dsa_connector.connector.handshake import request
+def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
+    from vllm_dsa_connector.connector.consumer import SAFETY_MARGIN_S
 
-    producer.request_finished(_finished("r-cancel"), ([9],))
-    assert request("127.0.0.1", producer.server.port, "cancel", ["r-cancel"], 2)["ok"]
-    assert producer.build_connector_meta(None).release == ["r-cancel"]
-    producer.update_connector_output(_output({"r-cancel"}))
-    # an aborted prefill is not handed to D: its blocks are freed at once
-    assert producer.request_finished(_finished("r-abort", "FINISHED_ABORTED"), ([3],)) == (False, None)
-    assert not producer.has_pending_push_work()
+    p, d, clock = pd
+    params = _prefill(p, "p-slow", 2 * BLOCK, [23, 24])
+    _load(d, clock, "d-slow", params, 2 * BLOCK, 0, [52, 53])
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["d-slow"].reg)
+    d.build_connector_meta(None)
+    (job,) = p.build_connector_meta(None).push  # handed to P's workers: a WRITE may be in flight
+    assert job.post_deadline <= d.consumer.loads["d-slow"].give_up_at + (job.post_deadline - clock.t)
+    clock.t += 5.1
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["d-slow"].cancel)
+    assert d.consumer.loads["d-slow"].cancel.result().states == {"p-slow": "posted"}
+    clock.t += 4.0
+    assert "d-slow" not in d.build_connector_meta(None).fail_recv  # still inside give-up + write timeout
+    assert d.has_pending_push_work()
+    clock.t += 1.0 + SAFETY_MARGIN_S
+    assert "write bound passed" in d.build_connector_meta(None).fail_recv["d-slow"]
+    p.update_connector_output(_output(sending={"p-slow"}))
+    d.update_connector_output(_output(recving={"d-slow"}, failed={"d-slow"}))
 
 
-def test_decode_side_dead_producer_is_a_load_failure(producer) -> None:
-    params = {"do_remote_prefill": True, "remote_engine_id": "P-dead", "remote_request_id": "x",
-              "remote_host": "127.0.0.1", "remote_port": 24971, "remote_block_ids": [1, 2, 3],
-              "transfer_mode": "push"}
-    req = _finished("d-dead", "WAITING", params)
-    assert producer.get_num_new_matched_tokens(req, 0) == (None, False)  # handshake in flight: ask later
+def test_abort_while_loading_keeps_blocks_until_safe(pd) -> None:
+    p, d, clock = pd
+    params = _prefill(p, "p-abort", 2 * BLOCK, [25, 26])
+    req = _load(d, clock, "d-abort", params, 2 * BLOCK, 0, [54, 55])
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["d-abort"].reg)
+    d.build_connector_meta(None)
+    from vllm.v1.request import RequestStatus
+
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert d.request_finished(req, ([54, 55],)) == (True, None)  # vLLM must not free the blocks yet
+    _wait(d.consumer.loads["d-abort"].cancel)
+    assert "d-abort" in d.build_connector_meta(None).fail_recv  # P never posted: released now
+    assert "p-abort" in p.build_connector_meta(None).release
+    p.update_connector_output(_output(sending={"p-abort"}))
+    d.update_connector_output(_output(recving={"d-abort"}, failed={"d-abort"}))
+
+
+def test_queued_requests_are_heartbeated(pd) -> None:
+    p, d, clock = pd
+    params = _prefill(p, "p-queue", BLOCK, [27])
+    req = _request("d-queue", BLOCK, dict(params))
+    while d.get_num_new_matched_tokens(req, 0)[0] is None:  # D has no blocks yet: stays queued
+        time.sleep(0.02)
+    lease = p.producer.lease("p-queue")
+    for _ in range(4):  # 4 x 6 s > the 10 s lease: heartbeats keep it
+        clock.t += 6
+        d.build_connector_meta(None)
+        deadline = time.monotonic() + 5
+        while lease.deadline < clock.t + 9 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not p.build_connector_meta(None).release
+    assert lease.state is LeaseState.HELD
+    d.consumer.forget_queued("d-queue")
+    clock.t += 11  # no more heartbeats: expires
+    assert "p-queue" in p.build_connector_meta(None).release
+    p.update_connector_output(_output(sending={"p-queue"}))
+
+
+def test_dead_producer_is_a_load_failure_and_cancels_do_not_queue_behind_it(pd) -> None:
+    p, d, clock = pd
+    dead = {"do_remote_prefill": True, "remote_engine_id": "P-dead", "remote_request_id": "x",
+            "remote_host": "127.0.0.1", "remote_port": 24971, "remote_block_ids": [1, 2, 3],
+            "remote_num_tokens": 40, "remote_token": "t", "transfer_mode": "push"}
+    req = _request("d-dead", 40, dead)
+    assert d.get_num_new_matched_tokens(req, 0) == (None, False)  # handshake in flight: ask later
+    t0 = time.monotonic()
+    fut = d.consumer.cancel("P", [ReqRef("unrelated", "t")])  # P's control thread is not blocked
+    _wait(fut)
+    assert fut.result().ok and time.monotonic() - t0 < 1.5
     deadline = time.monotonic() + 10
-    while (res := producer.get_num_new_matched_tokens(req, 0))[0] is None and time.monotonic() < deadline:
+    while (res := d.get_num_new_matched_tokens(req, 0))[0] is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    # policy fail (the default): the tokens are claimed, the load fails at once, reported to the workers
-    assert res == (40, True)
-    assert "did not answer" in producer._peers["P-dead"].error
+    assert res == (40, True)  # policy fail (the default): claimed, then failed at allocation
+    assert "did not answer" in d.consumer.peers["P-dead"].error
+    d.update_state_after_alloc(req, _blocks(0, [60, 61, 62]), 40)
+    assert "did not answer" in d.build_connector_meta(None).fail_recv["d-dead"]
+
+
+def test_malformed_kv_transfer_params_compute_locally(pd) -> None:
+    _, d, _ = pd
+    bad = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "x",
+           "remote_host": "127.0.0.1", "remote_port": "not a port", "remote_block_ids": [1],
+           "remote_num_tokens": 16, "remote_token": "t"}
+    assert d.get_num_new_matched_tokens(_request("d-bad", 16, bad), 0) == (0, False)

@@ -92,13 +92,16 @@ def test_notice_and_payload_round_trip() -> None:
 
 def test_side_channel_dead_peer_times_out_fast() -> None:
     from vllm_dsa_connector.connector.handshake import HandshakeError, SideChannelServer, request
+    from vllm_dsa_connector.connector.messages import HeartbeatReq, MetaReq, Reply, ReqRef
 
-    server = SideChannelServer("127.0.0.1", 24990, lambda kind, body: {"ok": True, "echo": [kind, body]})
+    seen = []
+    server = SideChannelServer("127.0.0.1", 24990, lambda req: (seen.append(req), Reply(True))[1])
     try:
-        assert request("127.0.0.1", server.port, "hb", ["r1"], 5.0) == {"ok": True, "echo": ["hb", ["r1"]]}
+        assert request("127.0.0.1", server.port, HeartbeatReq([ReqRef("r1", "t")]), 5.0).ok
+        assert seen == [HeartbeatReq([ReqRef("r1", "t")])]
     finally:
         server.close()
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="did not answer"):
-        request("127.0.0.1", 24991, "reg", {}, 0.5)  # nobody listens: a timeout, never a hang
+        request("127.0.0.1", 24991, MetaReq(), 0.5)  # nobody listens: a timeout, never a hang
     assert time.monotonic() - t0 < 3

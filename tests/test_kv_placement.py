@@ -126,7 +126,7 @@ def _probe_while_running(url: str, model: str, ids: list[int], kv_params: dict[s
             for _ in resp:
                 if done.is_set():
                     break
-        except OSError:
+        except (OSError, ValueError, AttributeError):  # the connection closed under the reader
             pass
         done.set()
 

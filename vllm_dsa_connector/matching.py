@@ -251,3 +251,55 @@ def expand_runs(
         src, dst, length = merge_adjacent(src, dst, length)
         out.append(PoolRuns(sp, dp, src, dst, length))
     return out
+
+
+class PairingError(ValueError):
+    """D's blocks cannot be paired with P's by token position; the message names both sides' numbers."""
+
+
+@dataclass(frozen=True)
+class BlockPairing:
+    """Which of P's blocks go into which of D's, by token position.
+
+    ``src_blocks[i]`` and ``dst_blocks[i]`` both hold tokens ``[(first_block + i) * B, (first_block + i + 1) * B)``
+    of the prompt; blocks before ``first_block`` D already holds (its own prefix-cache hits).
+    """
+
+    first_block: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+def pair_blocks_by_position(*, block_size: int, prompt_tokens: int, local_computed_tokens: int,
+                            local_new_blocks: Sequence[int], remote_block_ids: Sequence[int],
+                            remote_num_tokens: int) -> BlockPairing:
+    """Pair D's newly allocated blocks with P's blocks of the same token positions.
+
+    ``local_computed_tokens`` are D's prefix-cache hits (whole blocks), ``local_new_blocks`` the blocks vLLM
+    allocated for the rest (position order), ``remote_block_ids`` every block of P's request (position
+    order, P's own hits included) and ``remote_num_tokens`` the tokens P's KV holds. P must hold exactly
+    the prompt D loads; anything else is a :class:`PairingError` (a load failure, never a guess).
+    """
+    if block_size <= 0:
+        raise PairingError(f"block size must be positive, got {block_size}")
+    if remote_num_tokens != prompt_tokens:
+        raise PairingError(f"P holds KV of {remote_num_tokens} tokens, D's prompt has {prompt_tokens}: "
+                           "not the same prompt")
+    need_remote = -(-remote_num_tokens // block_size)
+    if len(remote_block_ids) < need_remote:
+        raise PairingError(f"P sent {len(remote_block_ids)} block ids for {remote_num_tokens} tokens "
+                           f"(block size {block_size} needs {need_remote})")
+    if local_computed_tokens < 0 or local_computed_tokens % block_size:
+        raise PairingError(f"D's prefix-cache hit of {local_computed_tokens} tokens is not whole "
+                           f"{block_size}-token blocks")
+    first = local_computed_tokens // block_size
+    count = need_remote - first
+    if count <= 0:
+        raise PairingError(f"D already holds {local_computed_tokens} of {prompt_tokens} tokens: nothing to load")
+    if len(local_new_blocks) < count:
+        raise PairingError(f"D allocated {len(local_new_blocks)} blocks for tokens {local_computed_tokens}.."
+                           f"{prompt_tokens} (needs {count})")
+    if any(b < 0 for b in remote_block_ids[:need_remote]) or any(b < 0 for b in local_new_blocks[:count]):
+        raise PairingError("negative block id")
+    return BlockPairing(first, tuple(int(b) for b in remote_block_ids[first:need_remote]),
+                        tuple(int(b) for b in local_new_blocks[:count]))

@@ -1,55 +1,80 @@
 """The ZMQ side channel and the handshake checks.
 
-Each engine's scheduler-side connector serves one ROUTER socket (like vLLM's NixlConnector). Requests are
-msgpack ``[kind, body]``; every reply is msgpack ``{"ok": bool, ...}``:
+Each engine's scheduler-side connector serves one ROUTER socket (like vLLM's NixlConnector). Messages
+are the typed structs of :mod:`.messages` in an (optionally HMAC-authenticated) envelope; every reply is
+a :class:`~.messages.Reply`:
 
 - ``meta``: the engine's worker payloads (:class:`~.metadata.RankPayload`, one per (pp, tp) worker).
 - ``reg`` (D -> P): "write request ``p_req`` into my blocks"; P replies at once whether it still holds
   the request's KV (a lease), so D fails fast instead of waiting for a timeout.
 - ``hb`` (D -> P): lease renewal for the listed P requests.
-- ``cancel`` (D -> P): D gave up on these P requests (timeout, abort): free them unless already written.
+- ``cancel`` (D -> P): D gave up on these P requests; P answers per request whether a WRITE may come.
+
+A message that does not decode, is out of range, is too large (``MAX_MESSAGE_BYTES``: ZMQ drops it) or
+fails authentication gets an error reply and one log line; it never reaches the handler's state.
 
 Clients use a fresh REQ socket with send/receive timeouts and ``linger=0``: a dead peer costs one timeout
 on a background thread, never a hung engine.
 
 :func:`validate_peer` is the compatibility check run on the handshake result: it refuses any mismatch
-that would corrupt KV (model, dtype, KV cache dtype, indexer mask/pattern, head size, block-split indexer
-with different block sizes), naming what differs, and builds the transfer plan, which handles PP and TP
+that would corrupt KV (model, dtype, KV cache dtype, attention backend, block size, indexer
+mask/pattern, head size), naming what differs, and builds the transfer plan, which handles PP and TP
 reshards.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 from vllm.logger import init_logger
 
+from vllm_dsa_connector.connector.messages import (
+    MAX_MESSAGE_BYTES,
+    Authenticator,
+    ClockEstimate,
+    MessageError,
+    MetaReq,
+    Reply,
+    Request,
+    check_request,
+    decode_reply,
+    decode_request,
+)
 from vllm_dsa_connector.connector.metadata import RankPayload, decode_payload
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
-__all__ = ["HandshakeError", "SideChannelServer", "fetch_payloads", "request", "validate_peer"]
+__all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "fetch_payloads", "request", "validate_peer"]
 
 
 class HandshakeError(RuntimeError):
     """The peer cannot be used: unreachable, or its KV layout would corrupt ours. The message says why."""
 
 
-Handler = Callable[[str, Any], dict[str, Any]]
+Handler = Callable[[Request], Reply]
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class SideChannelServer:
-    """A ROUTER socket on a daemon thread; ``handler(kind, body) -> reply dict`` runs on that thread."""
+    """A ROUTER socket on a daemon thread; ``handler(request) -> Reply`` runs on that thread."""
 
-    def __init__(self, host: str, port: int, handler: Handler) -> None:
+    def __init__(self, host: str, port: int, handler: Handler, auth: Authenticator | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._handler = handler
+        self._auth = auth or Authenticator(None)
+        self._clock = clock
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -61,9 +86,27 @@ class SideChannelServer:
             self._ctx.term()
             raise HandshakeError(f"DSAConnector side channel cannot bind {host}:{port}: {e}") from None
         self.host = host
+        if self._auth.secret is None and not _is_loopback(host):
+            logger.warning(
+                "DSAConnector side channel binds %s:%d without auth_secret: anyone who reaches it can "
+                "register writes into or cancel this engine's transfers; set kv_connector_extra_config "
+                "auth_secret (or VLLM_DSA_AUTH_SECRET) on both engines", host, self.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsa-side-channel", daemon=True)
         self._thread.start()
+
+    def handle_raw(self, raw: bytes) -> Reply:
+        """Decode, authenticate, check and handle one message; never raises."""
+        try:
+            req = decode_request(self._auth.open(raw))
+            check_request(req)
+            return self._handler(req)
+        except MessageError as e:
+            logger.warning("DSAConnector side channel: refused a message: %s", e)
+            return Reply(False, error=f"refused: {e}", clock=self._clock())
+        except Exception as e:  # noqa: BLE001 - a bad request must not kill the channel
+            logger.warning("DSAConnector side channel: request failed: %r", e)
+            return Reply(False, error=f"request failed: {e!r}", clock=self._clock())
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -72,17 +115,16 @@ class SideChannelServer:
             if not poller.poll(100):
                 continue
             try:
-                ident, _, raw = self._sock.recv_multipart()
-            except (zmq.ZMQError, ValueError):
+                frames = self._sock.recv_multipart()
+            except zmq.ZMQError:
                 continue
+            if len(frames) != 3 or frames[1] != b"":
+                logger.warning("DSAConnector side channel: dropped a message of %d frames", len(frames))
+                continue
+            ident, _, raw = frames
+            reply = self.handle_raw(raw)
             try:
-                kind, body = msgspec.msgpack.decode(raw)
-                reply = self._handler(str(kind), body)
-            except Exception as e:  # a bad request must not kill the channel
-                logger.warning("DSAConnector side channel: bad request: %s", e)
-                reply = {"ok": False, "error": f"bad request: {e}"}
-            try:
-                self._sock.send_multipart([ident, b"", msgspec.msgpack.encode(reply)])
+                self._sock.send_multipart([ident, b"", self._auth.seal(reply)])
             except zmq.ZMQError as e:
                 logger.warning("DSAConnector side channel: reply failed: %s", e)
         self._sock.close()
@@ -94,40 +136,67 @@ class SideChannelServer:
         self._ctx.term()
 
 
-def request(host: str, port: int, kind: str, body: Any, timeout_s: float) -> dict[str, Any]:
-    """One request/reply on a peer's side channel; :class:`HandshakeError` on timeout or refusal."""
+def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenticator | None = None,
+            clock_estimate: ClockEstimate | None = None) -> Reply:
+    """One request/reply on a peer's side channel; :class:`HandshakeError` on timeout or a bad reply.
+
+    With ``clock_estimate`` the reply's clock refines the estimate of the peer's clock.
+    """
+    auth = auth or Authenticator(None)
+    kind = type(req).__struct_config__.tag
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     ms = max(int(timeout_s * 1000), 1)
     sock.setsockopt(zmq.SNDTIMEO, ms)
     sock.setsockopt(zmq.RCVTIMEO, ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(msgspec.msgpack.encode([kind, body]))
-        reply = msgspec.msgpack.decode(sock.recv())
+        sent = time.monotonic()
+        sock.send(auth.seal(req))
+        raw = sock.recv()
+        received = time.monotonic()
     except zmq.Again:
         raise HandshakeError(
             f"DSAConnector peer {host}:{port} did not answer {kind!r} within {timeout_s:.1f} s"
         ) from None
-    except (zmq.ZMQError, msgspec.DecodeError) as e:
+    except zmq.ZMQError as e:
         raise HandshakeError(f"DSAConnector peer {host}:{port} {kind!r} failed: {e}") from None
     finally:
         sock.close()
-    if not isinstance(reply, dict):
-        raise HandshakeError(f"DSAConnector peer {host}:{port}: malformed reply to {kind!r}")
+    try:
+        reply = decode_reply(auth.open(raw))
+    except MessageError as e:
+        raise HandshakeError(f"DSAConnector peer {host}:{port}: bad reply to {kind!r}: {e}") from None
+    if clock_estimate is not None:
+        clock_estimate.add_sample(sent, received, reply.clock)
     return reply
 
 
-def fetch_payloads(host: str, port: int, timeout_s: float) -> list[RankPayload]:
-    """The peer's worker payloads (the handshake)."""
-    reply = request(host, port, "meta", None, timeout_s)
-    if not reply.get("ok"):
-        raise HandshakeError(f"DSAConnector peer {host}:{port} refused the handshake: {reply.get('error')}")
+@dataclass
+class PeerMeta:
+    """What the handshake learns about a peer engine."""
+
+    engine_id: str
+    payloads: list[RankPayload]
+    write_timeout_s: float
+    clock: ClockEstimate
+
+
+def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator | None = None) -> PeerMeta:
+    """The peer's worker payloads (the handshake), its write timeout and a first clock estimate."""
+    clock = ClockEstimate()
+    reply = request(host, port, MetaReq(), timeout_s, auth, clock)
+    if not reply.ok:
+        raise HandshakeError(f"DSAConnector peer {host}:{port} refused the handshake: {reply.error}")
     try:
-        return [decode_payload(p) for p in reply["payloads"]]
-    except (KeyError, ValueError) as e:
+        payloads = [decode_payload(p) for p in reply.payloads]
+    except ValueError as e:
         raise HandshakeError(f"DSAConnector peer {host}:{port}: {e}") from None
+    if not payloads:
+        raise HandshakeError(f"DSAConnector peer {host}:{port} published no worker payloads")
+    return PeerMeta(reply.engine_id, payloads, reply.write_timeout_s, clock)
 
 
 def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 TRANSFER_MODE = "push"
 
 
@@ -73,6 +74,7 @@ class PushJob(msgspec.Struct, frozen=True):
     dst_blocks: list[int]
     verify: bool = False
     slots: Slots = {}
+    post_deadline: float = math.inf  # monotonic clock of this host: never post a WRITE after it
 
 
 class RecvJob(msgspec.Struct, frozen=True):
@@ -82,7 +84,7 @@ class RecvJob(msgspec.Struct, frozen=True):
     src_engine: str
     blocks: list[int]
     expected: dict[int, list[int]]  # local (dst) rank -> source ranks that write to it
-    timeout_s: float
+    timeout_s: float  # safety net only: the scheduler decides when D gives up (fail_recv)
     verify: bool = False
     src_blocks: list[int] = []  # the producer's blocks (to recompute bounced runs for the scatter)
     slots: Slots = {}

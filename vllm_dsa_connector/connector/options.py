@@ -31,6 +31,14 @@ def _port(key: str, value: Any) -> int:
     return parse_int(key, value, minimum=0, maximum=65535)
 
 
+def _secret(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise OptionError(f"{key} must be a string, got {type(value).__name__}")
+    if value and len(value) < 16:
+        raise OptionError(f"{key} must be at least 16 characters (got {len(value)})")
+    return value
+
+
 def _pos(key: str, value: Any) -> float:
     return parse_float(key, value, minimum=0.01, maximum=86400.0)
 
@@ -54,6 +62,9 @@ _OPTIONS: tuple[Option[Any], ...] = (
            "D renews P's lease this often (s; 0: kv_lease_duration / 6)"),
     Option("nixl_progress_thread", parse_bool, False, "VLLM_DSA_NIXL_PROGRESS_THREAD",
            "run NIXL's progress thread (busy-polls a core) instead of progressing from the engine's steps"),
+    Option("auth_secret", _secret, "", "VLLM_DSA_AUTH_SECRET",
+           "shared secret: every side-channel message is HMAC-authenticated with replay protection "
+           "(both engines need the same one; empty: off, and a non-loopback side channel warns)"),
     Option("prefault_kv_cache", parse_bool, True, "VLLM_DSA_PREFAULT_KV_CACHE",
            "receiver: touch every page of the CPU KV pools and staging arena at start-up, so WRITEs never "
            "pay first-touch page faults (9.9 MB into fresh pages: 8.0 ms vs 1.05 ms)"),
@@ -93,6 +104,7 @@ class ConnectorOptions:
     heartbeat_interval_s: float = 0.0
     nixl_progress_thread: bool = False
     prefault_kv_cache: bool = True
+    auth_secret: str = ""
     bounce: Any = None  # transport.gate.BounceSettings (None: transport absent or never bounce)
 
     @property

@@ -1,65 +1,65 @@
-"""Scheduler side of DSAConnector: leases on P, registrations/heartbeats/timeouts on D.
+"""Scheduler side of DSAConnector: the facade over :mod:`.producer` (P) and :mod:`.consumer` (D).
 
 Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for why push):
 
 1. The proxy sends the prompt to P with ``kv_transfer_params={"do_remote_decode": true}`` and
    ``max_tokens=1``. P prefills; :meth:`DSAConnectorScheduler.request_finished` keeps the blocks (a lease of
    ``kv_lease_duration`` s) and returns the ``kv_transfer_params`` the proxy forwards to D
-   (``remote_engine_id``, ``remote_request_id``, ``remote_host``/``remote_port`` = P's side channel, ...).
+   (``remote_engine_id``, ``remote_request_id``, ``remote_token``, ``remote_host``/``remote_port`` = P's side
+   channel, ``remote_block_ids``, ``remote_num_tokens``).
 2. D: :meth:`get_num_new_matched_tokens` answers "ask later" until the handshake with P (a background
    thread, page tables + NIXL metadata of every P worker) is done and validated; a refused peer is a load
    failure (``kv_load_failure_policy``: recompute = prefill locally, fail = the request fails).
-3. D: :meth:`update_state_after_alloc` tells its workers which notices to expect (``RecvJob``) and sends
-   the registration (its block ids) to P's side channel; P answers at once whether it still holds the KV.
-4. P: the registration becomes a ``PushJob`` for P's workers on the next step; they WRITE into D's
-   blocks with a completion notice per (source rank, destination rank) and report ``finished_sending``
-   when the WRITE completed (or failed): P frees the blocks. A lease that ends without a registration
-   (expiry without heartbeats, D's cancel) is released the same way.
-5. D's workers report ``finished_recving`` when every expected notice arrived, or
-   ``finished_recving`` + ``failed_recving`` on a failed notice or after ``transfer_timeout_s``.
+3. D: :meth:`update_state_after_alloc` pairs D's new blocks with P's blocks of the SAME token positions
+   (``matching.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
+   count must match D's prompt), tells its workers which notices to expect and registers with P.
+4. P: the registration becomes a ``PushJob`` for P's workers on the next step (before its post deadline);
+   they WRITE into D's blocks and report ``finished_sending``: P frees the blocks.
+5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
+   abort) are decided here, on the scheduler, and reach the workers as ``fail_recv`` only once no WRITE
+   can land any more (the argument is in :mod:`.consumer`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.handshake import (
-    HandshakeError,
-    SideChannelServer,
-    fetch_payloads,
-    request,
-    validate_peer,
+from vllm_dsa_connector.connector.consumer import Consumer, LoadState, parse_remote_params
+from vllm_dsa_connector.connector.handshake import SideChannelServer
+from vllm_dsa_connector.connector.messages import (
+    Authenticator,
+    HeartbeatReq,
+    MetaReq,
+    RegReq,
+    Reply,
+    Request,
 )
 from vllm_dsa_connector.connector.metadata import (
     TRANSFER_MODE,
     DSAConnectorMetadata,
     PeerInfo,
-    PushJob,
     RankPayload,
     RecvJob,
     Slots,
     decode_payload,
-    encode,
 )
 from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.producer import Producer
+from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request as VllmRequest
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
-_RETRY_UNREACHABLE_S = 5.0
 _IDLE_SLEEP_S = 0.001
 
 
@@ -92,41 +92,12 @@ def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_bl
     return slots, held
 
 
-@dataclass
-class _Lease:
-    blocks: list[int]
-    deadline: float
-    registered: bool = False
-    dispatched: bool = False
-    released: bool = False
-    cancelled: bool = False
-
-
-@dataclass
-class _Peer:
-    host: str
-    port: int
-    future: Future | None = None
-    payloads: list[bytes] = field(default_factory=list)
-    remote: list[RankPayload] = field(default_factory=list)
-    plan: Any = None
-    expected: dict[int, list[int]] = field(default_factory=dict)
-    error: str | None = None
-    failed_at: float = 0.0
-
-
-@dataclass
-class _Inflight:
-    engine: str
-    host: str
-    port: int
-    p_req: str
-
 
 class DSAConnectorScheduler:
     """Scheduler-side state of one engine (both roles: an engine may produce and consume)."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, options: ConnectorOptions) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, options: ConnectorOptions,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         kvc = vllm_config.kv_transfer_config
         assert kvc is not None
         self.engine_id = engine_id
@@ -135,30 +106,21 @@ class DSAConnectorScheduler:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.recompute = kvc.kv_load_failure_policy == "recompute"
-        self._lock = threading.Lock()
-        self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle)
-        logger.info(
-            "DSAConnector %s: side channel on %s:%d (role %s)",
-            engine_id, self.server.host, self.server.port, kvc.kv_role,
-        )
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-sched")
+        self.clock = clock
+        self.auth = Authenticator(options.auth_secret or None)
         self._local_payloads: list[bytes] = []
         self._local_sent = False
-        # P side
-        self._leases: dict[str, _Lease] = {}
-        self._regs: deque[dict[str, Any]] = deque()
-        self._peer_payloads: dict[str, list[bytes]] = {}
-        self._peers_sent: set[str] = set()
-        # D side
-        self._peers: dict[str, _Peer] = {}
+        self.producer = Producer(engine_id, options, clock)
+        self.consumer = Consumer(engine_id, options, self.auth, lambda: self.local_payloads,
+                                 lambda: list(self._local_payloads), clock)
+        self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle,
+                                        self.auth, clock)
+        logger.info("DSAConnector %s: side channel on %s:%d (role %s%s)", engine_id, self.server.host,
+                    self.server.port, kvc.kv_role, ", authenticated" if self.auth.secret else "")
         self._pending_recv: list[RecvJob] = []
-        self._inflight: dict[str, _Inflight] = {}
-        self._reg_futures: dict[str, Future] = {}
         self._fail: dict[str, str] = {}
-        self._last_hb = 0.0
         self._sources_sent: set[str] = set()
         self._new_sources: list[PeerInfo] = []
-        self._slot_res: dict[str, list[tuple[int, Any]]] = {}
         self._arenas: dict[int, Any] | None = None
         self._gate: Any = None
 
@@ -175,83 +137,22 @@ class DSAConnectorScheduler:
 
     # ---------------------------------------------------------------- side channel (its own thread)
 
-    def _handle(self, kind: str, body: Any) -> dict[str, Any]:
-        now = time.monotonic()
-        if kind == "meta":
+    def _handle(self, req: Request) -> Reply:
+        if isinstance(req, MetaReq):
             if not self._local_payloads:
-                return {"ok": False, "error": "workers have not registered their KV caches yet"}
-            return {"ok": True, "payloads": self._local_payloads, "engine_id": self.engine_id}
-        if kind == "reg":
-            p_req = str(body["p_req"])
-            with self._lock:
-                lease = self._leases.get(p_req)
-                if lease is None or lease.released:
-                    return {"ok": False, "error": f"P holds no KV for request {p_req} "
-                                                  "(lease expired, released or unknown)"}
-                if lease.registered:
-                    return {"ok": False, "error": f"request {p_req} was already registered"}
-                lease.registered = True
-                lease.deadline = now + self.opts.kv_lease_duration + self.opts.transfer_timeout_s
-                d_engine = str(body["d_engine"])
-                if d_engine not in self._peer_payloads and body.get("d_payloads"):
-                    self._peer_payloads[d_engine] = list(body["d_payloads"])
-                if d_engine not in self._peer_payloads:
-                    lease.registered = False
-                    return {"ok": False, "need_payloads": True, "error": "unknown decode engine"}
-                self._regs.append(body)
-            return {"ok": True}
-        if kind == "hb":
-            with self._lock:
-                for r in body or ():
-                    lease = self._leases.get(str(r))
-                    if lease is not None and not lease.registered:
-                        lease.deadline = max(lease.deadline, now + self.opts.kv_lease_duration)
-            return {"ok": True}
-        if kind == "cancel":
-            with self._lock:
-                for r in body or ():
-                    lease = self._leases.get(str(r))
-                    if lease is not None:
-                        lease.cancelled = True
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown request kind {kind!r}"}
+                return Reply(False, error="workers have not registered their KV caches yet", clock=self.clock())
+            return Reply(True, clock=self.clock(), engine_id=self.engine_id, payloads=self._local_payloads,
+                         write_timeout_s=self.opts.transfer_timeout_s)
+        if isinstance(req, RegReq):
+            return self.producer.handle_reg(req)
+        if isinstance(req, HeartbeatReq):
+            return self.producer.handle_heartbeat(req)
+        return self.producer.handle_cancel(req)
 
     # ---------------------------------------------------------------- D side
 
-    def _handshake(self, peer: _Peer) -> tuple[list[RankPayload], Any]:
-        remote = fetch_payloads(peer.host, peer.port, self.opts.handshake_timeout_s)
-        return remote, validate_peer(remote, self.local_payloads)
-
-    def _peer(self, engine: str, host: str, port: int) -> _Peer:
-        peer = self._peers.get(engine)
-        now = time.monotonic()
-        if peer is not None and peer.error and peer.failed_at and now - peer.failed_at > _RETRY_UNREACHABLE_S:
-            peer = None  # unreachable before: try again
-        if peer is None:
-            peer = _Peer(host, port)
-            peer.future = self._pool.submit(self._handshake, peer)
-            self._peers[engine] = peer
-        if peer.future is not None and peer.future.done():
-            try:
-                peer.remote, peer.plan = peer.future.result()
-                peer.payloads = [encode(p) for p in peer.remote]
-                peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self.local_payloads}
-                logger.info("DSAConnector %s: handshake with %s done (%d workers, plan %s)",
-                            self.engine_id, engine, len(peer.payloads), peer.expected)
-            except HandshakeError as e:
-                peer.error = str(e)
-                # an unreachable peer may come back; a refused layout will not
-                peer.failed_at = now if "did not answer" in str(e) or "failed:" in str(e) else 0.0
-                logger.error("%s", e)
-            except Exception as e:  # noqa: BLE001 - any handshake bug becomes a load failure, not a crash
-                peer.error = f"DSAConnector handshake with {engine} failed: {e!r}"
-                peer.failed_at = now
-                logger.exception("DSAConnector handshake with %s failed", engine)
-            peer.future = None
-        return peer
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """D: all prompt tokens come from P (once the handshake is done); None = ask again later."""
+    def get_num_new_matched_tokens(self, request: VllmRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """D: all remaining prompt tokens come from P (once the handshake is done); None = ask again later."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -260,66 +161,74 @@ class DSAConnectorScheduler:
                            request.request_id, params.get("transfer_mode"))
             return 0, False
         try:
-            peer = self._peer(str(params["remote_engine_id"]), str(params["remote_host"]),
-                              int(params["remote_port"]))
-        except (KeyError, TypeError, ValueError) as e:
-            logger.error("DSAConnector: request %s has malformed kv_transfer_params (%s); computing locally",
-                         request.request_id, e)
+            rp = parse_remote_params(params)
+        except ValueError as e:
+            logger.error("DSAConnector: request %s: %s; computing locally", request.request_id, e)
+            params["do_remote_prefill"] = False
             return 0, False
+        peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port)
+        self.consumer.queue(request.request_id, rp)
         if peer.future is not None:
             return None, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if count <= 0:
-            return 0, False
-        if peer.error and self.recompute:
-            logger.warning("DSAConnector: request %s: %s; recomputing locally (kv_load_failure_policy=recompute)",
-                           request.request_id, peer.error)
+        if count <= 0 or (peer.error and self.recompute):
+            if peer.error:
+                logger.warning("DSAConnector: request %s: %s; recomputing locally "
+                               "(kv_load_failure_policy=recompute)", request.request_id, peer.error)
             params["do_remote_prefill"] = False
-            self._cancel_async(peer.host, peer.port, [str(params.get("remote_request_id"))])
+            self.consumer.give_up(request.request_id, "not loading from P")
             return 0, False
         return count, True
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """D: expect the transfer and register our blocks with P."""
+    def update_state_after_alloc(self, request: VllmRequest, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """D: pair blocks by position, expect the transfer and register our blocks with P."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # once
-        engine = str(params["remote_engine_id"])
-        peer = self._peers.get(engine)
-        p_req = str(params.get("remote_request_id"))
-        if num_external_tokens <= 0 or peer is None:
-            if peer is not None:
-                self._cancel_async(peer.host, peer.port, [p_req])
-            return
         req_id = request.request_id
+        load = self.consumer.loads.get(req_id)
+        if load is None:
+            return
+        peer = self.consumer.peers.get(load.engine)
+        if num_external_tokens <= 0 or peer is None:
+            self.consumer.give_up(req_id, "no external tokens")
+            return
+        self.consumer.forget_queued(req_id)
         if peer.error:
             self._fail[req_id] = peer.error
+            self.consumer.cancel(load.engine, [load.ref])
             return
-        n_blocks = -(-(num_external_tokens + request.num_computed_tokens) // self.block_size)
-        ids = list(blocks.get_unhashed_block_ids_all_groups()[0])[:n_blocks]
-        src_blocks = [int(b) for b in params.get("remote_block_ids") or []]
-        n = min(len(ids), len(src_blocks)) if src_blocks else len(ids)
-        ids, src_blocks = ids[:n], src_blocks[:n]
+        rp = parse_remote_params(params)
+        try:
+            if any(b >= peer.max_block for b in rp.remote_block_ids):
+                raise PairingError(f"remote_block_ids outside P's pools (0..{peer.max_block - 1})")
+            prompt_tokens = len(request.prompt_token_ids or ())
+            # vLLM updates request.num_computed_tokens after this call: D's local hits are the rest
+            pairing = pair_blocks_by_position(
+                block_size=self.block_size, prompt_tokens=prompt_tokens,
+                local_computed_tokens=prompt_tokens - num_external_tokens,
+                local_new_blocks=list(blocks.get_unhashed_block_ids_all_groups()[0]),
+                remote_block_ids=rp.remote_block_ids, remote_num_tokens=rp.remote_num_tokens)
+        except PairingError as e:
+            logger.error("DSAConnector: request %s: cannot pair blocks with P's: %s", req_id, e)
+            self._fail[req_id] = f"block pairing: {e}"
+            self.consumer.cancel(load.engine, [load.ref])
+            return
+        src, dst = list(pairing.src_blocks), list(pairing.dst_blocks)
         slots: Slots = {}
-        if src_blocks and self._bouncing():
+        held: list[tuple[int, Any]] = []
+        if self._bouncing():
             try:
-                slots, held = plan_slots(peer.plan, peer.remote, self.local_payloads, src_blocks, ids,
+                slots, held = plan_slots(peer.plan, peer.meta.payloads, self.local_payloads, src, dst,
                                          self._gate, self._arenas or {})
-                self._slot_res[req_id] = held
             except Exception as e:  # noqa: BLE001 - no slot means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no staging slots for %s: %s", req_id, e)
-        if engine not in self._sources_sent:
-            self._sources_sent.add(engine)
-            self._new_sources.append(PeerInfo(engine, list(peer.payloads), as_source=True))
-        self._pending_recv.append(RecvJob(
-            req_id=req_id, src_engine=engine, blocks=ids, expected=peer.expected,
-            timeout_s=self.opts.transfer_timeout_s, verify=self.opts.verify_transfers,
-            src_blocks=src_blocks, slots=slots))
-        self._inflight[req_id] = _Inflight(engine, peer.host, peer.port, p_req)
-        body = {"p_req": p_req, "d_engine": self.engine_id, "d_req": req_id, "d_blocks": ids,
-                "verify": self.opts.verify_transfers, "slots": slots}
-        self._reg_futures[req_id] = self._pool.submit(self._register, peer, body)
+        if load.engine not in self._sources_sent:
+            self._sources_sent.add(load.engine)
+            self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True))
+        self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_block, src, dst,
+                                                         slots, held))
 
     def _bouncing(self) -> bool:
         """Whether D offers staging slots (the gate is not off and the workers have staging arenas)."""
@@ -342,8 +251,8 @@ class DSAConnectorScheduler:
             }
         return bool(self._arenas)
 
-    def _free_slots(self, req_id: str, failed: bool) -> None:
-        for rank, res in self._slot_res.pop(req_id, ()):
+    def _free_slots(self, held: list[tuple[int, Any]], failed: bool) -> None:
+        for rank, res in held:
             arena = (self._arenas or {}).get(rank)
             if arena is None:
                 continue
@@ -352,72 +261,37 @@ class DSAConnectorScheduler:
             else:
                 arena.release(res)
 
-    def _register(self, peer: _Peer, body: dict[str, Any]) -> None:
-        reply = request(peer.host, peer.port, "reg", body, self.opts.handshake_timeout_s)
-        if not reply.get("ok") and reply.get("need_payloads"):
-            reply = request(peer.host, peer.port, "reg", {**body, "d_payloads": self._local_payloads},
-                            self.opts.handshake_timeout_s)
-        if not reply.get("ok"):
-            raise HandshakeError(f"P refused registration of {body['p_req']}: {reply.get('error')}")
+    # ---------------------------------------------------------------- P side and aborts
 
-    def _cancel_async(self, host: str, port: int, p_reqs: list[str]) -> None:
-        def run() -> None:
-            try:
-                request(host, port, "cancel", p_reqs, self.opts.handshake_timeout_s)
-            except HandshakeError as e:
-                logger.debug("DSAConnector cancel: %s", e)
-
-        self._pool.submit(run)
-
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        if not self._inflight or now - self._last_hb < self.opts.heartbeat_s:
-            return
-        self._last_hb = now
-        by_engine: dict[tuple[str, int], list[str]] = {}
-        for inf in self._inflight.values():
-            by_engine.setdefault((inf.host, inf.port), []).append(inf.p_req)
-
-        def run(host: str, port: int, reqs: list[str]) -> None:
-            try:
-                request(host, port, "hb", reqs, self.opts.handshake_timeout_s)
-            except HandshakeError as e:
-                logger.warning("DSAConnector heartbeat: %s", e)
-
-        for (host, port), reqs in by_engine.items():
-            self._pool.submit(run, host, port, reqs)
-
-    # ---------------------------------------------------------------- P side
-
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """P: keep the blocks under a lease and hand out the kv_transfer_params for D."""
+    def request_finished(self, request: VllmRequest, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """P: keep the blocks under a lease and hand out the kv_transfer_params for D. D: an aborted load
+        keeps its blocks until no WRITE can land in them (reported later as finished_recving)."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
         if not params:
             return False, None
-        inf = self._inflight.get(request.request_id)
-        if params.get("do_remote_prefill") or inf is not None:
-            # D side, aborted (before or while waiting for KV): let P free its blocks now.
-            host, port = (inf.host, inf.port) if inf else (params.get("remote_host"), params.get("remote_port"))
-            p_req = inf.p_req if inf else params.get("remote_request_id")
-            if host and port and p_req:
-                self._cancel_async(str(host), int(port), [str(p_req)])
-            return False, None
-        if not params.get("do_remote_decode"):
+        load = self.consumer.loads.get(request.request_id)
+        if load is not None:
+            if load.state is LoadState.QUEUED:
+                self.consumer.give_up(request.request_id, "aborted while queued")
+                return False, None
+            self.consumer.give_up(request.request_id, "aborted")
+            return True, None
+        if params.get("do_remote_prefill") or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
         blocks = list(block_ids[0]) if block_ids else []
         if not blocks:
             return False, None
-        with self._lock:
-            self._leases[request.request_id] = _Lease(blocks, time.monotonic() + self.opts.kv_lease_duration)
+        token = self.producer.add_lease(request.request_id, blocks)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
+            "remote_token": token,
             "remote_host": self.server.host,
             "remote_port": self.server.port,
             "remote_block_ids": blocks,
@@ -436,73 +310,36 @@ class DSAConnectorScheduler:
         if not self._local_sent and self._local_payloads:
             meta.local = PeerInfo(self.engine_id, list(self._local_payloads))
             self._local_sent = True
-        # D side
         meta.peers.extend(self._new_sources)
         self._new_sources = []
         meta.recv, self._pending_recv = self._pending_recv, []
-        for req_id, fut in list(self._reg_futures.items()):
-            if not fut.done():
-                continue
-            del self._reg_futures[req_id]
-            err = fut.exception()
-            if err is not None:
-                logger.error("DSAConnector: request %s: %s", req_id, err)
-                self._fail[req_id] = str(err)
+        self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
-        self._heartbeat()
-        # P side
-        now = time.monotonic()
-        with self._lock:
-            while self._regs:
-                reg = self._regs.popleft()
-                lease = self._leases.get(str(reg["p_req"]))
-                if lease is None or lease.released or lease.dispatched:
-                    continue
-                d_engine = str(reg["d_engine"])
-                if d_engine not in self._peers_sent:
-                    meta.peers.append(PeerInfo(d_engine, self._peer_payloads[d_engine]))
-                    self._peers_sent.add(d_engine)
-                n = min(len(lease.blocks), len(reg["d_blocks"]))
-                slots = {int(r): {int(s): [int(v) for v in sl] for s, sl in per.items()}
-                         for r, per in (reg.get("slots") or {}).items()}
-                meta.push.append(PushJob(str(reg["p_req"]), d_engine, str(reg["d_req"]), lease.blocks[:n],
-                                         [int(b) for b in reg["d_blocks"][:n]], bool(reg.get("verify")),
-                                         slots))
-                lease.dispatched = True
-            for req_id, lease in self._leases.items():
-                if lease.released:
-                    continue
-                if (lease.cancelled and not lease.dispatched) or now > lease.deadline:
-                    if not lease.dispatched:
-                        logger.warning("DSAConnector: releasing KV of %s (%s)", req_id,
-                                       "cancelled by D" if lease.cancelled else "lease expired")
-                    meta.release.append(req_id)
-                    lease.released = True
+        self.producer.step(meta)
         if (meta.is_empty() and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-                and (self._leases or self._inflight)):
+                and (self.producer.pending() or self.consumer.loads)):
             # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests
             # waiting for remote KV); yield the core the other engine may need.
             time.sleep(_IDLE_SLEEP_S)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Forget finished transfers; cancel at P what D gave up on."""
+        """Forget finished transfers (P: leases; D: loads and their staging slots)."""
         if output.finished_sending:
-            with self._lock:
-                for req_id in output.finished_sending:
-                    self._leases.pop(req_id, None)
+            self.producer.finished_sending(set(output.finished_sending))
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
-            inf = self._inflight.pop(req_id, None)
-            self._free_slots(req_id, failed=req_id in failed)
-            if inf is not None and req_id in failed:
-                self._cancel_async(inf.host, inf.port, [inf.p_req])
+            load = self.consumer.finished(req_id)
+            if load is not None:
+                self._free_slots(load.slots, failed=req_id in failed)
 
     def has_pending_push_work(self) -> bool:
-        """P keeps stepping while it holds leased blocks (their release needs steps)."""
-        return bool(self._leases)
+        """P keeps stepping while it holds leased blocks (their release needs steps); D while it waits to
+        hand back blocks of a give-up."""
+        return self.producer.pending() or any(
+            load.state in (LoadState.GIVING_UP, LoadState.FAILED) for load in self.consumer.loads.values())
 
     def shutdown(self) -> None:
         """Stop the side channel and the background threads."""
         self.server.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.consumer.shutdown()

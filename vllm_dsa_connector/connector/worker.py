@@ -109,11 +109,21 @@ def pair_runs(plan: Any, src: RankPayload, dst: RankPayload, src_blocks: Any, ds
 
 
 @dataclass
+class _Group:
+    """The WRITEs of one request to one destination rank; the notice goes once all of them are DONE."""
+
+    agent: str
+    rank: int
+    xfers: list[Any]
+    notice: bytes  # b"" when it rides on a bounced write
+    error: str = ""  # a part failed: the failure notice goes once no part is in flight any more
+
+
+@dataclass
 class _Send:
     req_id: str
     dst_req: str
-    # (xfer, agent, dst rank, notice to send once the WRITE is DONE; b"" when it rides on the WRITE)
-    xfers: list[tuple[Any, str, int, bytes]] = field(default_factory=list)
+    groups: list[_Group] = field(default_factory=list)
     failed: bool = False
 
 
@@ -121,10 +131,27 @@ class _Send:
 class _Recv:
     job: RecvJob
     pending: set[int]
-    deadline: float
+    deadline: float  # safety net; the scheduler decides give-ups (fail_recv)
     started: float
     error: str = ""
     mismatch: bool = False
+
+
+class _Reported:
+    """Request ids already reported to vLLM (bounded): nothing is reported twice."""
+
+    def __init__(self, cap: int = 65536) -> None:
+        self._ids: dict[str, None] = {}
+        self._cap = cap
+
+    def add(self, req_id: str) -> bool:
+        """Record ``req_id``; False when it was reported before."""
+        if req_id in self._ids:
+            return False
+        self._ids[req_id] = None
+        if len(self._ids) > self._cap:
+            del self._ids[next(iter(self._ids))]
+        return True
 
 
 @dataclass
@@ -159,7 +186,9 @@ class DSAConnectorWorker:
         self._sends: dict[str, _Send] = {}
         self._done_sending: set[str] = set()
         self._recvs: dict[str, _Recv] = {}
-        self._early: dict[str, list[tuple[float, Notice, str]]] = defaultdict(list)
+        self._early: dict[str, list[tuple[float, Notice, str, str]]] = defaultdict(list)
+        self._sent_reported = _Reported()
+        self._recv_reported = _Reported()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._error_blocks: set[int] = set()
@@ -277,18 +306,28 @@ class DSAConnectorWorker:
             self._expect(job)
         for req_id, reason in meta.fail_recv.items():
             self._recvs.pop(req_id, None)
+            self._early.pop(req_id, None)
+            if not self._recv_reported.add(req_id):
+                continue  # it completed meanwhile: already reported
             logger.error("DSAConnector: load of %s failed: %s", req_id, reason)
             self.stats.add("recv_failed")
             self._done_recving.add(req_id)
             self._failed_recving.add(req_id)
         for req_id in meta.release:
-            if req_id not in self._sends:
+            if req_id not in self._sends and self._sent_reported.add(req_id):
                 self.stats.add("send_expired")
                 self._done_sending.add(req_id)
 
     def _push(self, job: PushJob) -> None:
         send = _Send(job.req_id, job.dst_req_id)
         self._sends[job.req_id] = send
+        if time.monotonic() >= job.post_deadline:
+            # D has given up (or will before a WRITE could land): posting now could hit reused blocks
+            logger.error("DSAConnector: push of %s reached the workers after its post deadline; not writing",
+                         job.req_id)
+            send.failed = True
+            self.stats.add("send_late")
+            return
         remote = self.remotes.get(job.dst_engine)
         if remote is None or remote.error:
             logger.error("DSAConnector: cannot push %s to %s: %s", job.req_id, job.dst_engine,
@@ -308,7 +347,13 @@ class DSAConnectorWorker:
                 logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
                              dst.rank, e)
                 send.failed = True
-                self._notify_failure(agent, job.dst_req_id, str(e))
+                group = next((g for g in send.groups if g.rank == dst.rank), None)
+                if group is not None and group.xfers:
+                    group.error = str(e)  # notified once its posted parts are over
+                else:
+                    if group is not None:
+                        send.groups.remove(group)
+                    self._notify_failure(agent, job.dst_req_id, str(e))
 
     def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, parts: list[Any]) -> None:
         """One WRITE per (source pool, destination pool), bounced when the gate says so and D gave a
@@ -334,19 +379,17 @@ class DSAConnectorWorker:
                                    writer=me)
             if snd.path == "bounce":
                 self.stats.add("bounce_bytes", nbytes)
-            send.xfers.append((snd, agent, dst.rank, b""))
+            send.groups.append(_Group(agent, dst.rank, [snd], b""))
         else:
             # The notice is sent on its own once the WRITE is DONE (NIXL's DONE means the data landed):
             # a notification riding on the WRITE makes its completion wait for the TARGET to progress
             # (measured: 9.9 MB with the target polling every 20 ms, 1.1 ms bare vs 7.8 ms with a
-            # notification), and a decode engine polls only between its steps.
-            for k, (sp, dp, runs) in enumerate(parts):
-                last = k == len(parts) - 1
-                xfer = self.nixl.write(agent, self.regions[sp], dst.regions[dp], runs)
-                if not last:
-                    self.nixl.wait(xfer, self.opts.transfer_timeout_s)
-                else:
-                    send.xfers.append((xfer, agent, dst.rank, encode_notice(notice)))
+            # notification), and a decode engine polls only between its steps. Every part is posted at
+            # once and polled from the engine's steps: a multi-part WRITE never blocks a step.
+            group = _Group(agent, dst.rank, [], encode_notice(notice))
+            send.groups.append(group)
+            for sp, dp, runs in parts:  # a part that fails to post leaves the posted ones tracked
+                group.xfers.append(self.nixl.write(agent, self.regions[sp], dst.regions[dp], runs))
         self.stats.add("send_bytes", nbytes)
         self.stats.add("send_runs", nruns)
 
@@ -370,8 +413,8 @@ class DSAConnectorWorker:
         now = time.monotonic()
         state = _Recv(job, set(job.expected.get(me, ())), now + job.timeout_s, now)
         self._recvs[job.req_id] = state
-        for _, notice, path in self._early.pop(job.req_id, ()):
-            self._apply(state, notice, path)
+        for _, notice, path, agent in self._early.pop(job.req_id, ()):
+            self._apply(state, notice, path, agent)
 
     def _scatter(self, job: RecvJob, src_rank: int) -> None:
         """Unpack a bounced write: recompute the writer's runs and scatter its staging slot."""
@@ -389,9 +432,21 @@ class DSAConnectorWorker:
         off, size = int(slot[0]), int(slot[1])
         scatter(self.recv_arena.buffer[off : off + size], self.regions[dp].tensor, runs)
 
-    def _apply(self, state: _Recv, n: Notice, path: str = "direct") -> None:
+    def _source_agent(self, engine: str, rank: int) -> str | None:
+        remote = self.remotes.get(engine)
+        return next((p.agent_name for p in remote.payloads if p.rank == rank), None) if remote else None
+
+    def _apply(self, state: _Recv, n: Notice, path: str = "direct", agent: str | None = None) -> None:
         if n.src_rank not in state.pending:
             logger.warning("DSAConnector: unexpected notice for %s from rank %d", n.req_id, n.src_rank)
+            return
+        expected = self._source_agent(state.job.src_engine, n.src_rank)
+        if agent is not None and agent != expected:
+            logger.warning("DSAConnector: notice for %s claims rank %d of %s but comes from agent %r; ignored",
+                           n.req_id, n.src_rank, state.job.src_engine, agent)
+            return
+        if n.nbytes < 0 or n.runs < 0:
+            logger.warning("DSAConnector: malformed notice for %s from rank %d; ignored", n.req_id, n.src_rank)
             return
         state.pending.discard(n.src_rank)
         if not n.ok:
@@ -435,52 +490,63 @@ class DSAConnectorWorker:
 
         now = time.perf_counter()
         for req_id, send in list(self._sends.items()):
-            remaining = []
-            for xfer, agent, rank, notice in send.xfers:
-                t = _transfer(xfer)
-                state = self.nixl.state(t)
-                if state == "PROC" and now - t.started < self.opts.transfer_timeout_s:
-                    remaining.append((xfer, agent, rank, notice))
+            for group in list(send.groups):
+                remaining = []
+                for xfer in group.xfers:
+                    t = _transfer(xfer)
+                    if self.nixl.state(t) == "PROC" and now - t.started < self.opts.transfer_timeout_s:
+                        remaining.append(xfer)
+                        continue
+                    try:  # DONE, ERR or past the write timeout (then released, i.e. aborted)
+                        if t is xfer:
+                            st = self.nixl.wait(xfer, self.opts.transfer_timeout_s)
+                        else:  # a bounce Send: waiting also frees (or quarantines) its staging space
+                            st = self.sender.wait(xfer, self.opts.transfer_timeout_s)
+                        self.stats.observe("transfer_s", st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds)
+                        if st.desc_count >= 0:
+                            self.stats.add("send_descriptors", st.desc_count)
+                    except TransferError as e:
+                        logger.error("DSAConnector: %s", e)
+                        group.error = group.error or str(e)
+                        send.failed = True
+                group.xfers = remaining
+                if remaining:
                     continue
-                try:
-                    if t is xfer:
-                        st = self.nixl.wait(xfer, self.opts.transfer_timeout_s)
-                    else:  # a bounce Send: waiting also frees (or quarantines) its staging space
-                        st = self.sender.wait(xfer, self.opts.transfer_timeout_s)
-                    secs = st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds
-                    self.stats.observe("transfer_s", secs)
-                    if st.desc_count >= 0:
-                        self.stats.add("send_descriptors", st.desc_count)
-                    if notice:
-                        self.nixl.send_notification(agent, notice)
-                except TransferError as e:
-                    logger.error("DSAConnector: %s", e)
-                    send.failed = True
-                    self._notify_failure(agent, send.dst_req, str(e))
-            send.xfers = remaining
-            if not remaining:
+                send.groups.remove(group)
+                if group.error:  # every part is over (done, failed or aborted): D may give up now
+                    self._notify_failure(group.agent, send.dst_req, group.error)
+                elif group.notice:
+                    try:
+                        self.nixl.send_notification(group.agent, group.notice)
+                    except Exception as e:  # noqa: BLE001 - D gives up after its timeout instead
+                        logger.warning("DSAConnector: completion notice for %s not sent: %s", send.dst_req, e)
+            if not send.groups:
                 del self._sends[req_id]
                 self.stats.add("send_failed" if send.failed else "send_ok")
-                self._done_sending.add(req_id)
+                if self._sent_reported.add(req_id):
+                    self._done_sending.add(req_id)
 
     def _poll_recvs(self) -> None:
         now = time.monotonic()
         msgs, self._notifs = self._notifs + self.nixl.poll_notifications(), []
-        for _peer, msg in msgs:
+        for agent, msg in msgs:
             n, path = _parse(msg)
             if n is None:
                 continue
             state = self._recvs.get(n.req_id)
             if state is None:
-                self._early[n.req_id].append((now, n, path))
+                if len(self._early) < 65536:
+                    self._early[n.req_id].append((now, n, path, agent))
                 continue
-            self._apply(state, n, path)
+            self._apply(state, n, path, agent)
         for req_id in [r for r, v in self._early.items() if v and now - v[0][0] > 600]:
             del self._early[req_id]
         for req_id, state in list(self._recvs.items()):
             if state.pending and now < state.deadline:
                 continue
             del self._recvs[req_id]
+            if not self._recv_reported.add(req_id):
+                continue
             self._done_recving.add(req_id)
             if state.pending:
                 logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",

@@ -1,0 +1,274 @@
+"""DSAConnector's protocol without engines: block pairing by position, P's lease state machine, D's give-up
+rule, side-channel authentication and hostile messages. Real side channels (ZMQ) and msgspec types; time is
+an injected clock, never a sleep, wherever a deadline is involved."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import msgspec
+import pytest
+
+from vllm_dsa_connector.connector.handshake import HandshakeError, SideChannelServer, request
+from vllm_dsa_connector.connector.messages import (
+    Authenticator,
+    CancelReq,
+    CancelState,
+    ClockEstimate,
+    HeartbeatReq,
+    MessageError,
+    MetaReq,
+    RegReq,
+    Reply,
+    ReqRef,
+)
+from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, RankPayload, encode
+from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.producer import LeaseState, Producer
+from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
+
+SECRET = "s3cret-s3cret-s3cret"
+
+
+class Clock:
+    """A settable monotonic clock."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ------------------------------------------------------------------------------------------ pairing
+
+
+def test_pairing_skips_the_blocks_d_already_holds() -> None:
+    p = pair_blocks_by_position(block_size=64, prompt_tokens=300, local_computed_tokens=128,
+                                local_new_blocks=[90, 91, 92], remote_block_ids=[5, 6, 7, 8, 9],
+                                remote_num_tokens=300)
+    # tokens 128..299 live in P's blocks 2, 3, 4 (7, 8, 9), not in P's first three
+    assert (p.first_block, p.src_blocks, p.dst_blocks) == (2, (7, 8, 9), (90, 91, 92))
+
+
+def test_pairing_without_local_hits_and_with_a_partial_last_block() -> None:
+    p = pair_blocks_by_position(block_size=16, prompt_tokens=33, local_computed_tokens=0,
+                                local_new_blocks=[3, 2, 1, 0], remote_block_ids=[10, 11, 12],
+                                remote_num_tokens=33)
+    assert p.src_blocks == (10, 11, 12) and p.dst_blocks == (3, 2, 1)  # D's extra block is not paired
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(remote_num_tokens=299), "not the same prompt"),
+    (dict(remote_block_ids=[5, 6, 7, 8]), "needs 5"),
+    (dict(local_computed_tokens=100), "not whole"),
+    (dict(local_new_blocks=[90, 91]), "needs 3"),
+    (dict(local_computed_tokens=320), "nothing to load"),
+    (dict(remote_block_ids=[5, 6, -7, 8, 9]), "negative"),
+])
+def test_pairing_mismatch_is_an_error_never_a_guess(kwargs: dict, match: str) -> None:
+    args = dict(block_size=64, prompt_tokens=300, local_computed_tokens=128, local_new_blocks=[90, 91, 92],
+                remote_block_ids=[5, 6, 7, 8, 9], remote_num_tokens=300)
+    with pytest.raises(PairingError, match=match):
+        pair_blocks_by_position(**{**args, **kwargs})
+
+
+def test_pairing_matches_positions_for_random_prefix_hits() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        b = rng.choice((16, 32, 64))
+        n = rng.randint(2, 40 * b)
+        blocks_p = rng.sample(range(10_000), -(-n // b))
+        hit = rng.randint(0, (n - 1) // b) * b
+        new = rng.sample(range(10_000, 20_000), -(-n // b) - hit // b + rng.randint(0, 2))
+        pr = pair_blocks_by_position(block_size=b, prompt_tokens=n, local_computed_tokens=hit,
+                                     local_new_blocks=new, remote_block_ids=blocks_p, remote_num_tokens=n)
+        for i, (s, d) in enumerate(zip(pr.src_blocks, pr.dst_blocks, strict=True)):
+            pos = hit + i * b  # the first token both blocks hold
+            assert s == blocks_p[pos // b] and d == new[(pos - hit) // b]
+
+
+# ------------------------------------------------------------------------------------------ P side
+
+
+def _d_payload(num_blocks: int = 100) -> bytes:
+    table = {"pools": [{"num_blocks": num_blocks}]}
+    return encode(RankPayload("D", 0, 0, 0, "agent-d", b"", table, [], {}))
+
+
+def _reg(token: str, deadline: float, blocks: list[int], first: int = 0, **kw) -> RegReq:
+    return RegReq("p1", token, "D", "d1", first, blocks, deadline, d_payloads=[_d_payload()], **kw)
+
+
+@pytest.fixture
+def producer() -> tuple[Producer, Clock]:
+    clock = Clock()
+    return Producer("P", ConnectorOptions(kv_lease_duration=10.0, transfer_timeout_s=5.0), clock), clock
+
+
+def test_registration_dispatches_the_blocks_of_the_asked_positions(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7, 8, 9, 10])
+    assert prod.handle_reg(_reg(token, clock.t + 5, [40, 41], first=2)).ok
+    meta = DSAConnectorMetadata()
+    prod.step(meta)
+    (job,) = meta.push
+    assert (job.src_blocks, job.dst_blocks, job.post_deadline) == ([9, 10], [40, 41], clock.t + 5)
+    assert prod.lease("p1").state is LeaseState.DISPATCHED
+    again = DSAConnectorMetadata()
+    prod.step(again)
+    assert not again.push  # once
+    prod.finished_sending({"p1"})
+    assert not prod.pending()
+
+
+def test_registration_checked_against_token_blocks_and_deadline(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7, 8])
+    assert "token does not match" in prod.handle_reg(_reg("wrong", clock.t + 5, [1])).error
+    with pytest.raises(MessageError, match="outside D's pools"):
+        prod.handle_reg(_reg(token, clock.t + 5, [100]))  # D has blocks 0..99
+    with pytest.raises(MessageError, match="request p1 has 2"):
+        prod.handle_reg(_reg(token, clock.t + 5, [1, 2], first=1))
+    assert "after its post deadline" in prod.handle_reg(_reg(token, clock.t - 0.1, [1])).error
+    assert prod.lease("p1").state is LeaseState.HELD  # nothing above changed the lease
+
+
+def test_registration_past_its_post_deadline_is_never_dispatched(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7])
+    assert prod.handle_reg(_reg(token, clock.t + 2, [1])).ok
+    clock.t += 3  # P's engine was stalled past the deadline D gave
+    meta = DSAConnectorMetadata()
+    prod.step(meta)
+    assert not meta.push and meta.release == ["p1"]
+
+
+def test_cancel_before_dispatch_is_not_posted_and_a_late_registration_is_refused(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7])
+    reply = prod.handle_cancel(CancelReq([ReqRef("p1", token)]))
+    assert reply.states == {"p1": CancelState.NOT_POSTED}
+    meta = DSAConnectorMetadata()
+    prod.step(meta)
+    assert meta.release == ["p1"] and not meta.push
+    prod.finished_sending({"p1"})
+    late = prod.handle_reg(_reg(token, clock.t + 5, [1]))  # a registration overtaken by its cancel
+    assert not late.ok and "ended" in late.error
+    # a cancel for a request P never saw is remembered too
+    assert prod.handle_cancel(CancelReq([ReqRef("zz", "t")])).states == {"zz": CancelState.NOT_POSTED}
+
+
+def test_cancel_after_dispatch_says_posted(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7])
+    prod.handle_reg(_reg(token, clock.t + 5, [1]))
+    prod.step(DSAConnectorMetadata())
+    assert prod.handle_cancel(CancelReq([ReqRef("p1", token)])).states == {"p1": CancelState.POSTED}
+    prod.finished_sending({"p1"})
+    assert prod.handle_cancel(CancelReq([ReqRef("p1", token)])).states == {"p1": CancelState.POSTED}
+
+
+def test_lease_expires_without_heartbeats_and_lives_with_them(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7])
+    for _ in range(5):  # heartbeats every 6 s keep a 10 s lease alive for 30 s
+        clock.t += 6
+        assert prod.handle_heartbeat(HeartbeatReq([ReqRef("p1", token), ReqRef("p1", "forged")])).ok
+        meta = DSAConnectorMetadata()
+        prod.step(meta)
+        assert not meta.release
+    clock.t += 11
+    meta = DSAConnectorMetadata()
+    prod.step(meta)
+    assert meta.release == ["p1"]
+
+
+# ------------------------------------------------------------------------------------------ clocks
+
+
+def test_clock_estimate_maps_deadlines_conservatively() -> None:
+    est = ClockEstimate()
+    est.add_sample(sent=10.0, received=10.2, peer_clock=500.1)  # P's clock = D's + 490, +-0.1
+    assert est.offset == pytest.approx(490.0) and est.uncertainty == pytest.approx(0.1)
+    p_deadline = est.to_peer_before(20.0, now=10.2)
+    for true_offset in (489.9, 490.0, 490.1):  # whatever the true offset, P's deadline is not after D's
+        assert p_deadline - true_offset <= 20.0 + 1e-9
+    est.add_sample(sent=11.0, received=11.5, peer_clock=501.2)  # a worse sample does not replace it
+    assert est.uncertainty == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------------ side channel
+
+
+def _serve(secret: str | None) -> tuple[SideChannelServer, list]:
+    seen: list = []
+
+    def handler(req):
+        seen.append(req)
+        return Reply(True, engine_id="E")
+
+    return SideChannelServer("127.0.0.1", 0, handler, Authenticator(secret)), seen
+
+
+def test_auth_refuses_missing_and_wrong_secrets_by_name() -> None:
+    server, seen = _serve(SECRET)
+    try:
+        port = server.port
+        assert request("127.0.0.1", port, MetaReq(), 2, Authenticator(SECRET)).ok
+        missing = request("127.0.0.1", port, MetaReq(), 2, Authenticator(None))
+        assert not missing.ok and "requires auth_secret" in missing.error
+        with pytest.raises(HandshakeError, match="bad HMAC"):  # the reply is signed with the other secret
+            request("127.0.0.1", port, MetaReq(), 2, Authenticator("another-secret-of-16+"))
+        assert len(seen) == 1  # only the authentic message reached the handler
+    finally:
+        server.close()
+
+
+def test_auth_refuses_replays_and_stale_messages() -> None:
+    clock = Clock(1_000_000.0)
+    auth = Authenticator(SECRET, clock)
+    raw = Authenticator(SECRET, clock).seal(MetaReq())
+    assert auth.open(raw)
+    with pytest.raises(MessageError, match="replayed"):
+        auth.open(raw)
+    old = Authenticator(SECRET, Clock(clock.t - 120)).seal(MetaReq())
+    with pytest.raises(MessageError, match="stale"):
+        auth.open(old)
+
+
+def test_hostile_messages_get_error_replies_and_the_channel_keeps_serving() -> None:
+    server, seen = _serve(None)
+    rng = random.Random(11)
+    bodies = [
+        b"", b"\x00", os.urandom(64), msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"kind": "reg"}),
+        Authenticator(None).seal(MetaReq())[:-3],  # truncated
+    ]
+    for _ in range(40):  # random msgpack values
+        bodies.append(msgspec.msgpack.encode(rng.choice([
+            rng.random(), rng.randint(-2**40, 2**40), "x" * rng.randint(0, 50), [None] * rng.randint(0, 5),
+            {"type": "reg", "p_req": rng.randint(0, 9)}, {str(i): i for i in range(rng.randint(0, 5))}])))
+    # well-formed envelopes around well-formed kinds with bad bodies
+    for bad in ({"type": "reg", "p_req": "", "token": "t", "d_engine": "D", "d_req": "d", "first_block": 0,
+                 "d_blocks": [1], "post_deadline": 1.0},
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", "first_block": -1,
+                 "d_blocks": [1], "post_deadline": 1.0},
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", "first_block": 0,
+                 "d_blocks": [], "post_deadline": 1.0},
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", "first_block": 0,
+                 "d_blocks": [1], "post_deadline": float("nan")},
+                {"type": "hb", "reqs": [["p"]]}, {"type": "cancel", "reqs": "p"}, {"type": "nope"}):
+        body = msgspec.msgpack.encode(bad)
+        bodies.append(msgspec.msgpack.encode([2, 0.0, b"n" * 16, b"", body]))
+    try:
+        for raw in bodies:
+            reply = server.handle_raw(raw)
+            assert not reply.ok and reply.error, raw
+        assert not seen  # nothing malformed reached the handler
+        first = request("127.0.0.1", server.port, MetaReq(), 2)
+        again = request("127.0.0.1", server.port, MetaReq(), 2)
+        assert first.ok and again.ok and first.engine_id == again.engine_id == "E"
+    finally:
+        server.close()

@@ -1,0 +1,325 @@
+"""D side of DSAConnector's scheduler: handshakes, registrations, give-up, heartbeats, cancels.
+
+Each request that takes its prompt's KV from P is a :class:`Loading` with an explicit
+:class:`LoadState`; transitions happen in this module, on the engine's scheduler thread, from
+:meth:`Consumer.step` (background replies are collected there), :meth:`Consumer.expect` and
+:meth:`Consumer.finished`:
+
+    QUEUED (waiting for the handshake or for blocks; heartbeated)
+      -> REGISTERING (blocks allocated, registration sent) -> REGISTERED (P accepted)
+      -> DONE (every notice arrived: the workers report finished_recving)
+    any of these -> GIVING_UP (timeout, refusal, abort) -> FAILED (fail_recv sent to the workers)
+
+Guarantee "no WRITE lands in blocks D gave back": D hands its blocks back to vLLM only by reporting the
+request finished, and after a give-up it does so only when no WRITE can still arrive:
+
+- a registration carries ``post_deadline``, D's give-up time mapped to P's clock with a margin for the
+  clock estimate (``ClockEstimate.to_peer_before``): P posts nothing after it (see :mod:`.producer`);
+- D releases at once when P never got the registration by its own word (refused, or a cancel answered
+  ``not_posted``; P tombstones cancelled requests, so a registration arriving later is refused too);
+- otherwise D keeps the blocks until give-up time + P's write timeout (P's workers complete or abort a
+  posted WRITE within it) + :data:`SAFETY_MARGIN_S`. A P that is merely slow, stalled or unreachable
+  therefore costs D blocks for that bound, never corrupted KV.
+The residual assumption: monotonic clocks of the two hosts drift less than ``ClockEstimate.DRIFT``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgspec
+from vllm.logger import init_logger
+
+from vllm_dsa_connector.connector.handshake import (
+    HandshakeError,
+    PeerMeta,
+    fetch_payloads,
+    request,
+    validate_peer,
+)
+from vllm_dsa_connector.connector.messages import (
+    Authenticator,
+    CancelReq,
+    CancelState,
+    HeartbeatReq,
+    RegReq,
+    Reply,
+    ReqRef,
+)
+from vllm_dsa_connector.connector.metadata import RankPayload, RecvJob, Slots, encode
+from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.producer import max_block_id
+
+logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+
+SAFETY_MARGIN_S = 1.0
+_RETRY_UNREACHABLE_S = 5.0
+
+
+class RemoteParams(msgspec.Struct, frozen=True):
+    """The ``kv_transfer_params`` P handed out (through the proxy: untrusted, checked)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: list[int]
+    remote_num_tokens: int
+    remote_token: str
+    transfer_mode: str = "push"
+
+    @property
+    def ref(self) -> ReqRef:
+        return ReqRef(self.remote_request_id, self.remote_token)
+
+
+def parse_remote_params(params: dict[str, Any]) -> RemoteParams:
+    """Typed params; ``ValueError`` naming the problem."""
+    fields = {k: params[k] for k in RemoteParams.__struct_fields__ if k in params}
+    try:
+        rp = msgspec.convert(fields, RemoteParams)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"malformed kv_transfer_params: {e}") from None
+    if not 0 < rp.remote_port < 65536:
+        raise ValueError(f"remote_port {rp.remote_port} out of range")
+    if rp.remote_num_tokens < 0 or any(b < 0 for b in rp.remote_block_ids):
+        raise ValueError("negative remote_num_tokens or block id")
+    return rp
+
+
+class LoadState(Enum):
+    """Where one D request's KV load stands."""
+
+    QUEUED = "queued"
+    REGISTERING = "registering"
+    REGISTERED = "registered"
+    GIVING_UP = "giving_up"
+    FAILED = "failed"
+
+
+@dataclass
+class Peer:
+    """One producer engine, as learnt by the handshake."""
+
+    host: str
+    port: int
+    future: Future | None = None
+    meta: PeerMeta | None = None
+    plan: Any = None
+    payloads: list[bytes] = field(default_factory=list)
+    expected: dict[int, list[int]] = field(default_factory=dict)
+    max_block: int = 0
+    error: str | None = None
+    failed_at: float = 0.0
+    control: ThreadPoolExecutor | None = None  # cancels and heartbeats to this peer only
+
+
+@dataclass
+class Loading:
+    """One request loading its prompt's KV from P."""
+
+    engine: str
+    ref: ReqRef
+    state: LoadState = LoadState.QUEUED
+    give_up_at: float = 0.0
+    release_at: float = 0.0  # GIVING_UP: report the request finished at this time at the latest
+    reason: str = ""
+    reg: Future | None = None
+    cancel: Future | None = None
+    slots: list[tuple[int, Any]] = field(default_factory=list)
+
+
+class Consumer:
+    """All loads of one decode engine."""
+
+    def __init__(self, engine_id: str, options: ConnectorOptions, auth: Authenticator,
+                 local_payloads: Callable[[], list[RankPayload]], local_encoded: Callable[[], list[bytes]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine_id = engine_id
+        self.opts = options
+        self.auth = auth
+        self.clock = clock
+        self._local = local_payloads
+        self._local_encoded = local_encoded
+        self.peers: dict[str, Peer] = {}
+        self.loads: dict[str, Loading] = {}
+        self._handshakes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-handshake")
+        self._regs = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-register")
+        self._last_hb = 0.0
+
+    # ------------------------------------------------------------ handshake
+
+    def _handshake(self, peer: Peer) -> tuple[PeerMeta, Any]:
+        meta = fetch_payloads(peer.host, peer.port, self.opts.handshake_timeout_s, self.auth)
+        return meta, validate_peer(meta.payloads, self._local())
+
+    def peer(self, engine: str, host: str, port: int) -> Peer:
+        """The peer (its handshake started on first use, retried after an unreachable spell)."""
+        now = self.clock()
+        peer = self.peers.get(engine)
+        if peer is not None and peer.error and peer.failed_at and now - peer.failed_at > _RETRY_UNREACHABLE_S:
+            peer = None
+        if peer is None:
+            peer = Peer(host, port)
+            peer.control = (self.peers[engine].control if engine in self.peers else
+                            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-control"))
+            peer.future = self._handshakes.submit(self._handshake, peer)
+            self.peers[engine] = peer
+        if peer.future is not None and peer.future.done():
+            try:
+                peer.meta, peer.plan = peer.future.result()
+                if peer.meta.engine_id != engine:
+                    raise HandshakeError(f"DSAConnector peer {host}:{port} is engine {peer.meta.engine_id!r}, "
+                                         f"kv_transfer_params name {engine!r}")
+                peer.payloads = [encode(p) for p in peer.meta.payloads]
+                peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self._local()}
+                peer.max_block = max_block_id(peer.meta.payloads)
+                logger.info("DSAConnector %s: handshake with %s done (%d workers, plan %s)",
+                            self.engine_id, engine, len(peer.payloads), peer.expected)
+            except HandshakeError as e:
+                peer.error = str(e)
+                # an unreachable peer may come back; a refused layout will not
+                peer.failed_at = now if "did not answer" in str(e) or "failed:" in str(e) else 0.0
+                logger.error("%s", e)
+            except Exception as e:  # noqa: BLE001 - any handshake bug becomes a load failure, not a crash
+                peer.error = f"DSAConnector handshake with {engine} failed: {e!r}"
+                peer.failed_at = now
+                logger.exception("DSAConnector handshake with %s failed", engine)
+            peer.future = None
+        return peer
+
+    # ------------------------------------------------------------ requests
+
+    def queue(self, req_id: str, rp: RemoteParams) -> None:
+        """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile."""
+        if req_id not in self.loads:
+            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref)
+
+    def forget_queued(self, req_id: str) -> None:
+        """A queued request that will not load from P."""
+        load = self.loads.get(req_id)
+        if load is not None and load.state is LoadState.QUEUED:
+            del self.loads[req_id]
+
+    def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_block: int, src_blocks: list[int],
+                 dst_blocks: list[int], slots: Slots, held_slots: list[tuple[int, Any]]) -> RecvJob:
+        """Blocks are allocated and paired: send the registration; the returned job goes to the workers."""
+        assert peer.meta is not None
+        now = self.clock()
+        load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref))
+        load.state = LoadState.REGISTERING
+        load.give_up_at = now + self.opts.transfer_timeout_s
+        load.slots = held_slots
+        reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_block, dst_blocks,
+                     peer.meta.clock.to_peer_before(load.give_up_at, now), self.opts.verify_transfers, slots)
+        load.reg = self._regs.submit(self._register, peer, reg)
+        return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
+                       timeout_s=self._release_bound(peer) + 60.0, verify=self.opts.verify_transfers,
+                       src_blocks=src_blocks, slots=slots)
+
+    def _register(self, peer: Peer, reg: RegReq) -> Reply:
+        assert peer.meta is not None
+        reply = request(peer.host, peer.port, reg, self.opts.handshake_timeout_s, self.auth, peer.meta.clock)
+        if not reply.ok and reply.need_payloads:
+            reply = request(peer.host, peer.port, msgspec.structs.replace(reg, d_payloads=self._local_encoded()),
+                            self.opts.handshake_timeout_s, self.auth, peer.meta.clock)
+        return reply
+
+    def _release_bound(self, peer: Peer | None) -> float:
+        write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
+        return self.opts.transfer_timeout_s + max(write, self.opts.transfer_timeout_s) + SAFETY_MARGIN_S
+
+    def give_up(self, req_id: str, reason: str) -> None:
+        """Stop waiting for P: cancel there, hand the blocks back once no WRITE can land in them."""
+        load = self.loads.get(req_id)
+        if load is None or load.state in (LoadState.GIVING_UP, LoadState.FAILED):
+            return
+        peer = self.peers.get(load.engine)
+        if load.state is LoadState.QUEUED:
+            del self.loads[req_id]  # nothing was registered: nothing to wait for
+            self.cancel(load.engine, [load.ref])
+            return
+        logger.warning("DSAConnector: giving up on %s: %s", req_id, reason)
+        load.state, load.reason = LoadState.GIVING_UP, reason
+        write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
+        load.release_at = load.give_up_at + max(write, self.opts.transfer_timeout_s) + SAFETY_MARGIN_S
+        load.cancel = self.cancel(load.engine, [load.ref])
+
+    def cancel(self, engine: str, refs: list[ReqRef]) -> Future | None:
+        """Tell P to drop these requests (on the peer's own control thread); the future holds P's reply."""
+        peer = self.peers.get(engine)
+        if peer is None or peer.control is None:
+            return None
+        return peer.control.submit(request, peer.host, peer.port, CancelReq(refs), self.opts.handshake_timeout_s,
+                                   self.auth)
+
+    def finished(self, req_id: str) -> Loading | None:
+        """The workers reported the request (loaded or failed): forget it."""
+        return self.loads.pop(req_id, None)
+
+    def step(self, fail: dict[str, str]) -> None:
+        """Collect replies, apply timeouts and bounds; requests to hand back go into ``fail``."""
+        now = self.clock()
+        for req_id, load in list(self.loads.items()):
+            if load.state is LoadState.REGISTERING and load.reg is not None and load.reg.done():
+                try:
+                    reply = load.reg.result()
+                except Exception as e:  # noqa: BLE001 - unanswered: P may still have it, give up safely
+                    self.give_up(req_id, f"registration unanswered: {e}")
+                    continue
+                if reply.ok:
+                    load.state = LoadState.REGISTERED
+                else:  # P refused: it will never write this registration
+                    logger.error("DSAConnector: P refused registration of %s: %s", req_id, reply.error)
+                    self._fail(fail, req_id, load, f"P refused the registration: {reply.error}")
+                    continue
+            if load.state in (LoadState.REGISTERING, LoadState.REGISTERED) and now >= load.give_up_at:
+                self.give_up(req_id, f"no KV after {self.opts.transfer_timeout_s:.1f} s")
+            if load.state is LoadState.GIVING_UP:
+                if self._cancel_confirmed(load):
+                    self._fail(fail, req_id, load, load.reason + " (P confirmed nothing was written)")
+                elif now >= load.release_at:
+                    self._fail(fail, req_id, load, load.reason + " (write bound passed)")
+        self._heartbeat(now)
+
+    @staticmethod
+    def _cancel_confirmed(load: Loading) -> bool:
+        if load.cancel is None or not load.cancel.done() or load.cancel.exception() is not None:
+            return False
+        reply = load.cancel.result()
+        return reply.ok and reply.states.get(load.ref.p_req) == CancelState.NOT_POSTED
+
+    @staticmethod
+    def _fail(fail: dict[str, str], req_id: str, load: Loading, reason: str) -> None:
+        load.state = LoadState.FAILED
+        fail[req_id] = reason
+
+    def _heartbeat(self, now: float) -> None:
+        if now - self._last_hb < self.opts.heartbeat_s:
+            return
+        self._last_hb = now
+        by_engine: dict[str, list[ReqRef]] = {}
+        for load in self.loads.values():
+            if load.state in (LoadState.QUEUED, LoadState.REGISTERING, LoadState.REGISTERED):
+                by_engine.setdefault(load.engine, []).append(load.ref)
+        for engine, refs in by_engine.items():
+            peer = self.peers.get(engine)
+            if peer is not None and peer.control is not None and not peer.error:
+                peer.control.submit(self._send_heartbeat, peer, refs)
+
+    def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> None:
+        try:
+            request(peer.host, peer.port, HeartbeatReq(refs), self.opts.handshake_timeout_s, self.auth,
+                    peer.meta.clock if peer.meta else None)
+        except HandshakeError as e:
+            logger.warning("DSAConnector heartbeat: %s", e)
+
+    def shutdown(self) -> None:
+        """Stop background threads."""
+        for pool in [self._handshakes, self._regs] + [p.control for p in self.peers.values() if p.control]:
+            pool.shutdown(wait=False, cancel_futures=True)

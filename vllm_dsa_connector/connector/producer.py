@@ -1,0 +1,235 @@
+"""P side of DSAConnector's scheduler: leases on finished prefills, D's registrations, push dispatch.
+
+One :class:`Lease` per finished prefill whose KV D will take, with an explicit :class:`LeaseState`;
+every transition happens in this module under one lock (the side-channel thread and the engine's
+scheduler thread both call in):
+
+    HELD --reg--> REGISTERED --step--> DISPATCHED --workers' finished_sending--> (gone)
+      |               |                     \\-- never cancelled: a WRITE may be in flight
+      +---------------+--cancel / expiry / post deadline passed--> RELEASED --finished_sending--> (gone)
+
+Guarantee "no WRITE after D gave up": a registration carries ``post_deadline`` (P's monotonic clock,
+derived by D from its give-up time). P dispatches a registration only before that deadline and never
+after a cancel; the push job carries the deadline to the workers, which check it again right before
+posting (same host, same monotonic clock), so a P whose workers were stalled past the deadline drops
+the job instead of writing. A cancel is answered with ``not_posted`` (nothing was or will be posted:
+D may reuse its blocks at once) or ``posted`` (D keeps them until the deadline plus P's write timeout,
+after which P's workers have completed or aborted the WRITE). Ended requests leave a tombstone, so a
+registration that arrives after its cancel is refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from vllm.logger import init_logger
+
+from vllm_dsa_connector.connector.messages import (
+    CancelReq,
+    CancelState,
+    HeartbeatReq,
+    MessageError,
+    RegReq,
+    Reply,
+    ReqRef,
+)
+from vllm_dsa_connector.connector.metadata import (
+    DSAConnectorMetadata,
+    PeerInfo,
+    PushJob,
+    RankPayload,
+    decode_payload,
+)
+from vllm_dsa_connector.connector.options import ConnectorOptions
+
+logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+
+_TOMBSTONES = 65536
+
+
+class LeaseState(Enum):
+    """Where a finished prefill's KV stands on P."""
+
+    HELD = "held"
+    REGISTERED = "registered"
+    DISPATCHED = "dispatched"
+    RELEASED = "released"
+
+
+@dataclass
+class Lease:
+    """P's blocks of one finished prefill, kept for D."""
+
+    blocks: list[int]
+    token: str
+    deadline: float  # P releases the blocks after this without news from D
+    state: LeaseState = LeaseState.HELD
+    reg: RegReq | None = None
+    cancelled: bool = False
+
+
+def max_block_id(payloads: list[RankPayload]) -> int:
+    """Blocks ``0 .. n-1`` exist in every pool of every worker of an engine; returns ``n``."""
+    return min((int(p["num_blocks"]) for pl in payloads for p in pl.page_table.get("pools", [])), default=0)
+
+
+class Producer:
+    """All leases of one prefill engine."""
+
+    def __init__(self, engine_id: str, options: ConnectorOptions,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine_id = engine_id
+        self.opts = options
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
+        self._peers: dict[str, list[bytes]] = {}  # D engine -> encoded payloads
+        self._peer_blocks: dict[str, int] = {}
+        self._peers_sent: set[str] = set()
+
+    # ------------------------------------------------------------ engine thread
+
+    def add_lease(self, req_id: str, blocks: list[int]) -> str:
+        """Keep ``blocks`` of a finished prefill for ``kv_lease_duration``; returns the request's token."""
+        token = secrets.token_hex(16)
+        with self._lock:
+            self._leases[req_id] = Lease(list(blocks), token, self.clock() + self.opts.kv_lease_duration)
+        return token
+
+    def step(self, meta: DSAConnectorMetadata) -> None:
+        """Dispatch registrations (before their post deadline) and release ended leases."""
+        now = self.clock()
+        with self._lock:
+            for req_id, lease in self._leases.items():
+                if lease.state is LeaseState.REGISTERED and not lease.cancelled and lease.reg is not None:
+                    reg = lease.reg
+                    if now < reg.post_deadline:
+                        self._dispatch(meta, req_id, lease, reg)
+                        continue
+                    logger.warning("DSAConnector: registration of %s reached its post deadline before "
+                                   "dispatch; not writing", req_id)
+                if lease.state in (LeaseState.HELD, LeaseState.REGISTERED) and (
+                        lease.cancelled or now > lease.deadline or lease.state is LeaseState.REGISTERED):
+                    logger.warning("DSAConnector: releasing KV of %s (%s)", req_id,
+                                   "cancelled by D" if lease.cancelled else "deadline passed")
+                    lease.state = LeaseState.RELEASED
+                    meta.release.append(req_id)
+
+    def _dispatch(self, meta: DSAConnectorMetadata, req_id: str, lease: Lease, reg: RegReq) -> None:
+        if reg.d_engine not in self._peers_sent:
+            meta.peers.append(PeerInfo(reg.d_engine, self._peers[reg.d_engine]))
+            self._peers_sent.add(reg.d_engine)
+        src = lease.blocks[reg.first_block : reg.first_block + len(reg.d_blocks)]
+        meta.push.append(PushJob(req_id, reg.d_engine, reg.d_req, src, list(reg.d_blocks), reg.verify,
+                                 reg.slots, post_deadline=reg.post_deadline))
+        lease.state = LeaseState.DISPATCHED
+        # the workers report finished_sending within post deadline + write timeout; keep the lease as long
+        lease.deadline = max(lease.deadline, reg.post_deadline + self.opts.transfer_timeout_s)
+
+    def finished_sending(self, req_ids: set[str]) -> None:
+        """The workers are done with these requests (WRITE completed/failed, or blocks released)."""
+        with self._lock:
+            for req_id in req_ids:
+                lease = self._leases.pop(req_id, None)
+                if lease is not None:
+                    self._tombstone(req_id, lease.state is LeaseState.DISPATCHED)
+
+    def pending(self) -> bool:
+        """Whether any lease still holds blocks."""
+        return bool(self._leases)
+
+    def lease(self, req_id: str) -> Lease | None:
+        """A lease (tests, diagnostics)."""
+        return self._leases.get(req_id)
+
+    def _tombstone(self, req_id: str, posted: bool) -> None:
+        self._ended[req_id] = posted or self._ended.get(req_id, False)
+        self._ended.move_to_end(req_id)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+
+    # ------------------------------------------------------------ side-channel thread
+
+    def _owned(self, ref: ReqRef | RegReq) -> Lease | None:
+        lease = self._leases.get(ref.p_req)
+        if lease is None or not hmac.compare_digest(lease.token.encode(), ref.token.encode()):
+            return None
+        return lease
+
+    def handle_reg(self, reg: RegReq) -> Reply:
+        """Accept or refuse a registration; ``need_payloads`` when D's layout is not known yet."""
+        now = self.clock()
+        with self._lock:
+            lease = self._owned(reg)
+            if lease is None:
+                why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
+                return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
+            if lease.state is not LeaseState.HELD or lease.cancelled:
+                return Reply(False, error=f"request {reg.p_req} is {lease.state.value}"
+                                          f"{' (cancelled)' if lease.cancelled else ''}", clock=now)
+            if now >= reg.post_deadline:
+                return Reply(False, error=f"registration of {reg.p_req} arrived after its post deadline "
+                                          f"({now - reg.post_deadline:.3f} s late)", clock=now)
+            if reg.d_engine not in self._peers:
+                if not reg.d_payloads:
+                    return Reply(False, need_payloads=True, error="unknown decode engine", clock=now)
+                try:
+                    payloads = [decode_payload(p) for p in reg.d_payloads]
+                except ValueError as e:
+                    raise MessageError(str(e)) from None
+                if not payloads or any(p.engine_id != reg.d_engine for p in payloads):
+                    raise MessageError(f"payloads of {reg.d_engine!r} name another engine or are empty")
+                self._peers[reg.d_engine] = list(reg.d_payloads)
+                self._peer_blocks[reg.d_engine] = max_block_id(payloads)
+            limit = self._peer_blocks[reg.d_engine]
+            bad = [b for b in reg.d_blocks if not 0 <= b < limit]
+            if bad:
+                raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
+            if reg.first_block + len(reg.d_blocks) > len(lease.blocks):
+                raise MessageError(f"blocks {reg.first_block}..{reg.first_block + len(reg.d_blocks) - 1} "
+                                   f"asked, request {reg.p_req} has {len(lease.blocks)}")
+            lease.reg = reg
+            lease.state = LeaseState.REGISTERED
+            lease.deadline = max(lease.deadline, reg.post_deadline)
+        return Reply(True, clock=now, write_timeout_s=self.opts.transfer_timeout_s)
+
+    def handle_heartbeat(self, hb: HeartbeatReq) -> Reply:
+        """Extend the leases D still waits for."""
+        now = self.clock()
+        with self._lock:
+            for ref in hb.reqs:
+                lease = self._owned(ref)
+                if lease is not None and lease.state is LeaseState.HELD:
+                    lease.deadline = max(lease.deadline, now + self.opts.kv_lease_duration)
+        return Reply(True, clock=now)
+
+    def handle_cancel(self, cancel: CancelReq) -> Reply:
+        """D gave up: release what was not dispatched; say per request whether a WRITE may still land."""
+        now = self.clock()
+        states: dict[str, str] = {}
+        with self._lock:
+            for ref in cancel.reqs:
+                lease = self._leases.get(ref.p_req)
+                if lease is None:
+                    # unknown or ended: remember it, so a registration arriving late is refused
+                    posted = self._ended.get(ref.p_req, False)
+                    self._tombstone(ref.p_req, posted)
+                    states[ref.p_req] = CancelState.POSTED if posted else CancelState.NOT_POSTED
+                    continue
+                if self._owned(ref) is None:
+                    states[ref.p_req] = CancelState.POSTED  # not D's to cancel: promise nothing
+                    continue
+                if lease.state is LeaseState.DISPATCHED:
+                    states[ref.p_req] = CancelState.POSTED
+                else:
+                    lease.cancelled = True
+                    states[ref.p_req] = CancelState.NOT_POSTED
+        return Reply(True, clock=now, states=states)
