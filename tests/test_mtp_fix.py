@@ -1,7 +1,7 @@
 """Issue 6: the MTP draft loop's stale token->request map (runtime fix and upstream patch).
 
 Every check drives vLLM's real ``CommonAttentionMetadata`` through the same metadata
-rewrites as vLLM 0.32's V1 draft loop (``v1/spec_decode/llm_base_proposer.py``, propose():
+rewrites as vLLM 0.32's (and 0.33's, unchanged) V1 draft loop (``v1/spec_decode/llm_base_proposer.py``, propose():
 target forward, draft step 0 on the target layout, then the rewrite to one token per
 request and ``num_speculative_tokens - 1`` steps that advance ``seq_lens``), optionally
 through ``dataclasses.replace()`` as ``AttentionGroup._with_kernel_block_table`` does.
@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+pytestmark = pytest.mark.compat  # runs against every supported vLLM release (ci/compat.sh)
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZES = (1, 2, 3, 5, 8)
