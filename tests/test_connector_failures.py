@@ -1,26 +1,40 @@
-"""Engine-level failure handling: the prefill engine is killed while decode engines wait for its KV.
+"""Engine-level faults: a stalled producer, hostile side-channel traffic, a producer killed mid-transfer.
 
-Starts real vLLM servers (marked slow): one prefill engine (DSAConnector, ``kv_producer``) and two decode
-engines, one with ``kv_load_failure_policy=recompute`` and one with ``fail``. A first request per decode
-engine goes through normally (handshake done, KV moved). Then P prefills two more requests (their KV is
-held under P's lease) and is SIGKILLed before D could take the KV; the decode engines get those requests:
+Starts real vLLM servers once for the module (slow): one prefill engine (DSAConnector, ``kv_producer``,
+multiprocess executor so its worker is a process of its own) and two decode engines, one with
+``kv_load_failure_policy=recompute`` and one with ``fail`` (the latter with the KV probe worker extension).
+All three share an ``auth_secret``. The tests run in file order on the same engines:
 
-- recompute: D computes the prompt locally and answers, within the connector's timeouts;
-- fail: the request fails, within the timeouts;
-- both decode engines keep serving afterwards, and count the failed load in their metrics.
+1. normal P/D on both decode engines (handshakes done, KV moved, authenticated side channels);
+2. P's worker is SIGSTOPped after its prefill, so its WRITE cannot happen before D's timeout; D gives up
+   and fails the request; then P's worker resumes. D's whole KV cache must be byte-identical before and
+   after the resume: no WRITE lands in blocks D handed back (P drops the registration, or its workers drop
+   the push job that reached them after its post deadline);
+3. fuzz: raw bytes, random msgpack, forged and replayed envelopes and well-formed kinds with bad bodies go to
+   all three side channels; every engine keeps serving and a repeated request gives the same reply;
+4. P is SIGKILLed while holding the KV of two prefills; recompute answers, fail fails, within the bounds;
+   both decode engines keep serving and count the failed load.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 
 from vllm_dsa_connector.commands.demo import (
+    Proc,
     check_backend,
     choose_backend,
     cluster,
@@ -30,20 +44,33 @@ from vllm_dsa_connector.commands.demo import (
     scrape,
     wait_healthy,
 )
+from vllm_dsa_connector.connector.handshake import HandshakeError, request
+from vllm_dsa_connector.connector.messages import (
+    Authenticator,
+    CancelReq,
+    HeartbeatReq,
+    MetaReq,
+    RegReq,
+    ReqRef,
+)
 
 pytestmark = pytest.mark.slow
 
 BASE = 24300
-TIMEOUTS = {"handshake_timeout_s": 2.0, "transfer_timeout_s": 5.0, "kv_lease_duration": 20.0}
+SECRET = "module-secret-0123456789"
+TIMEOUTS = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 6.0, "kv_lease_duration": 20.0}
+# D holds given-up blocks at most: its timeout + P's write timeout + margin
+HOLD_BOUND_S = 2 * TIMEOUTS["transfer_timeout_s"] + 1.0
 
 
 def _cfg(role: str, side_port: int, policy: str = "fail") -> dict:
     return {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"verify_transfers": True, "side_channel_port": side_port, **TIMEOUTS}}
+            "kv_connector_extra_config": {"verify_transfers": True, "side_channel_port": side_port,
+                                          "auth_secret": SECRET, **TIMEOUTS}}
 
 
-def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+def _post(url: str, body: dict, path: str = "/v1/completions", timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -52,57 +79,175 @@ def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
         return e.code, {"error": e.read().decode(errors="replace")}
 
 
-def test_prefill_killed_mid_transfer(tiny_mla_dir: Path, tmp_path: Path) -> None:
-    model = str(tiny_mla_dir)
+@dataclass
+class Trio:
+    p: Proc
+    p_url: str
+    dr_url: str
+    df_url: str
+    model: str
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_mla_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     p_url, dr_url, df_url = (f"http://127.0.0.1:{BASE + i}" for i in range(3))
-    prompt = {"model": model, "prompt": "The dragon painted the sky in colours nobody had seen " * 4,
-              "max_tokens": 8, "temperature": 0.0}
-    with cluster(tmp_path) as c:
-        p = c.start("prefill", engine_cmd(tiny_mla_dir, BASE, "float32", _cfg("kv_producer", BASE + 10)),
-                    engine_env("0"))
+    backend = choose_backend(tiny_mla_dir, "float32")  # CPU_MLA on every CPU (AMX_MLA takes bf16 only)
+    probe = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+    with cluster(tmp_path_factory.mktemp("failures")) as c:
+        p = c.start("prefill", engine_cmd(tiny_mla_dir, BASE, "float32", _cfg("kv_producer", BASE + 10),
+                                          extra=["--distributed-executor-backend", "mp"]), engine_env("0"))
         dr = c.start("decode-recompute", engine_cmd(tiny_mla_dir, BASE + 1, "float32",
                                                     _cfg("kv_consumer", BASE + 11, "recompute")), engine_env("1"))
-        df = c.start("decode-fail", engine_cmd(tiny_mla_dir, BASE + 2, "float32",
-                                               _cfg("kv_consumer", BASE + 12, "fail")), engine_env("1"))
+        df = c.start("decode-fail", engine_cmd(tiny_mla_dir, BASE + 2, "float32", _cfg("kv_consumer", BASE + 12),
+                                               extra=probe), {**engine_env("1"), "VLLM_SERVER_DEV_MODE": "1"})
         for url in (p_url, dr_url, df_url):
             wait_healthy(url, [p, dr, df], 900)
-        for proc in (p, dr, df):  # float32 asks for CPU_MLA on every CPU (AMX_MLA takes bf16 only)
-            check_backend(proc, choose_backend(tiny_mla_dir, "float32"))
+        for proc in (p, dr, df):
+            check_backend(proc, backend)
+        yield Trio(p, p_url, dr_url, df_url, str(tiny_mla_dir))
 
-        def prefill() -> dict:
-            status, out = _post(p_url, {**prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-            assert status == 200, out
-            return out["kv_transfer_params"]
 
-        # 1. normal P/D on both decode engines (handshakes cached, KV moved)
-        for url in (dr_url, df_url):
-            status, out = _post(url, {**prompt, "kv_transfer_params": prefill()})
-            assert status == 200, out
-            assert metric(scrape(url), "vllm:dsa_kv_requests_total", side="recv", outcome="ok") == 1
-        reference = out["choices"][0]["text"]
+PROMPT = "The dragon painted the sky in colours nobody had seen " * 4
 
-        # 2. P prefills two requests, then dies while holding their KV
-        params_r, params_f = prefill(), prefill()
-        c.stop(p, grace_s=0)  # SIGTERM then SIGKILL of the whole process group
-        assert not p.alive()
 
-        t0 = time.monotonic()
-        status, out = _post(dr_url, {**prompt, "kv_transfer_params": params_r})
-        elapsed_r = time.monotonic() - t0
+def _prefill(t: Trio) -> dict:
+    status, out = _post(t.p_url, {"model": t.model, "prompt": PROMPT, "max_tokens": 1,
+                                  "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200, out
+    return out["kv_transfer_params"]
+
+
+def _decode(t: Trio, url: str, params: dict | None) -> tuple[int, dict]:
+    body = {"model": t.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return _post(url, body)
+
+
+def _kv_digest(url: str) -> list[int]:
+    _, out = _post(url, {"method": "dsa_probe_digest_all"}, path="/collective_rpc")
+    return out["results"][0]
+
+
+_REFERENCE: dict[str, str] = {}
+
+
+def test_pd_works_with_the_shared_secret(trio: Trio) -> None:
+    for url in (trio.dr_url, trio.df_url):
+        status, out = _decode(trio, url, _prefill(trio))
         assert status == 200, out
-        assert out["choices"][0]["text"] == reference  # recomputed locally, same greedy output
-        assert elapsed_r < TIMEOUTS["transfer_timeout_s"] + 10, elapsed_r
+        assert metric(scrape(url), "vllm:dsa_kv_requests_total", side="recv", outcome="ok") == 1
+        _REFERENCE[url] = out["choices"][0]["text"]
+    # the engines' side channels refuse strangers by name
+    missing = request("127.0.0.1", BASE + 10, MetaReq(), 5.0, Authenticator(None))
+    assert not missing.ok and "requires auth_secret" in missing.error
+    with pytest.raises(HandshakeError, match="bad HMAC"):
+        request("127.0.0.1", BASE + 10, MetaReq(), 5.0, Authenticator("not-the-module-secret"))
 
+
+def _worker_pids(proc: Proc) -> list[int]:
+    pgid = os.getpgid(proc.popen.pid)
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if b"Worker" in title or b"worker" in title:
+            out.append(int(pid))
+    return out
+
+
+def test_stalled_producer_never_writes_into_blocks_d_gave_back(trio: Trio) -> None:
+    workers = _worker_pids(trio.p)
+    assert workers, "no separate worker process in the prefill engine's group"
+    params = _prefill(trio)
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
         t0 = time.monotonic()
-        status, out = _post(df_url, {**prompt, "kv_transfer_params": params_f})
-        elapsed_f = time.monotonic() - t0
-        failed = status != 200 or out["choices"][0].get("finish_reason") == "error"
-        assert failed, out
-        assert elapsed_f < TIMEOUTS["transfer_timeout_s"] + 10, elapsed_f
+        status, out = _decode(trio, trio.df_url, params)  # P cannot write: D times out and gives up
+        elapsed = time.monotonic() - t0
+        assert status != 200 or out["choices"][0].get("finish_reason") == "error", out
+        assert TIMEOUTS["transfer_timeout_s"] <= elapsed < HOLD_BOUND_S + 10, elapsed
+        before = _kv_digest(trio.df_url)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    # P resumes with D's registration (or push job) in hand; give it time to (not) write
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        m = scrape(trio.p_url)
+        if metric(m, "vllm:dsa_kv_requests_total", side="send", outcome="late") + metric(
+                m, "vllm:dsa_kv_requests_total", side="send", outcome="expired") >= 1:
+            break
+        time.sleep(0.5)
+    time.sleep(1.0)
+    assert _kv_digest(trio.df_url) == before, "a WRITE landed in D's KV cache after D gave up"
+    status, out = _decode(trio, trio.df_url, _prefill(trio))  # both keep serving
+    assert status == 200 and out["choices"][0]["text"] == _REFERENCE[trio.df_url], out
 
-        # 3. both decode engines keep serving, and counted the failed load
-        for url in (dr_url, df_url):
-            status, out = _post(url, prompt)
-            assert status == 200 and out["choices"][0]["text"], out
-            m = scrape(url)
-            assert metric(m, "vllm:dsa_kv_requests_total", side="recv", outcome="failed") >= 1
+
+def test_hostile_side_channel_traffic_changes_nothing(trio: Trio) -> None:
+    rng = random.Random(5)
+    good = Authenticator(SECRET)
+    raws = [b"", os.urandom(1), os.urandom(300), msgspec.msgpack.encode({"kind": "reg"}),
+            good.seal(MetaReq())[:-5]]
+    raws += [msgspec.msgpack.encode(rng.choice([rng.random(), [1, "x", None], {"a": [b"z"] * 3}, "meta", -1]))
+             for _ in range(30)]
+    signed = [  # authentic envelopes (an insider) with bodies that must be refused
+        RegReq("nope", "t", "D", "d", 0, [1], time.monotonic() + 5),
+        RegReq("x" * 10_000, "t", "D", "d", 0, [1], 1.0),
+        RegReq("p", "t", "D", "d", -3, [1], 1.0),
+        RegReq("p", "t", "D", "d", 0, [], 1.0),
+        HeartbeatReq([ReqRef("", "t")]),
+        CancelReq([ReqRef("nope", "forged")]),
+    ]
+    raws += [good.seal(m) for m in signed]
+    replay = good.seal(HeartbeatReq([ReqRef("r", "t")]))
+    raws += [replay, replay]
+    ctx = zmq.Context.instance()
+    for port in (BASE + 10, BASE + 11, BASE + 12):
+        for raw in raws:
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(raw)
+            assert sock.recv(), f"no reply from {port}"  # every message gets an answer
+            sock.close()
+        assert request("127.0.0.1", port, MetaReq(), 5.0, good).ok
+    for url in (trio.dr_url, trio.df_url):  # the pair keeps serving, same reply as before
+        status, out = _decode(trio, url, _prefill(trio))
+        assert status == 200 and out["choices"][0]["text"] == _REFERENCE[url], out
+
+
+def test_prefill_killed_mid_transfer(trio: Trio) -> None:
+    params_r, params_f = _prefill(trio), _prefill(trio)
+    for proc_pid in _worker_pids(trio.p) + [trio.p.popen.pid]:
+        try:
+            os.kill(proc_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(trio.p.popen.pid, signal.SIGKILL)
+    trio.p.popen.wait(30)
+
+    t0 = time.monotonic()
+    status, out = _decode(trio, trio.dr_url, params_r)
+    elapsed_r = time.monotonic() - t0
+    assert status == 200, out
+    assert out["choices"][0]["text"] == _REFERENCE[trio.dr_url]  # recomputed locally, same greedy output
+    assert elapsed_r < HOLD_BOUND_S + 10, elapsed_r
+
+    t0 = time.monotonic()
+    status, out = _decode(trio, trio.df_url, params_f)
+    elapsed_f = time.monotonic() - t0
+    assert status != 200 or out["choices"][0].get("finish_reason") == "error", out
+    assert elapsed_f < HOLD_BOUND_S + 10, elapsed_f
+
+    for url in (trio.dr_url, trio.df_url):
+        status, out = _decode(trio, url, None)
+        assert status == 200 and out["choices"][0]["text"], out
+        assert metric(scrape(url), "vllm:dsa_kv_requests_total", side="recv", outcome="failed") >= 1

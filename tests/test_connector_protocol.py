@@ -272,3 +272,16 @@ def test_hostile_messages_get_error_replies_and_the_channel_keeps_serving() -> N
         assert first.ok and again.ok and first.engine_id == again.engine_id == "E"
     finally:
         server.close()
+
+
+def test_a_retried_registration_gets_the_same_answer(producer) -> None:
+    prod, clock = producer
+    token = prod.add_lease("p1", [7, 8])
+    reg = _reg(token, clock.t + 5, [1, 2])
+    assert prod.handle_reg(reg).ok
+    assert prod.handle_reg(reg).ok  # D missed the first reply and asked again
+    other = _reg(token, clock.t + 5, [3, 4])
+    assert "is registered" in prod.handle_reg(other).error  # a different registration is refused
+    meta = DSAConnectorMetadata()
+    prod.step(meta)
+    assert len(meta.push) == 1

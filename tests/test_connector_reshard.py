@@ -307,15 +307,16 @@ def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
         fetch_payloads,
         validate_peer,
     )
+    from vllm_dsa_connector.connector.messages import Reply
     from vllm_dsa_connector.connector.metadata import decode_payload
 
     case = CASES["pp1_to_pp2"]
     other = {**case["cfg"], "index_topk_freq": 2}  # same model otherwise, different indexer mask
     P, D = _setup(hosts, case, "default", "mask", d_cfg=other)
     p_payloads = [p for _, _, p in P]
-    server = SideChannelServer("127.0.0.1", 24950, lambda kind, body: {"ok": True, "payloads": p_payloads})
+    server = SideChannelServer("127.0.0.1", 24950, lambda req: Reply(True, engine_id="P", payloads=p_payloads))
     try:
-        remote = fetch_payloads("127.0.0.1", server.port, 10.0)  # the real handshake path
+        remote = fetch_payloads("127.0.0.1", server.port, 10.0).payloads  # the real handshake path
         with pytest.raises(HandshakeError, match="indexer mask mismatch"):
             validate_peer(remote, [decode_payload(p) for _, _, p in D])
     finally:

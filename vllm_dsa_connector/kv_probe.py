@@ -1,7 +1,7 @@
 """A vLLM worker extension that reads back KV pages by token position (for placement checks).
 
 Start an engine with ``--worker-extension-cls vllm_dsa_connector.kv_probe.KVProbe`` and call
-:meth:`KVProbe.dsa_probe_running` through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
+:meth:`KVProbe.dsa_probe_running` (or :meth:`KVProbe.dsa_probe_digest_all`) through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
 api_server's ``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). For every request the worker is
 running it returns the prompt, vLLM's own block list (position order) and a CRC32 per *full* prompt
 block over every KV cache layer's page of that block (MLA latent and indexer K alike).
@@ -64,3 +64,8 @@ class KVProbe:
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
                         "block_size": block_size, "digests": block_digests(caches, blocks[:full])})
         return out
+
+    def dsa_probe_digest_all(self) -> list[int]:
+        """CRC32 of every KV cache layer's whole tensor (layers in name order): a snapshot to compare."""
+        return [zlib.crc32(cache.contiguous().view(torch.uint8).numpy().tobytes())
+                for cache in _layer_caches(self).values()]

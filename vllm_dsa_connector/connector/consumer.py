@@ -130,6 +130,7 @@ class Loading:
     release_at: float = 0.0  # GIVING_UP: report the request finished at this time at the latest
     reason: str = ""
     reg: Future | None = None
+    reg_body: RegReq | None = None
     cancel: Future | None = None
     slots: list[tuple[int, Any]] = field(default_factory=list)
 
@@ -217,6 +218,7 @@ class Consumer:
         load.slots = held_slots
         reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_block, dst_blocks,
                      peer.meta.clock.to_peer_before(load.give_up_at, now), self.opts.verify_transfers, slots)
+        load.reg_body = reg
         load.reg = self._regs.submit(self._register, peer, reg)
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
                        timeout_s=self._release_bound(peer) + 60.0, verify=self.opts.verify_transfers,
@@ -269,8 +271,14 @@ class Consumer:
             if load.state is LoadState.REGISTERING and load.reg is not None and load.reg.done():
                 try:
                     reply = load.reg.result()
-                except Exception as e:  # noqa: BLE001 - unanswered: P may still have it, give up safely
-                    self.give_up(req_id, f"registration unanswered: {e}")
+                except Exception as e:  # noqa: BLE001 - unanswered: P may have it; retry (idempotent on P)
+                    peer = self.peers.get(load.engine)
+                    if peer is not None and load.reg_body is not None and (
+                            now + self.opts.handshake_timeout_s < load.give_up_at):
+                        logger.warning("DSAConnector: registration of %s unanswered (%s); retrying", req_id, e)
+                        load.reg = self._regs.submit(self._register, peer, load.reg_body)
+                    else:
+                        self.give_up(req_id, f"registration unanswered: {e}")
                     continue
                 if reply.ok:
                     load.state = LoadState.REGISTERED

@@ -172,6 +172,12 @@ class Producer:
             if lease is None:
                 why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
+            prev = lease.reg
+            if prev is not None and not lease.cancelled and (prev.d_engine, prev.d_req, prev.first_block,
+                                                              prev.d_blocks) == (reg.d_engine, reg.d_req,
+                                                                                 reg.first_block, reg.d_blocks):
+                # D retried a registration whose reply it missed: same answer, nothing changes
+                return Reply(True, clock=now, write_timeout_s=self.opts.transfer_timeout_s)
             if lease.state is not LeaseState.HELD or lease.cancelled:
                 return Reply(False, error=f"request {reg.p_req} is {lease.state.value}"
                                           f"{' (cancelled)' if lease.cancelled else ''}", clock=now)
