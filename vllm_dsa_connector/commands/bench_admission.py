@@ -111,7 +111,7 @@ def bench_scheduler(model: str, n: int, reps: int) -> dict[str, float]:
     )
 
     vllm_config = build_vllm_config(model, max_num_seqs=256)
-    variants = {
+    variants: dict[str, tuple[type, dict[str, Any]]] = {
         "stock Scheduler": (Scheduler, {}),
         "DSAScheduler passthrough": (DSAScheduler, {"admission_log_interval_s": 0}),
         "DSAScheduler budget": (

@@ -50,7 +50,7 @@ def _layout(blocks: int, block_bytes: int, seed: int) -> Any:
     dst = rng.choice(pool, blocks, replace=False)
     lens = np.full(blocks, block_bytes, np.int64)
     scattered = Runs(src * block_bytes, dst * block_bytes, lens).merged()
-    contiguous = Runs([0], [0], [blocks * block_bytes])
+    contiguous = Runs(np.array([0]), np.array([0]), np.array([blocks * block_bytes]))
     return pool * block_bytes, scattered, contiguous
 
 

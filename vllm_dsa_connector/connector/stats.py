@@ -61,7 +61,7 @@ class DSAKVConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Empty every counter and series."""
-        self.data = {k: 0 for k in _COUNTERS} | {k: [] for k in _LISTS}
+        self.data: dict[str, Any] = {k: 0 for k in _COUNTERS} | {k: [] for k in _LISTS}
 
     def add(self, key: str, value: int = 1) -> None:
         """Increment a counter."""

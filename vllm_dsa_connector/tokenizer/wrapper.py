@@ -165,7 +165,7 @@ def _make_class(base_cls: type) -> type:
             return new
 
         def __reduce__(self) -> Any:  # pickling: the plain tokenizer plus the options, re-wrapped on load
-            base = object.__new__(base_cls)
+            base: Any = object.__new__(base_cls)
             base.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_dsa_")})
             return _rewrap, (base, self._dsa_cache.options)
 

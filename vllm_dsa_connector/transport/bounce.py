@@ -377,14 +377,15 @@ class BounceSender:
         else:
             reason = f"forced {path}"
         res = None
+        staging: StagingSlot | None = None
         if path == "bounce":
-            slot = StagingSlot.from_dict(slot) if slot is not None else None
+            staging = StagingSlot.from_dict(slot) if slot is not None else None
             if merged.total_bytes == 0:
                 path, reason = "direct", "empty transfer"
-            elif slot is None:
+            elif staging is None:
                 path, reason = "direct", "receiver advertised no staging slot"
-            elif slot.size < merged.total_bytes:
-                path, reason = "direct", f"slot of {slot.size} B < {merged.total_bytes} B"
+            elif staging.size < merged.total_bytes:
+                path, reason = "direct", f"slot of {staging.size} B < {merged.total_bytes} B"
             else:
                 res = self.arena.reserve(merged.total_bytes, self.reserve_timeout_s)
                 if res is None:
@@ -393,14 +394,14 @@ class BounceSender:
                 self._once(reason)
         notif = encode_notif(path, writer, tag)
         if path == "bounce":
-            assert res is not None and slot is not None
+            assert res is not None and staging is not None
             try:
                 gather(src.tensor, merged, self.arena.view(res))
                 _sync(self.arena.buffer)
                 one = Runs(
-                    np.array([res.offset]), np.array([slot.offset]), np.array([merged.total_bytes])
+                    np.array([res.offset]), np.array([staging.offset]), np.array([merged.total_bytes])
                 )
-                xfer = self.engine.write(peer, self.region, slot.region, one, notif)
+                xfer = self.engine.write(peer, self.region, staging.region, one, notif)
             except BaseException:
                 self.arena.release(res)
                 raise
@@ -480,7 +481,7 @@ class BounceReceiver:
         self.reserve_timeout_s = reserve_timeout_s
         self.region = engine.register(arena.buffer)
         self._expected: dict[bytes, _Expected] = {}
-        self._early: dict[bytes, list[tuple[str, int]]] = {}
+        self._early: dict[bytes, list[tuple[int, str]]] = {}  # (writer, path)
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent tags
         self.other: list[tuple[str, bytes]] = []  # notifications that are not ours
 

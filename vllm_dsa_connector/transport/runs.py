@@ -104,10 +104,11 @@ class Runs:
 
     def merged(self) -> Runs:
         """These runs with neighbours contiguous on both sides merged (see :func:`merge_runs`); cached."""
-        if self._merged is None:
+        m = self._merged
+        if m is None:
             m = merge_runs(self.src_offsets, self.dst_offsets, self.lengths)
             object.__setattr__(self, "_merged", m)
-        return self._merged
+        return m
 
     def shifted(self, src_delta: int = 0, dst_delta: int = 0) -> Runs:
         """The same runs with constant offsets added (e.g. a region's base inside a bigger buffer)."""
