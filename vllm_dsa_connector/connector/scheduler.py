@@ -72,7 +72,7 @@ def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_bl
     reservations to free once the transfer is over. A pair gets no slot (= direct WRITE) when its runs do
     not fit one write, the gate prefers direct, or the arena has no room right now.
     """
-    from vllm_dsa_connector.connector.worker import pair_runs
+    from vllm_dsa_connector.connector.pages import pair_runs
 
     slots: Slots = {}
     held: list[tuple[int, Any]] = []

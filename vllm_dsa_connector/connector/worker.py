@@ -5,29 +5,24 @@ views, MLA latent AND indexer K), so the indexer pages, for which vLLM's per-lay
 with everything else: a transfer is the plan's byte runs (``matching.expand_runs``: merged where
 contiguous on both sides), not a per-layer loop.
 
-P (sender): a ``PushJob`` becomes, per destination rank this rank feeds in the plan, one NIXL WRITE of the
-merged runs whose notification carries a :class:`~.metadata.Notice` (bytes, runs, and with
-``verify_transfers`` a CRC32 per run). ``finished_sending`` is reported once every WRITE of the request
-completed or failed; a failed WRITE also sends a failure notice so D does not wait for its timeout.
+P (sender): a ``PushJob`` becomes, per destination rank this rank feeds in the plan, the NIXL WRITEs of
+the merged runs (posted together, polled from the engine's steps; never after the job's post deadline),
+then a :class:`~.metadata.Notice` (bytes, runs, and with ``verify_transfers`` a CRC32 per run) once they
+are DONE. ``finished_sending`` is reported once, when every WRITE of the request completed, failed or was
+aborted; a failure notice goes only when no part of that destination's WRITE is in flight any more.
 
-D (receiver): a ``RecvJob`` lists the source ranks expected per local rank. ``finished_recving`` when
-all notices arrived; ``failed_recving`` too when one reports a failure or ``timeout_s`` passes. A
-checksum mismatch reports the request's blocks through ``get_block_ids_with_load_errors`` (vLLM's
-block-level path), so ``kv_load_failure_policy`` decides: recompute them or fail the request.
+D (receiver): :mod:`.receiving` (mixed in).
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 import uuid
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.logger import init_logger
 
@@ -39,73 +34,23 @@ from vllm_dsa_connector.connector.metadata import (
     PeerInfo,
     PushJob,
     RankPayload,
-    RecvJob,
-    decode_notice,
     decode_payload,
     encode,
     encode_notice,
 )
 from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.pages import crc_at, pair_runs, pool_tensor
+from vllm_dsa_connector.connector.receiving import ReceiveSide, _Recv
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
-_RECV_POLL_S = 0.0002  # receiver progress period while transfers are expected
 
 
 def _transfer(x: Any) -> Any:
     """The NIXL transfer of a direct ``Transfer`` or of a bounce ``Send``."""
     return getattr(x, "transfer", x)
-
-
-def _parse(msg: bytes) -> tuple[Notice | None, str]:
-    """(notice, path) from a notification: the bounce transport's format or our own."""
-    from vllm_dsa_connector.connector.metadata import NOTICE_PREFIX
-    from vllm_dsa_connector.transport.bounce import decode_notif
-
-    parsed = decode_notif(msg)
-    if parsed is not None:
-        path, _writer, tag = parsed
-        return decode_notice(NOTICE_PREFIX + tag), path
-    return decode_notice(msg), "direct"
-
-
-def crc_at(addr: int, length: int) -> int:
-    """CRC32 of ``length`` bytes of this process's memory at ``addr``."""
-    return zlib.crc32(memoryview((ctypes.c_char * length).from_address(addr)))
-
-
-def pool_tensor(kv_caches: dict[str, torch.Tensor], base_ptr: int, nbytes: int) -> torch.Tensor:
-    """A contiguous uint8 tensor over ``[base_ptr, base_ptr + nbytes)`` of the KV caches' storage."""
-    for t in kv_caches.values():
-        storage = t.untyped_storage()
-        start = storage.data_ptr()
-        if start <= base_ptr and base_ptr + nbytes <= start + storage.nbytes():
-            full = torch.empty(0, dtype=torch.uint8, device=t.device)
-            full.set_(storage, 0, (storage.nbytes(),))
-            return full[base_ptr - start : base_ptr - start + nbytes]
-    raise ValueError(f"no KV cache tensor covers pool [{base_ptr:#x}, +{nbytes})")
-
-
-def pair_runs(plan: Any, src: RankPayload, dst: RankPayload, src_blocks: Any, dst_blocks: Any) -> list[Any]:
-    """``[(src_pool, dst_pool, Runs)]`` one source rank writes to one destination rank for these blocks.
-
-    Runs are merged with sorting (``transport.merge_runs``): blocks listed out of order (vLLM's free list
-    hands them out in reverse) and layer-outermost layouts still collapse into long runs. Sender and
-    receiver compute the same runs in the same order (a bounced write is packed in that order).
-    """
-    from vllm_dsa_connector.layout import PageTable
-    from vllm_dsa_connector.matching import expand_runs
-    from vllm_dsa_connector.transport.runs import merge_runs
-
-    segs = plan.for_pair(src.rank, dst.rank)
-    if not segs:
-        return []
-    pool_runs = expand_runs(segs, PageTable.from_dict(src.page_table), PageTable.from_dict(dst.page_table),
-                            np.asarray(src_blocks, np.int64), np.asarray(dst_blocks, np.int64))
-    return [(pr.src_pool, pr.dst_pool, merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths).merged())
-            for pr in pool_runs]
 
 
 @dataclass
@@ -125,16 +70,6 @@ class _Send:
     dst_req: str
     groups: list[_Group] = field(default_factory=list)
     failed: bool = False
-
-
-@dataclass
-class _Recv:
-    job: RecvJob
-    pending: set[int]
-    deadline: float  # safety net; the scheduler decides give-ups (fail_recv)
-    started: float
-    error: str = ""
-    mismatch: bool = False
 
 
 class _Reported:
@@ -162,7 +97,7 @@ class _RemoteEngine:
     error: str = ""
 
 
-class DSAConnectorWorker:
+class DSAConnectorWorker(ReceiveSide):
     """Connector worker state for one (pp, tp) rank."""
 
     def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str],
@@ -265,22 +200,6 @@ class DSAConnectorWorker:
         self.remotes[peer.engine_id] = remote
 
     # ---------------------------------------------------------------- per step
-
-    def _receiver_progress(self) -> None:
-        """While receives are expected, progress NIXL every ``_RECV_POLL_S``: a WRITE into this worker
-        completes only when the TARGET progresses too (measured, 9.9 MB over CMA: 9.4 ms when D polled
-        every 10 ms, 1.3 ms every 2 ms), and the engine polls only between its steps. Idle otherwise."""
-        while not self._progress_stop.is_set():
-            if not self._recvs:
-                self._progress_wake.wait(0.05)
-                self._progress_wake.clear()
-                continue
-            with self._lock:
-                try:
-                    self._notifs.extend(self.nixl.poll_notifications())
-                except Exception as e:  # noqa: BLE001 - keep the engine alive; the main thread polls too
-                    logger.warning("DSAConnector receiver progress: %s", e)
-            time.sleep(_RECV_POLL_S)
 
     def start_load_kv(self, meta: DSAConnectorMetadata) -> None:
         """Apply the scheduler's step metadata: learn peers, post WRITEs, arm receive expectations."""
@@ -408,74 +327,6 @@ class DSAConnectorWorker:
         except Exception as e:  # noqa: BLE001 - D times out instead
             logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
 
-    def _expect(self, job: RecvJob) -> None:
-        me = self.table.rank
-        now = time.monotonic()
-        state = _Recv(job, set(job.expected.get(me, ())), now + job.timeout_s, now)
-        self._recvs[job.req_id] = state
-        for _, notice, path, agent in self._early.pop(job.req_id, ()):
-            self._apply(state, notice, path, agent)
-
-    def _scatter(self, job: RecvJob, src_rank: int) -> None:
-        """Unpack a bounced write: recompute the writer's runs and scatter its staging slot."""
-        from vllm_dsa_connector.transport.bounce import scatter
-
-        slot = job.slots.get(self.table.rank, {}).get(src_rank)
-        remote = self.remotes.get(job.src_engine)
-        if slot is None or remote is None or remote.plan is None or self.recv_arena is None:
-            raise RuntimeError(f"bounced write from rank {src_rank} without a staging slot / peer plan")
-        src = next(p for p in remote.payloads if p.rank == src_rank)
-        parts = pair_runs(remote.plan, src, self.payload, job.src_blocks, job.blocks)
-        if len(parts) != 1 or parts[0][2].total_bytes != int(slot[1]):
-            raise RuntimeError(f"bounced write from rank {src_rank} does not match the expected runs")
-        _, dp, runs = parts[0]
-        off, size = int(slot[0]), int(slot[1])
-        scatter(self.recv_arena.buffer[off : off + size], self.regions[dp].tensor, runs)
-
-    def _source_agent(self, engine: str, rank: int) -> str | None:
-        remote = self.remotes.get(engine)
-        return next((p.agent_name for p in remote.payloads if p.rank == rank), None) if remote else None
-
-    def _apply(self, state: _Recv, n: Notice, path: str = "direct", agent: str | None = None) -> None:
-        if n.src_rank not in state.pending:
-            logger.warning("DSAConnector: unexpected notice for %s from rank %d", n.req_id, n.src_rank)
-            return
-        expected = self._source_agent(state.job.src_engine, n.src_rank)
-        if agent is not None and agent != expected:
-            logger.warning("DSAConnector: notice for %s claims rank %d of %s but comes from agent %r; ignored",
-                           n.req_id, n.src_rank, state.job.src_engine, agent)
-            return
-        if n.nbytes < 0 or n.runs < 0:
-            logger.warning("DSAConnector: malformed notice for %s from rank %d; ignored", n.req_id, n.src_rank)
-            return
-        state.pending.discard(n.src_rank)
-        if not n.ok:
-            state.error = n.error or "sender reported a failure"
-            return
-        if path == "bounce":
-            try:
-                self._scatter(state.job, n.src_rank)
-            except Exception as e:  # noqa: BLE001 - a bad bounce is a failed load, never a crash
-                state.error = f"scatter of rank {n.src_rank}'s bounced write failed: {e}"
-                return
-        self.stats.add("recv_bytes", n.nbytes)
-        self.stats.add("recv_runs", n.runs)
-        if state.job.verify:
-            if not n.checks and n.nbytes:
-                state.mismatch = True
-                logger.error("DSAConnector: %s: sender sent no checksums", n.req_id)
-            for pool, off, length, crc in n.checks:
-                region = self.regions[pool] if 0 <= pool < len(self.regions) else None
-                if region is None or off < 0 or off + length > region.size:
-                    state.mismatch = True
-                    continue
-                self.stats.add("checksummed_runs")
-                if crc_at(region.addr + off, length) != crc:
-                    state.mismatch = True
-            if state.mismatch:
-                self.stats.add("checksum_mismatches")
-                logger.error("DSAConnector: checksum mismatch in %s from rank %d", n.req_id, n.src_rank)
-
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         with self._lock:
@@ -525,44 +376,6 @@ class DSAConnectorWorker:
                 self.stats.add("send_failed" if send.failed else "send_ok")
                 if self._sent_reported.add(req_id):
                     self._done_sending.add(req_id)
-
-    def _poll_recvs(self) -> None:
-        now = time.monotonic()
-        msgs, self._notifs = self._notifs + self.nixl.poll_notifications(), []
-        for agent, msg in msgs:
-            n, path = _parse(msg)
-            if n is None:
-                continue
-            state = self._recvs.get(n.req_id)
-            if state is None:
-                if len(self._early) < 65536:
-                    self._early[n.req_id].append((now, n, path, agent))
-                continue
-            self._apply(state, n, path, agent)
-        for req_id in [r for r, v in self._early.items() if v and now - v[0][0] > 600]:
-            del self._early[req_id]
-        for req_id, state in list(self._recvs.items()):
-            if state.pending and now < state.deadline:
-                continue
-            del self._recvs[req_id]
-            if not self._recv_reported.add(req_id):
-                continue
-            self._done_recving.add(req_id)
-            if state.pending:
-                logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",
-                             req_id, state.job.timeout_s, sorted(state.pending))
-                self.stats.add("recv_timeout")
-                self._failed_recving.add(req_id)
-            elif state.error:
-                logger.error("DSAConnector: load of %s failed: %s", req_id, state.error)
-                self.stats.add("recv_failed")
-                self._failed_recving.add(req_id)
-            elif state.mismatch:
-                self.stats.add("recv_failed")
-                self._error_blocks.update(state.job.blocks)
-            else:
-                self.stats.add("recv_ok")
-                self.stats.observe("recv_wait_s", now - state.started)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose checksum did not match (reported once)."""
