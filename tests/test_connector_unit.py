@@ -105,3 +105,24 @@ def test_side_channel_dead_peer_times_out_fast() -> None:
     with pytest.raises(HandshakeError, match="did not answer"):
         request("127.0.0.1", 24991, MetaReq(), 0.5)  # nobody listens: a timeout, never a hang
     assert time.monotonic() - t0 < 3
+
+
+def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, PushJob
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+
+    worker = DSAConnectorWorker("P-unit", ConnectorOptions(), {}, role="kv_producer")  # a real NIXL agent
+    try:
+        late = PushJob("r1", "D", "d1", [1, 2], [3, 4], post_deadline=time.monotonic() - 0.1)
+        worker.start_load_kv(DSAConnectorMetadata(push=[late]))
+        sending, _, _ = worker.get_transfer_results()
+        assert sending == {"r1"} and worker.stats.data["send_late"] == 1  # no WRITE was posted
+        worker.start_load_kv(DSAConnectorMetadata(release=["r1"]))  # a release of the same request
+        assert worker.get_transfer_results() == (set(), set(), set())  # never reported twice
+        worker.start_load_kv(DSAConnectorMetadata(fail_recv={"d9": "gave up"}))
+        assert worker.get_transfer_results() == (set(), {"d9"}, {"d9"})
+        worker.start_load_kv(DSAConnectorMetadata(fail_recv={"d9": "gave up again"}))
+        assert worker.get_transfer_results() == (set(), set(), set())
+    finally:
+        worker.shutdown()

@@ -138,8 +138,15 @@ def test_bad_inputs_raise_layout_errors(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_tables_from_a_real_cpu_engine(tiny_mla_dir) -> None:
-    """The runtime builder over the kv_caches of a real vLLM CPU engine (tiny MLA model)."""
+@pytest.mark.parametrize("backend, block_size", [("CPU_MLA", 16), ("AMX_MLA", 32)])
+def test_tables_from_a_real_cpu_engine(tiny_mla_dir, backend: str, block_size: int) -> None:
+    """The runtime builder over the kv_caches of a real vLLM CPU engine (tiny MLA model, bf16), for each
+    CPU MLA backend as users run it: CPU_MLA (block 16) everywhere, AMX_MLA (block 32) where AMX exists.
+    The backend is requested and then checked: a vLLM that picks another one fails here."""
+    from vllm_dsa_connector.commands.demo import cpu_has_amx
+
+    if backend == "AMX_MLA" and not cpu_has_amx():
+        pytest.skip("no AMX tiles on this CPU: vLLM runs AMX_MLA only where amx_tile exists")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
@@ -152,6 +159,7 @@ def test_tables_from_a_real_cpu_engine(tiny_mla_dir) -> None:
             n: layer.kv_cache for n, layer in ctx.items() if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)
         }
         table = build_from_kv_caches(kv_caches, runner.kv_cache_config, worker.vllm_config.model_config.hf_config)
+        backends = sorted({layer.get_attn_backend().get_name() for n, layer in ctx.items() if n in kv_caches})
         checks = []
         for v in table.views:
             pool = table.pools[v.pool]
@@ -160,14 +168,17 @@ def test_tables_from_a_real_cpu_engine(tiny_mla_dir) -> None:
                 checks.append((t.data_ptr() == pool.base_ptr + e.offset,
                                t.stride(0) * t.element_size() == pool.block_stride,
                                t[0].numel() * t.element_size() == e.nbytes))
-        return table.to_dict(), checks
+        return table.to_dict(), checks, backends
 
-    llm = LLM(model=str(tiny_mla_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True)
+    llm = LLM(model=str(tiny_mla_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True,
+              attention_backend=backend, block_size=block_size)
     try:
-        ((d, checks),) = llm.collective_rpc(probe)
+        ((d, checks, backends),) = llm.collective_rpc(probe)
     finally:
         del llm
+    assert backends == [backend], f"asked for {backend}, vLLM runs {backends}"
     table = PageTable.from_dict(d)
+    assert table.block_size == block_size
     assert table.layers == (0, 1, 2, 3)
     assert table.view(Role.INDEXER_K) is None
     mla = table.view(Role.MLA)

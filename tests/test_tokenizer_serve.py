@@ -58,7 +58,8 @@ def server(tiny_mla_dir, tmp_path_factory):
                VLLM_DSA_TOKCACHE_CUT_SPACING="1", VLLM_DSA_TOKCACHE_LOG_INTERVAL_S="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_mla_dir),
            "--tokenizer-mode", "dsa-prefix-cache", "--enforce-eager", "--max-model-len", "2048",
-           "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
+           "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+           "--attention-backend", "CPU_MLA"]  # pinned on every CPU (vLLM picks AMX_MLA where AMX exists)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -74,6 +75,10 @@ def server(tiny_mla_dir, tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"vllm server not up in 300 s:\n{log_path.read_text()[-4000:]}")
                 time.sleep(2)
+        from vllm_dsa_connector.commands.demo import backends_in_log
+
+        found = backends_in_log(log_path.read_text(errors="replace"))
+        assert found == {"CPU_MLA"}, f"expected attention backend CPU_MLA, the server reported {found}"
         yield base, log_path
     finally:
         proc.terminate()
