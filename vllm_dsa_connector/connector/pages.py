@@ -26,7 +26,7 @@ def pool_tensor(kv_caches: dict[str, torch.Tensor], base_ptr: int, nbytes: int) 
         start = storage.data_ptr()
         if start <= base_ptr and base_ptr + nbytes <= start + storage.nbytes():
             full = torch.empty(0, dtype=torch.uint8, device=t.device)
-            full.set_(storage, 0, (storage.nbytes(),))
+            full.set_(storage, 0, (storage.nbytes(),), (1,))
             return full[base_ptr - start : base_ptr - start + nbytes]
     raise ValueError(f"no KV cache tensor covers pool [{base_ptr:#x}, +{nbytes})")
 
