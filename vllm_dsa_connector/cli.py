@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pd": ("vllm_dsa_connector.commands.bench_pd", "DSAConnector vs NixlConnector P/D pair"),
     "tokenizer": ("vllm_dsa_connector.commands.bench_tokenizer", "prefix token cache vs full encode"),
     "admission": ("vllm_dsa_connector.commands.bench_admission", "admission policies and overhead"),
+    "serve": ("vllm_dsa_connector.commands.bench_serve", "vLLM's serving benchmark through the P/D proxy"),
 }
 
 
