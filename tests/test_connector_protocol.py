@@ -131,6 +131,8 @@ def test_registration_checked_against_token_blocks_and_deadline(producer) -> Non
         prod.handle_reg(_reg(token, clock.t + 5, [100]))  # D has blocks 0..99
     with pytest.raises(MessageError, match="request p1 has 2"):
         prod.handle_reg(_reg(token, clock.t + 5, [1, 2], first=1))
+    with pytest.raises(MessageError, match="outside D rank 0's arena"):
+        prod.handle_reg(_reg(token, clock.t + 5, [1], slots={0: {0: [0, 4096]}}))  # D offers no staging
     assert "after its post deadline" in prod.handle_reg(_reg(token, clock.t - 0.1, [1])).error
     assert prod.lease("p1").state is LeaseState.HELD  # nothing above changed the lease
 

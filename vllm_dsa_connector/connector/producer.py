@@ -93,6 +93,7 @@ class Producer:
         self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
         self._peers: dict[str, list[bytes]] = {}  # D engine -> encoded payloads
         self._peer_blocks: dict[str, int] = {}
+        self._peer_staging: dict[str, dict[int, int]] = {}  # D engine -> rank -> staging arena bytes
         self._peers_sent: set[str] = set()
 
     # ------------------------------------------------------------ engine thread
@@ -195,10 +196,18 @@ class Producer:
                     raise MessageError(f"payloads of {reg.d_engine!r} name another engine or are empty")
                 self._peers[reg.d_engine] = list(reg.d_payloads)
                 self._peer_blocks[reg.d_engine] = max_block_id(payloads)
+                self._peer_staging[reg.d_engine] = {p.rank: int((p.staging or {}).get("size", 0))
+                                                    for p in payloads}
             limit = self._peer_blocks[reg.d_engine]
             bad = [b for b in reg.d_blocks if not 0 <= b < limit]
             if bad:
                 raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
+            staging = self._peer_staging.get(reg.d_engine, {})
+            for rank, per in reg.slots.items():
+                for off, size in per.values():
+                    if off + size > staging.get(rank, 0):
+                        raise MessageError(f"staging slot [{off}, +{size}) outside D rank {rank}'s arena "
+                                           f"({staging.get(rank, 0)} B)")
             if reg.first_block + len(reg.d_blocks) > len(lease.blocks):
                 raise MessageError(f"blocks {reg.first_block}..{reg.first_block + len(reg.d_blocks) - 1} "
                                    f"asked, request {reg.p_req} has {len(lease.blocks)}")
