@@ -1,15 +1,18 @@
-"""``vllm-dsa bench pd``: the same P/D pair with DSAConnector and with vLLM's NixlConnector.
+"""``vllm-dsa bench pd``: the same P/D pair with DSAConnector, vLLM's NixlConnector and NixlPushConnector.
 
-Both runs use the same model, dtype, prompts, proxy and engine flags; only ``--kv-transfer-config``
-differs (DSAConnector push vs NixlConnector pull, both over NIXL UCX). Per request the KV transfer time
-is measured the same way for both: NIXL's own telemetry (``xferDuration``: post to completion of the
-transfer requests of that request), read from the side that posts them (P for DSAConnector's WRITE:
-``vllm:dsa_kv_transfer_seconds``; D for NixlConnector's READ: ``vllm:nixl_xfer_time_seconds``). A warm-up
-request per run (UCX connection set-up) is excluded. Prints a table; ``--json`` adds a last line::
+All runs use the same model, dtype, prompts, proxy and engine flags; only ``--kv-transfer-config``
+differs (DSAConnector push, NixlConnector pull, NixlPushConnector push, all over NIXL UCX). Per request
+the KV transfer time is measured the same way for each: NIXL's own telemetry (``xferDuration``: post to
+completion of the transfer requests of that request), read from the side that posts them (P for the
+WRITEs of DSAConnector, ``vllm:dsa_kv_transfer_seconds``, and of NixlPushConnector; D for NixlConnector's
+READs, ``vllm:nixl_xfer_time_seconds``). A warm-up request per run (UCX connection set-up) is excluded.
+The same requests also run on one engine without P/D (``ttft_single_ms``). Prints a table; ``--json``
+adds a last line::
 
-    {"dsa_transfer_ms": ..., "nixl_transfer_ms": ..., "ratio": ..., "outputs_match": true, ...}
+    {"dsa_transfer_ms": ..., "nixl_transfer_ms": ..., "nixl_push_transfer_ms": ..., "outputs_match": true,
+     "dsa_ttft_ms": ..., "nixl_ttft_ms": ..., "nixl_push_ttft_ms": ..., "ttft_single_ms": ..., ...}
 
-(medians per request). Outputs are compared turn by turn (greedy, float32).
+(medians per request). Outputs are compared request by request across all four (greedy, float32).
 """
 
 from __future__ import annotations
@@ -25,10 +28,15 @@ from typing import Any
 
 from vllm_dsa_connector.commands.demo import (
     chat,
+    check_backend,
+    choose_backend,
     cluster,
+    engine_cmd,
+    engine_env,
     metric,
     scrape,
     start_pair,
+    wait_healthy,
 )
 
 WORDS = ("dragon paint colour sky river stone lantern harbour winter garden melody thunder "
@@ -60,11 +68,22 @@ CONNECTORS: dict[str, dict[str, Any]] = {
             "count": ("prefill", "vllm:dsa_kv_transfer_seconds_count"),
             "bytes": ("decode", "vllm:dsa_kv_bytes_total"),
             "descs": ("prefill", "vllm:dsa_kv_descriptors_total")},
+    # pull: D posts the READs and records them
     "nixl": {"name": "NixlConnector", "time": ("decode", "vllm:nixl_xfer_time_seconds_sum"),
              "count": ("decode", "vllm:nixl_xfer_time_seconds_count"),
              "bytes": ("decode", "vllm:nixl_bytes_transferred_sum"),
              "descs": ("decode", "vllm:nixl_num_descriptors_sum")},
+    # push: P posts the WRITEs and records them
+    "nixl_push": {"name": "NixlPushConnector", "time": ("prefill", "vllm:nixl_xfer_time_seconds_sum"),
+                  "count": ("prefill", "vllm:nixl_xfer_time_seconds_count"),
+                  "bytes": ("prefill", "vllm:nixl_bytes_transferred_sum"),
+                  "descs": ("prefill", "vllm:nixl_num_descriptors_sum")},
 }
+
+
+def _requests(args: argparse.Namespace) -> list[list[dict[str, str]]]:
+    """Request 0 warms the UCX connection up (excluded); then the measured ones."""
+    return [[{"role": "user", "content": _prompt(i, args.words)}] for i in range(args.requests + 1)]
 
 
 def _run_one(key: str, model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -89,10 +108,9 @@ def _run_one(key: str, model: Path, args: argparse.Namespace, workdir: Path) -> 
                     ((k, spec[k]) for k in ("time", "count", "bytes", "descs"))}
 
         rows = []
-        for i in range(args.requests + 1):  # request 0 warms the UCX connection up
+        for i, messages in enumerate(_requests(args)):
             before = sample()
-            reply = chat(urls["proxy"], str(model), [{"role": "user", "content": _prompt(i, args.words)}],
-                         args.max_tokens)
+            reply = chat(urls["proxy"], str(model), messages, args.max_tokens)
             deadline = time.monotonic() + 10
             after = sample()
             while after["count"] <= before["count"] and time.monotonic() < deadline:
@@ -107,6 +125,33 @@ def _run_one(key: str, model: Path, args: argparse.Namespace, workdir: Path) -> 
     return {"rows": rows}
 
 
+def _run_single(model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The same requests on one engine without a connector (TTFT and outputs to compare with)."""
+    url = f"http://127.0.0.1:{args.base_port + 5}"
+    backend = choose_backend(model, args.dtype, args.attention_backend)
+    with cluster(workdir / "single") as c:
+        (workdir / "single").mkdir(parents=True, exist_ok=True)
+        proc = c.start("single", engine_cmd(model, args.base_port + 5, args.dtype, None, backend=backend),
+                       engine_env("0"))
+        wait_healthy(url, [proc], args.startup_timeout)
+        check_backend(proc, backend)
+        rows = []
+        for i, messages in enumerate(_requests(args)):
+            reply = chat(url, str(model), messages, args.max_tokens)
+            if i:
+                rows.append({"text": reply.text, "ttft_ms": reply.ttft_s * 1000})
+    return {"rows": rows}
+
+
+def _med(rows: list[dict[str, Any]], k: str) -> float:
+    return statistics.median(r[k] for r in rows) if rows else 0.0
+
+
+def _p90(rows: list[dict[str, Any]], k: str) -> float:
+    vals = sorted(r[k] for r in rows)
+    return vals[min(len(vals) - 1, int(0.9 * len(vals)))] if vals else 0.0
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``vllm-dsa bench pd``."""
     from vllm_dsa_connector.tiny_models import make_tiny_mla
@@ -115,48 +160,41 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-dsa-bench-pd-"))
     results: dict[str, dict[str, Any]] = {}
     try:
-        for key in ("dsa", "nixl"):
+        for key in CONNECTORS:
             print(f"[bench pd] {CONNECTORS[key]['name']}: starting P/D pair (logs in {workdir / key})", flush=True)
             results[key] = _run_one(key, model, args, workdir)
+        print(f"[bench pd] one engine without P/D (logs in {workdir / 'single'})", flush=True)
+        results["single"] = _run_single(model, args, workdir)
     except RuntimeError as e:
         print(f"[bench pd] FAILED: {e}", file=sys.stderr)
         return 1
-    dsa, nixl = results["dsa"]["rows"], results["nixl"]["rows"]
     (workdir / "rows.json").write_text(json.dumps(results, indent=1))
-    match = [a["text"] == b["text"] for a, b in zip(dsa, nixl, strict=True)]
-
-    def med(rows: list[dict[str, Any]], k: str) -> float:
-        return statistics.median(r[k] for r in rows) if rows else 0.0
-
-    def p90(rows: list[dict[str, Any]], k: str) -> float:
-        vals = sorted(r[k] for r in rows)
-        return vals[min(len(vals) - 1, int(0.9 * len(vals)))] if vals else 0.0
-
-    print(f"\n{'req':>3} {'prompt':>6} | {'DSA ms':>8} {'descs':>6} {'bytes':>10} | {'NIXL ms':>8} {'descs':>6} "
-          f"{'bytes':>10} | {'DSA TTFT':>8} {'NIXL TTFT':>9} | same")
-    for i, (a, b) in enumerate(zip(dsa, nixl, strict=True)):
-        print(f"{i + 1:>3} {a['prompt_tokens']:>6} | {a['transfer_ms']:>8.3f} {int(a['descriptors']):>6} "
-              f"{int(a['bytes']):>10,} | {b['transfer_ms']:>8.3f} {int(b['descriptors']):>6} {int(b['bytes']):>10,} | "
-              f"{a['ttft_ms']:>8.1f} {b['ttft_ms']:>9.1f} | {'yes' if match[i] else 'NO'}")
-    summary = {
-        "dsa_transfer_ms": round(med(dsa, "transfer_ms"), 4),
-        "nixl_transfer_ms": round(med(nixl, "transfer_ms"), 4),
-        "ratio": round(med(dsa, "transfer_ms") / med(nixl, "transfer_ms"), 3) if med(nixl, "transfer_ms") else None,
-        "dsa_transfer_p90_ms": round(p90(dsa, "transfer_ms"), 4),
-        "nixl_transfer_p90_ms": round(p90(nixl, "transfer_ms"), 4),
-        "outputs_match": all(match) and len(match) == args.requests,
-        "requests": args.requests,
-        "dsa_descriptors": med(dsa, "descriptors"),
-        "nixl_descriptors": med(nixl, "descriptors"),
-        "dsa_bytes": med(dsa, "bytes"),
-        "nixl_bytes": med(nixl, "bytes"),
-        "dsa_ttft_ms": round(med(dsa, "ttft_ms"), 2),
-        "nixl_ttft_ms": round(med(nixl, "ttft_ms"), 2),
-    }
-    print(f"\ntransfer per request, median (p90): DSAConnector {summary['dsa_transfer_ms']} "
-          f"({summary['dsa_transfer_p90_ms']}) ms, NixlConnector {summary['nixl_transfer_ms']} "
-          f"({summary['nixl_transfer_p90_ms']}) ms, ratio of medians {summary['ratio']}; "
-          f"outputs match: {summary['outputs_match']}")
+    keys = list(CONNECTORS)
+    rows = {k: results[k]["rows"] for k in [*keys, "single"]}
+    match = [len({rows[k][i]["text"] for k in rows}) == 1 for i in range(args.requests)]
+    print(f"\n{'req':>3} {'prompt':>6} | " + " | ".join(f"{k + ' ms':>13} {'descs':>5}" for k in keys)
+          + " | " + " ".join(f"{k + ' TTFT':>14}" for k in [*keys, "single"]) + " | same")
+    for i in range(args.requests):
+        print(f"{i + 1:>3} {rows['dsa'][i]['prompt_tokens']:>6} | "
+              + " | ".join(f"{rows[k][i]['transfer_ms']:>13.3f} {int(rows[k][i]['descriptors']):>5}" for k in keys)
+              + " | " + " ".join(f"{rows[k][i]['ttft_ms']:>14.1f}" for k in [*keys, "single"])
+              + f" | {'yes' if match[i] else 'NO'}")
+    summary: dict[str, Any] = {}
+    for k in keys:
+        summary[f"{k}_transfer_ms"] = round(_med(rows[k], "transfer_ms"), 4)
+        summary[f"{k}_transfer_p90_ms"] = round(_p90(rows[k], "transfer_ms"), 4)
+        summary[f"{k}_descriptors"] = _med(rows[k], "descriptors")
+        summary[f"{k}_bytes"] = _med(rows[k], "bytes")
+        summary[f"{k}_ttft_ms"] = round(_med(rows[k], "ttft_ms"), 2)
+    summary["ttft_single_ms"] = round(_med(rows["single"], "ttft_ms"), 2)
+    best = min(summary["nixl_transfer_ms"], summary["nixl_push_transfer_ms"])
+    summary["ratio_vs_best_nixl"] = round(summary["dsa_transfer_ms"] / best, 3) if best else None
+    summary["outputs_match"] = all(match) and len(match) == args.requests
+    summary["requests"] = args.requests
+    print("\ntransfer per request, median (p90): " + ", ".join(
+        f"{CONNECTORS[k]['name']} {summary[f'{k}_transfer_ms']} ({summary[f'{k}_transfer_p90_ms']}) ms" for k in keys)
+        + f"; DSA / best NIXL {summary['ratio_vs_best_nixl']}; outputs match (P/D x3 and one engine): "
+        f"{summary['outputs_match']}")
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["outputs_match"] else 1
