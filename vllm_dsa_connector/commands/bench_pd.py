@@ -89,12 +89,20 @@ def _requests(args: argparse.Namespace) -> list[list[dict[str, str]]]:
 def _run_one(key: str, model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = CONNECTORS[key]
     base = args.base_port
-    p_cfg: dict[str, Any] = {"kv_connector": spec["name"], "kv_role": "kv_producer"}
-    d_cfg: dict[str, Any] = {"kv_connector": spec["name"], "kv_role": "kv_consumer"}
+    # The same lease for all: the first request waits for the NIXL handshake, which on a loaded 2-core
+    # machine took 27 s once; vLLM's NIXL connectors do not extend a lease before D registers (default
+    # 30 s), and NixlPushConnector's D then waits its 480 s registration watchdog.
+    extra: dict[str, Any] = {"kv_lease_duration": 120}
+    if key == "nixl_push":
+        extra["push_registration_timeout"] = 120
+    p_cfg: dict[str, Any] = {"kv_connector": spec["name"], "kv_role": "kv_producer",
+                             "kv_connector_extra_config": dict(extra)}
+    d_cfg: dict[str, Any] = {"kv_connector": spec["name"], "kv_role": "kv_consumer",
+                             "kv_connector_extra_config": dict(extra)}
     env: dict[str, dict[str, str]] = {}
     if key == "dsa":
-        p_cfg["kv_connector_extra_config"] = {"side_channel_port": base + 3}
-        d_cfg["kv_connector_extra_config"] = {"side_channel_port": base + 4}
+        p_cfg["kv_connector_extra_config"]["side_channel_port"] = base + 3
+        d_cfg["kv_connector_extra_config"]["side_channel_port"] = base + 4
     else:
         env = {"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(base + 3)},
                "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(base + 4)}}
@@ -165,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             results[key] = _run_one(key, model, args, workdir)
         print(f"[bench pd] one engine without P/D (logs in {workdir / 'single'})", flush=True)
         results["single"] = _run_single(model, args, workdir)
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: a request that failed or timed out (urllib)
         print(f"[bench pd] FAILED: {e}", file=sys.stderr)
         return 1
     (workdir / "rows.json").write_text(json.dumps(results, indent=1))
