@@ -5,7 +5,8 @@
 # VLLM_COMPAT_VERSIONS (default "0.33.0"; "installed" = the venv's own vLLM, 0.32 here).
 #
 # No CPU build of vLLM 0.33 exists, so a release is tested as its wheel's pure-Python sources
-# (ci/vllm_tree.py: downloaded once, cached under .cache/vllm-compat/) put first on PYTHONPATH
+# (ci/vllm_tree.py: wheel downloaded once per machine into ~/.cache/vllm-dsa-connector/wheels,
+# sources unpacked into .cache/vllm-compat/) put first on PYTHONPATH
 # over the venv's CPU torch, with VLLM_TARGET_DEVICE=cpu. Engines cannot run that way.
 # Extra arguments go to pytest.
 set -euo pipefail

@@ -1,9 +1,10 @@
 """Build a pure-Python source tree of a vLLM release, for import-level compatibility tests.
 
-    python ci/vllm_tree.py 0.33.0            # prints the tree's path (cached: .cache/vllm-compat/)
+    python ci/vllm_tree.py 0.33.0            # prints the tree's path: .cache/vllm-compat/vllm-0.33.0
 
-Downloads the release's wheel from PyPI once (``pip download --no-deps vllm==VERSION``; it is the
-GPU build), unpacks its ``.py`` files and its ``dist-info`` metadata, and leaves out the compiled
+Downloads the release's wheel from PyPI once per machine (``pip download --no-deps vllm==VERSION``;
+it is the GPU build, 336 MB for 0.33.0) into ``$VLLM_DSA_WHEEL_CACHE`` (default
+``~/.cache/vllm-dsa-connector/wheels``, outside the clone, so fresh CI clones reuse it), unpacks its ``.py`` files and its ``dist-info`` metadata, and leaves out the compiled
 extensions (``.so``), CUDA headers and everything else. Put the tree first on ``sys.path``
 (``PYTHONPATH``) over a CPU torch and ``VLLM_TARGET_DEVICE=cpu``: vLLM's Python modules import
 (``vllm._C`` is missing, which vLLM logs and tolerates), so imports, configs, KV cache planning,
@@ -26,6 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / ".cache" / "vllm-compat"
+DEFAULT_WHEELS = Path(
+    os.environ.get("VLLM_DSA_WHEEL_CACHE")
+    or Path.home() / ".cache" / "vllm-dsa-connector" / "wheels"
+)
 KEEP_METADATA = ("METADATA", "entry_points.txt", "top_level.txt")
 
 
@@ -33,9 +38,8 @@ def _log(msg: str) -> None:
     print(f"[vllm-tree] {msg}", file=sys.stderr, flush=True)
 
 
-def wheel_path(version: str, cache: Path) -> Path:
+def wheel_path(version: str, wheels: Path = DEFAULT_WHEELS) -> Path:
     """The cached wheel of ``vllm==version``, downloaded once."""
-    wheels = cache / "wheels"
     found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
     if found:
         return found[-1]
@@ -63,12 +67,12 @@ def _keep(name: str) -> bool:
     return False
 
 
-def build_tree(version: str, cache: Path = DEFAULT_CACHE) -> Path:
+def build_tree(version: str, cache: Path = DEFAULT_CACHE, wheels: Path = DEFAULT_WHEELS) -> Path:
     """The path of the pure-Python tree of ``vllm==version`` (built once)."""
     tree = cache / f"vllm-{version}"
     if (tree / ".complete").exists():
         return tree
-    wheel = wheel_path(version, cache)
+    wheel = wheel_path(version, wheels)
     _log(f"unpacking the Python sources of {wheel.name}")
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".vllm-{version}-", dir=cache))
@@ -92,9 +96,10 @@ def build_tree(version: str, cache: Path = DEFAULT_CACHE) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version", help="vLLM release, e.g. 0.33.0")
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cache directory")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where trees go")
+    parser.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS, help="wheel cache")
     args = parser.parse_args(argv)
-    print(build_tree(args.version, args.cache.resolve()))
+    print(build_tree(args.version, args.cache.resolve(), args.wheels.expanduser().resolve()))
     return 0
 
 
