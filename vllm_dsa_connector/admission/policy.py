@@ -98,9 +98,21 @@ class AdmissionConfig:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> AdmissionConfig:
-        """The admission options of a ``VllmConfig`` (defaults when it has no KV transfer config)."""
+        """The admission options of a ``VllmConfig`` (defaults when it has no KV transfer config).
+
+        The keys are read where users put them: the top-level ``kv_connector_extra_config`` and, under
+        vLLM's MultiConnector, each child's (e.g. next to DSAConnector's options); the same key with two
+        different values is an error.
+        """
+        from vllm_dsa_connector.connector.compose import admission_keys
+
         kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-        extra = kv_transfer_config.kv_connector_extra_config if kv_transfer_config else None
+        if kv_transfer_config is None:
+            return cls.from_extra_config(None)
+        try:
+            extra = admission_keys(kv_transfer_config)
+        except ValueError as e:
+            raise OptionError(str(e)) from None
         return cls.from_extra_config(extra)
 
     def budget_blocks(self, block_size: int) -> int | None:

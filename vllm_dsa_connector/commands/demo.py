@@ -12,6 +12,14 @@ client), the KV bytes D received and the WRITE time P measured (both from the se
 really moved KV bytes (no silent local recompute: D's ``vllm:dsa_kv_requests_total{outcome="ok"}`` and
 received bytes grow per turn), and no checksum mismatch or failed transfer was counted.
 
+``--compose`` runs each side's DSAConnector as the first child of vLLM's ``MultiConnector`` with vLLM's
+``ExampleConnector`` (shared-storage reference connector: KV of each new prompt saved per layer as
+safetensors files, loaded on an exact prompt hit; it runs on the CPU platform) second, both engines on
+one storage directory. P stores every prompt; D's copy then has a hit for every prompt it gets from P, and
+DSAConnector, being first, still wins it: ``--check`` also requires the stored prompts. DSA models are
+refused (the shared-storage connector stores KV from per-layer hooks, which never see the indexer K
+caches; see :mod:`vllm_dsa_connector.connector.compose`).
+
 Settings for determinism: float32 weights/activations (``--dtype float32``), greedy sampling
 (temperature 0), ``--enforce-eager``, one request at a time. With bf16 the random tiny model's flat
 logits let rounding differences between D's one-token step and a full prefill flip the argmax.
@@ -326,12 +334,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="turn verify_transfers off")
     parser.add_argument("--extra-config", default="{}",
                         help="JSON merged into kv_connector_extra_config of both engines")
+    parser.add_argument("--compose", action="store_true",
+                        help="run DSAConnector as the first child of vLLM's MultiConnector, vLLM's "
+                             "ExampleConnector (shared-storage KV cache, on a directory under the workdir) "
+                             "second; --check then also requires the stored prompts")
 
 
 def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int) -> dict[str, Any]:
     """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``)."""
     return {"kv_connector": "DSAConnector", "kv_role": role,
             "kv_connector_extra_config": {"verify_transfers": verify, "side_channel_port": side_port, **extra}}
+
+
+COMPOSE_CHILD = "ExampleConnector"
+
+
+def compose_config(dsa_config: dict[str, Any], storage: Path) -> dict[str, Any]:
+    """``--kv-transfer-config`` of a MultiConnector engine: DSAConnector first (P/D connectors must be: see
+    :mod:`vllm_dsa_connector.connector.compose`), vLLM's shared-storage ExampleConnector second."""
+    return {"kv_connector": "MultiConnector", "kv_role": dsa_config["kv_role"],
+            "kv_connector_extra_config": {"connectors": [
+                dsa_config,
+                {"kv_connector": COMPOSE_CHILD, "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": str(storage)}},
+            ]}}
+
+
+def check_compose(model: Path, kv_config: dict[str, Any]) -> None:
+    """The composition check the engines run (the runtime guard), here before starting anything."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+    from vllm_dsa_connector.connector.compose import Child, check_composition, children_configs
+    from vllm_dsa_connector.connector.connector import DSAConnector
+
+    top = SimpleNamespace(**kv_config)
+    classes = {"DSAConnector": DSAConnector, COMPOSE_CHILD: ExampleConnector}
+    children = [Child(i, c, classes[c["kv_connector"]]) for i, c in enumerate(children_configs(top))]
+    check_composition(top, children, is_dsa_model_dir(model))
+
+
+def stored_prompts(storage: Path) -> tuple[int, int]:
+    """(prompt folders, layer files) the shared-storage connector wrote."""
+    folders = [d for d in storage.iterdir() if d.is_dir()] if storage.is_dir() else []
+    return len(folders), sum(len(list(d.glob("*.safetensors"))) for d in folders)
 
 
 @dataclass
@@ -425,6 +472,20 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-dsa-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[demo] model {model}, dtype {args.dtype}, logs in {workdir}", flush=True)
+    p_cfg = connector_config("kv_producer", verify, extra, args.base_port + 3)
+    d_cfg = connector_config("kv_consumer", verify, extra, args.base_port + 4)
+    storage = workdir / "shared-storage"
+    if getattr(args, "compose", False):
+        from vllm_dsa_connector.connector.compose import CompositionError
+
+        p_cfg, d_cfg = compose_config(p_cfg, storage), compose_config(d_cfg, storage)
+        try:
+            check_compose(model, p_cfg)
+        except CompositionError as e:
+            print(f"vllm-dsa demo --compose: {e}", file=sys.stderr)
+            return 2
+        print(f"[demo] compose: MultiConnector[DSAConnector, {COMPOSE_CHILD}] on P and D, shared storage "
+              f"{storage}", flush=True)
     with cluster(workdir) as c:
         try:
             t0 = time.monotonic()
@@ -434,8 +495,7 @@ def run(args: argparse.Namespace) -> int:
                 ref = c.start("reference", engine_cmd(
                     model, args.base_port + 5, args.dtype, None,
                     backend=choose_backend(model, args.dtype, args.attention_backend)), engine_env("0"))
-            p_url, d_url, x_url = start_pair(c, model, args, connector_config("kv_producer", verify, extra, args.base_port + 3),
-                                             connector_config("kv_consumer", verify, extra, args.base_port + 4))
+            p_url, d_url, x_url = start_pair(c, model, args, p_cfg, d_cfg)
             print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             results = run_turns(x_url, p_url, d_url, model, args.turns, args.max_tokens)
@@ -446,6 +506,14 @@ def run(args: argparse.Namespace) -> int:
                 + metric(dm, "vllm:dsa_kv_requests_total", side="recv", outcome="timeout"),
                 "failed sends": metric(pm, "vllm:dsa_kv_requests_total", side="send", outcome="failed"),
             }
+            compose_problems = []
+            if getattr(args, "compose", False):
+                folders, files = stored_prompts(storage)
+                print(f"[demo] {COMPOSE_CHILD} stored {folders} prompts ({files} layer files) in {storage}",
+                      flush=True)
+                if folders < len(results) or files == 0:
+                    compose_problems.append(f"{COMPOSE_CHILD} stored {folders} prompts ({files} files) for "
+                                            f"{len(results)} turns")
             if not args.check:
                 return 0
             for proc in list(c.procs):
@@ -466,13 +534,15 @@ def run(args: argparse.Namespace) -> int:
                     problems.append(f"turn {i + 1}: no KV moved (bytes {r.kv_bytes}, ok transfers {r.ok_transfers})")
                 if verify and r.runs_checked <= 0:
                     problems.append(f"turn {i + 1}: no run was checksummed")
-            problems += [f"{k}: {int(v)}" for k, v in failures.items() if v]
+            problems += [f"{k}: {int(v)}" for k, v in failures.items() if v] + compose_problems
             if problems:
                 print("[demo] CHECK FAILED:\n  " + "\n  ".join(problems), flush=True)
                 return 1
             total = sum(r.kv_bytes for r in results)
             print(f"[demo] CHECK OK: {len(results)} turns identical to one engine; {int(total):,} KV bytes moved "
-                  f"and verified ({args.dtype}, greedy)", flush=True)
+                  f"and verified ({args.dtype}, greedy"
+                  f"{f', MultiConnector with {COMPOSE_CHILD}' if getattr(args, 'compose', False) else ''})",
+                  flush=True)
             return 0
         except RuntimeError as e:
             print(f"[demo] FAILED: {e}", file=sys.stderr, flush=True)

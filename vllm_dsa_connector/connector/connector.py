@@ -162,12 +162,19 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
+        """Our workers' payloads. Under vLLM's MultiConnector every child gets the same dict (the first
+        child's metadata that is not None): entries of other connectors are skipped; none of ours means
+        DSAConnector is not the first child, which cannot work."""
         assert self._scheduler is not None
-        payloads = []
-        for key, meta in metadata.items():
-            if not isinstance(meta, DSAHandshakeMetadata):
-                raise ValueError(f"DSAConnector: worker {key} sent {type(meta).__name__}, not its payload")
-            payloads.append(meta.payload)
+        payloads = [meta.payload for meta in metadata.values() if isinstance(meta, DSAHandshakeMetadata)]
+        foreign = sorted({type(m).__name__ for m in metadata.values() if not isinstance(m, DSAHandshakeMetadata)})
+        if not payloads and metadata:
+            raise ValueError(
+                f"DSAConnector: the workers' handshake metadata is {', '.join(foreign)}, not DSAConnector's: "
+                "vLLM collects one connector's handshake metadata (under MultiConnector, the first child's "
+                "that has one), so DSAConnector must be the FIRST entry of kv_connector_extra_config.connectors")
+        if foreign:
+            logger.debug("DSAConnector: skipped handshake metadata of other connectors: %s", ", ".join(foreign))
         self._scheduler.set_local_payloads(payloads)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:

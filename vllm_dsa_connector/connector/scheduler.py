@@ -8,8 +8,11 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    (``remote_engine_id``, ``remote_request_id``, ``remote_token``, ``remote_host``/``remote_port`` = P's side
    channel, ``remote_block_ids``, ``remote_num_tokens``).
 2. D: :meth:`get_num_new_matched_tokens` answers "ask later" until the handshake with P (a background
-   thread, page tables + NIXL metadata of every P worker) is done and validated; a refused peer is a load
-   failure (``kv_load_failure_policy``: recompute = prefill locally, fail = the request fails).
+   thread, page tables + NIXL metadata of every P worker) is done and validated; a refused or unreachable
+   peer is a load failure like any other: D claims the tokens and fails the load, and vLLM's scheduler
+   applies the top-level ``kv_load_failure_policy`` (recompute = prefill locally, fail = the request
+   fails). The connector never reads the policy itself: under vLLM's MultiConnector a child's copy of it
+   is not the one vLLM applies (:mod:`.compose`).
 3. D: :meth:`update_state_after_alloc` pairs D's new blocks with P's blocks of the SAME token positions
    (``matching.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
    count must match D's prompt), tells its workers which notices to expect and registers with P.
@@ -105,7 +108,6 @@ class DSAConnectorScheduler:
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
-        self.recompute = kvc.kv_load_failure_policy == "recompute"
         self.clock = clock
         self.auth = Authenticator(options.auth_secret or None)
         self._local_payloads: list[bytes] = []
@@ -171,13 +173,12 @@ class DSAConnectorScheduler:
         if peer.future is not None:
             return None, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if count <= 0 or (peer.error and self.recompute):
-            if peer.error:
-                logger.warning("DSAConnector: request %s: %s; recomputing locally "
-                               "(kv_load_failure_policy=recompute)", request.request_id, peer.error)
+        if count <= 0:
             params["do_remote_prefill"] = False
             self.consumer.give_up(request.request_id, "not loading from P")
             return 0, False
+        # A refused/unreachable peer too: claimed here, failed at allocation (update_state_after_alloc),
+        # so vLLM applies its (top-level) kv_load_failure_policy, the one place the policy is read.
         return count, True
 
     def update_state_after_alloc(self, request: VllmRequest, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -196,6 +197,8 @@ class DSAConnectorScheduler:
             return
         self.consumer.forget_queued(req_id)
         if peer.error:
+            logger.warning("DSAConnector: request %s: %s; failing the load (vLLM applies "
+                           "kv_load_failure_policy)", req_id, peer.error)
             self._fail[req_id] = peer.error
             self.consumer.cancel(load.engine, [load.ref])
             return

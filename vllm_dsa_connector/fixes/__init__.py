@@ -13,6 +13,12 @@ Fixes:
 * ``mtp-draft-token-map`` (:mod:`.mtp_token_map`): the MTP/EAGLE draft loop reuses the
   target forward's token->request map (and num_computed_tokens) after rewriting the batch
   to one token per request.
+
+Guards (not bug fixes: no probe; installed with the fixes, off with the same variable, not in
+the returned reports):
+
+* ``multi-connector-composition`` (:mod:`.multi_connector`): vLLM's MultiConnector refuses a
+  composition with DSAConnector that cannot work (see :mod:`vllm_dsa_connector.connector.compose`).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
                 "vllm-dsa-connector: runtime fixes disabled by VLLM_DSA_DISABLE_RUNTIME_FIXES",
             )
             return (FixReport(fix.FIX_NAME, "disabled", version, "env"),)
+        _install_guards(version)
         if fix.is_installed(CommonAttentionMetadata):
             return (FixReport(fix.FIX_NAME, "already-applied", version, ""),)
         result = fix.probe(CommonAttentionMetadata)
@@ -131,11 +138,43 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
         return (FixReport(fix.FIX_NAME, "applied", version, result.detail),)
 
 
+def _install_guards(version: str) -> None:
+    """Install the guards (caller holds the lock); each is logged once."""
+    from vllm_dsa_connector.fixes import multi_connector as guard
+
+    cls = guard.multi_connector_class()
+    if cls is None:
+        return
+    if not guard.supported(cls):
+        _log_once(
+            guard.GUARD_NAME,
+            "warning",
+            "vllm-dsa-connector: vLLM %s's MultiConnector has no %s classmethod; DSAConnector "
+            "compositions are not checked (put DSAConnector first; see README.md)",
+            version,
+            "_get_connector_classes_and_configs",
+        )
+        return
+    if guard.install(cls):
+        _log_once(
+            guard.GUARD_NAME,
+            "info",
+            "vllm-dsa-connector: guard %s installed on vLLM %s: MultiConnector refuses "
+            "compositions with DSAConnector that cannot work. "
+            "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.",
+            guard.GUARD_NAME,
+            version,
+        )
+
+
 def revert_runtime_fixes() -> bool:
     """Undo :func:`apply_runtime_fixes` in this process (for tests). True if anything changed."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from vllm_dsa_connector.fixes import mtp_token_map as fix
+    from vllm_dsa_connector.fixes import multi_connector as guard
 
     with _LOCK:
-        return fix.uninstall(CommonAttentionMetadata)
+        cls = guard.multi_connector_class()
+        changed = cls is not None and guard.uninstall(cls)
+        return fix.uninstall(CommonAttentionMetadata) or changed
