@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_dsa_connector.layout.model import MapperKind, PageTable
+from vllm_dsa_connector.layout.model import LayerEntry, MapperKind, PageTable, PoolView
 
 
 class PlanError(ValueError):
@@ -108,11 +108,11 @@ def _fragments(src_tables: Sequence[PageTable], dst: PageTable) -> list[tuple]:
     out = []
     for dview in dst.views:
         for dentry in dview.entries:
-            holders = []
+            holders: list[tuple[PageTable, PoolView, LayerEntry]] = []
             for s in src_tables:
                 sview = s.view(dview.role)
                 sentry = sview.entry(dentry.global_layer) if sview else None
-                if sentry is not None:
+                if sview is not None and sentry is not None:
                     holders.append((s, sview, sentry))
             if not holders:
                 raise PlanError(
@@ -149,7 +149,7 @@ def _merge(frags: list[tuple], dst_rank: int) -> list[Segment]:
     """Merge fragments contiguous on both sides (same pools), in source-offset order."""
     segs: list[Segment] = []
     frags = sorted(frags, key=lambda f: (f[0], f[1], f[3], f[2]))
-    cur = None
+    cur: tuple | None = None
     for f in frags:
         if (cur is not None and cur[0] == f[0] and cur[1] == f[1] and cur[3] == f[3]
                 and cur[2] + cur[5] == f[2] and cur[4] + cur[5] == f[4]):

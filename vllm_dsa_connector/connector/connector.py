@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 
@@ -122,8 +125,8 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(
                 f"DSAConnector supports one KV cache group (MLA/DSA models); this model has {len(groups)}"
             )
-        self._scheduler = None
-        self._worker = None
+        self._scheduler: DSAConnectorScheduler | None = None
+        self._worker: DSAConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
 

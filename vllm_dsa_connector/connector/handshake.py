@@ -144,7 +144,7 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
     """
     auth = auth or Authenticator(None)
     kind = type(req).__struct_config__.tag
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     ms = max(int(timeout_s * 1000), 1)

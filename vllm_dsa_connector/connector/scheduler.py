@@ -221,7 +221,7 @@ class DSAConnectorScheduler:
         src, dst = list(pairing.src_blocks), list(pairing.dst_blocks)
         slots: Slots = {}
         held: list[tuple[int, Any]] = []
-        if self._bouncing():
+        if self._bouncing() and peer.meta is not None:
             try:
                 slots, held = plan_slots(peer.plan, peer.meta.payloads, self.local_payloads, src, dst,
                                          self._gate, self._arenas or {})

@@ -186,6 +186,7 @@ class DSAConnectorWorker(ReceiveSide):
     def _learn(self, peer: PeerInfo) -> None:
         payloads = sorted((decode_payload(p) for p in peer.payloads), key=lambda p: p.rank)
         remote = _RemoteEngine(payloads, {})
+        assert self.payload is not None, "register_kv_caches first"
         local = self.local or [self.payload]
         try:
             if peer.as_source:  # it writes to us: we only need the plan (to scatter bounced bytes)
@@ -221,8 +222,8 @@ class DSAConnectorWorker(ReceiveSide):
             self._push(job)
         if meta.push:
             self._progress_sends()
-        for job in meta.recv:
-            self._expect(job)
+        for recv in meta.recv:
+            self._expect(recv)
         for req_id, reason in meta.fail_recv.items():
             self._recvs.pop(req_id, None)
             self._early.pop(req_id, None)
@@ -254,6 +255,7 @@ class DSAConnectorWorker(ReceiveSide):
             send.failed = True
             return
         me = self.payload
+        assert me is not None, "register_kv_caches first"
         for dst in remote.payloads:
             if dst.rank not in remote.agents:
                 continue
