@@ -1,17 +1,29 @@
-"""GPU end-to-end check of the transport: one GLM-5.2-shaped request through OUR bounce transport.
+"""GPU end-to-end check of the transport: one GLM-5.2-shaped request through every path of OUR transport.
 
-Two processes on one GPU (sender = prefill, receiver = decode), NIXL UCX, VRAM -> VRAM WRITE.
-Per block (vLLM's BLHNC layout: all pages of one block are contiguous): 78 MLA pages x 41,984 B +
-21 indexer pages x 8,448 B = 3,452,160 B; the request has 594 scattered blocks on each side.
-The transfer is described per page (58,806 runs), merged by ``Runs.merged`` (-> ~594 runs), and the gate
-(profile ``cuda``) picks the path. Timed end to end: sender gather + one WRITE + receiver scatter +
-completion (the receiver's ack over a pipe). Also: the direct path (one descriptor per merged run), NIXL's
-descriptor counts (telemetry), and gather/scatter vs a device-to-device copy of the same bytes.
-Bytes are verified every rep (the receiver regenerates the sender's seeded data).
+Two processes (sender = prefill on --src-device, receiver = decode on --dst-device; one GPU by default),
+NIXL UCX, VRAM -> VRAM. Per block (vLLM's BLHNC layout: all pages of one block are contiguous): 78 MLA
+pages x 41,984 B + 21 indexer pages x 8,448 B = 3,452,160 B; the request has 594 scattered blocks on
+each side (2.05 GB). The transfer is described per page (58,806 runs) and merged by ``Runs.merged``
+(-> 593 runs). Paths (``--paths``):
 
-    PYTHONPATH=. python bench/gpu_transfer.py [--device cuda] [--reps 10] [--out results.json]
-    PYTHONPATH=. python bench/gpu_transfer.py --device cpu --pool-blocks 64 --blocks 20 --mla-page-bytes 64 \
-        --idx-page-bytes 32   # a small smoke run without a GPU
+  per_page_layer_major  one NIXL descriptor per (layer page, block) in NixlConnector's order
+  per_page              the same descriptors block by block (NIXL merges list-adjacent contiguous ones)
+  merged / direct       one descriptor per merged run (raw engine.write / BounceSender direct)
+  bounce                gather into staging, ONE write, scatter on the receiver
+  pipelined:K           bounce in K chunks: gather, WRITE and scatter of different chunks overlap
+  ipc                   one kernel reads P's pages and writes D's pages through a CUDA IPC mapping
+  auto                  what the gate picks (``BounceGate.choose`` over direct/bounce/pipelined/ipc)
+
+Timed end to end: from the sender's first call to the receiver's "done" (all data landed, scattered,
+synchronised; the ack crosses a pipe), with phases: send (host: gathers / kernel launch + post), wait
+(until the WRITEs are done / the kernel finished and the notification went out), receiver (scatter +
+completion + ack). Every rep is verified byte for byte on the receiver. Then kernel-only numbers:
+gather/scatter (Triton run copy and torch index ops) and the IPC single copy vs a device-to-device copy
+of the same bytes (and, across GPUs, vs a plain torch peer copy: the NVLink copy bound).
+
+    PYTHONPATH=. python bench/gpu_transfer.py [--reps 10] [--shapes 594,64,8] [--out results.json]
+    PYTHONPATH=. python bench/gpu_transfer.py --src-device cpu --dst-device cpu --pool-blocks 64 \\
+        --shapes 20 --mla-page-bytes 64 --idx-page-bytes 32   # a small smoke run without a GPU
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -26,22 +39,51 @@ from typing import Any
 
 import numpy as np
 
+ALL_PATHS = (
+    "per_page_layer_major",
+    "per_page",
+    "merged",
+    "direct",
+    "bounce",
+    "pipelined:4",
+    "pipelined:8",
+    "ipc",
+    "ipc_sm",
+    "ipc_ce",
+    "auto",
+)
+ONE_GPU_PATHS = "direct,bounce,pipelined:4,ipc,auto"
 
-def page_runs(a: dict[str, Any]) -> tuple[Any, int]:
+
+def page_runs(a: dict[str, Any], blocks: int | None = None) -> tuple[Any, int]:
     """Per-page runs for the request (src block i -> dst block i), and the block size in bytes."""
     from vllm_dsa_connector.transport import Runs
 
+    n = int(a["blocks"] if blocks is None else blocks)
     rng = np.random.default_rng(a["seed"])
     sizes = [a["mla_page_bytes"]] * a["mla_pages"] + [a["idx_page_bytes"]] * a["idx_pages"]
     page_off = np.r_[0, np.cumsum(sizes)[:-1]].astype(np.int64)
     page_len = np.asarray(sizes, np.int64)
     bb = int(page_len.sum())
-    src_b = rng.choice(a["pool_blocks"], a["blocks"], replace=False)
-    dst_b = rng.choice(a["pool_blocks"], a["blocks"], replace=False)
+    src_b = rng.choice(a["pool_blocks"], n, replace=False)
+    dst_b = rng.choice(a["pool_blocks"], n, replace=False)
     src = (src_b[:, None] * bb + page_off[None, :]).reshape(-1)
     dst = (dst_b[:, None] * bb + page_off[None, :]).reshape(-1)
-    lens = np.broadcast_to(page_len, (a["blocks"], page_len.size)).reshape(-1)
+    lens = np.broadcast_to(page_len, (n, page_len.size)).reshape(-1)
     return Runs(src, dst, lens), bb
+
+
+def layer_major(page: Any, blocks: int) -> Any:
+    """The same page runs in NixlConnector's order: region (layer page) by region, every block in each.
+
+    Memory-adjacent descriptors are then not list-adjacent, so NIXL cannot merge them.
+    """
+    from vllm_dsa_connector.transport import Runs
+
+    def t(x: Any) -> Any:
+        return x.reshape(blocks, -1).T.reshape(-1)
+
+    return Runs(t(page.src_offsets), t(page.dst_offsets), t(page.lengths))
 
 
 def fill(nbytes: int, device: str, seed: int) -> Any:
@@ -56,12 +98,12 @@ def fill(nbytes: int, device: str, seed: int) -> Any:
 def sync(device: str) -> None:
     import torch
 
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def timed(fn: Any, device: str, reps: int) -> float:
-    """Median seconds of ``fn`` (synchronised)."""
+    """Median seconds of ``fn`` (synchronised), after one warm-up."""
     ts = []
     for _ in range(reps + 1):
         sync(device)
@@ -72,194 +114,411 @@ def timed(fn: Any, device: str, reps: int) -> float:
     return statistics.median(ts[1:])
 
 
-def kernel_bench(src: Any, stage: Any, runs: Any, dev: str) -> dict[str, float]:
-    """Kernel-only times (CUDA events, index prebuilt) of the index ops per view width, vs copy_."""
+def ev_ms(fn: Any, n: int = 15) -> float:
+    """Median milliseconds of ``fn`` between two CUDA events on the current stream (GPU time only).
+
+    A ~1.5 ms GPU sleep is queued first, so the host's launch work overlaps it and stays out.
+    """
     import torch
 
-    total = runs.total_bytes
-    row = int(np.gcd.reduce(np.concatenate([runs.src_offsets, runs.lengths])))
-    out: dict[str, float] = {}
-
-    def ev(fn: Any, n: int = 20) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(3_000_000)
+        a.record()
         fn()
-        ts = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
 
-    out["copy_ms"] = ev(lambda: stage.copy_(src[:total]))
-    for sub in (1, 8, 64):
-        if row % sub or (row // sub) % 16:
-            continue
-        r = row // sub
-        counts = runs.lengths // r
-        first = runs.src_offsets // r
-        starts = np.r_[0, np.cumsum(counts)[:-1]]
-        idx = torch.from_numpy(np.repeat(first - starts, counts) + np.arange(int(counts.sum()))).to(dev)
-        n_rows = src.numel() // r
-        for w, dt in ((8, torch.int64), (16, torch.complex128)):
-            s2 = src[: n_rows * r].view(dt).view(-1, r // w)
-            o2 = stage[:total].view(dt).view(-1, r // w)
-            out[f"index_select_row{r}_w{w}_ms"] = ev(lambda s2=s2, o2=o2, idx=idx: torch.index_select(
-                s2, 0, idx, out=o2))
-            out[f"index_copy_row{r}_w{w}_ms"] = ev(lambda s2=s2, o2=o2, idx=idx: s2.index_copy_(0, idx, o2))
-    return out
+
+def _set_device(dev: str) -> None:
+    import torch
+
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(dev)
+
+
+# -- receiver ----------------------------------------------------------------------------------------
 
 
 def receiver(conn: Any, a: dict[str, Any]) -> None:
     import torch
 
-    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine, Runs, StagingArena, gather
+    from vllm_dsa_connector.transport import (
+        BounceReceiver,
+        NixlEngine,
+        Runs,
+        StagingArena,
+        export_region,
+        gather,
+    )
 
     try:
-        dev = a["device"]
-        page, bb = page_runs(a)
-        runs = page.merged()
-        pool_bytes = a["pool_blocks"] * bb
-        eng = NixlEngine(f"gpu-rcv-{a['seed']}", telemetry=True)
-        dst = torch.zeros(pool_bytes, dtype=torch.uint8, device=dev)
+        dev = a["dst_device"]
+        _set_device(dev)
+        shapes = [int(x) for x in a["shapes"]]
+        _, bb = page_runs(a, 1)
+        pool = a["pool_blocks"] * bb
+        eng = NixlEngine(f"rcv-{os.getpid()}", telemetry=True)
+        dst = torch.zeros(pool, dtype=torch.uint8, device=dev)
         region = eng.register(dst)
-        arena = StagingArena(runs.total_bytes + (1 << 20), device=dev)
-        rcv = BounceReceiver(eng, arena, reserve_timeout_s=0.2)
-        expected = fill(pool_bytes, dev, a["seed"])
-        want = torch.empty(runs.total_bytes, dtype=torch.uint8, device=dev)
-        gather(expected, runs, want)
-        del expected
-        got = torch.empty_like(want)
-        dst_runs = Runs(runs.dst_offsets, runs.dst_offsets, runs.lengths)
-        conn.send((eng.metadata(), region.desc().to_dict()))
+        top = max(shapes) * bb
+        rcv = BounceReceiver(eng, StagingArena(top + (8 << 20), device=dev))
+        expected = fill(pool, dev, a["seed"])
+        want_buf = torch.empty(top, dtype=torch.uint8, device=dev)
+        got_buf = torch.empty(top, dtype=torch.uint8, device=dev)
+        ipc = None
+        if dev.startswith("cuda"):
+            try:
+                ipc = export_region(dst).to_dict()
+            except Exception as e:
+                print(f"[receiver] no IPC export: {e}", flush=True)
+        conn.send((eng.metadata(), region.desc().to_dict(), ipc))
         eng.add_peer(conn.recv())
+        page = runs = dst_runs = None
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, tag, bounce = msg
+            if msg[0] == "shape":
+                page, _ = page_runs(a, msg[1])
+                runs = page.merged()
+                dst_runs = Runs(runs.dst_offsets, runs.dst_offsets, runs.lengths)
+                gather(expected, runs, want_buf)
+                sync(dev)
+                conn.send(("ok",))
+                continue
+            _, tag, staged = msg
             dst.zero_()
             sync(dev)
-            slots = rcv.expect(tag, dst, [page], bounce=bounce)
-            conn.send(("ready", slots[0].to_dict() if slots[0] else None))
-            rcv.wait(tag, 60.0)
+            (slot,) = rcv.expect(tag, dst, [page], bounce=staged)
+            conn.send(("ready", slot.to_dict() if slot else None))
+            rcv.wait(tag, 120.0)
             conn.send(("done",))
-            gather(dst, dst_runs, got)
-            conn.send(("verified", bool(torch.equal(got, want))))
+            n = runs.total_bytes
+            gather(dst, dst_runs, got_buf)
+            conn.send(("verified", bool(torch.equal(got_buf[:n], want_buf[:n]))))
         eng.close()
     except BaseException as e:
         conn.send(("error", f"receiver: {type(e).__name__}: {e}"))
         raise
 
 
+# -- sender ------------------------------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
 
     from vllm_dsa_connector.transport import (
+        PATHS,
         BounceGate,
         BounceSender,
+        IpcUnavailable,
         NixlEngine,
-        Runs,
         StagingArena,
-        gather,
-        scatter,
+        ce_available,
+        enable_peer_access,
+        encode_notif,
+        link_between,
+        open_region,
     )
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"shapes": {}}
     try:
-        dev = a["device"]
-        t0 = time.perf_counter()
-        page, bb = page_runs(a)
-        runs = page.merged()
-        out.update(block_bytes=bb, page_runs=page.num_runs, merged_runs=runs.num_runs,
-                   total_bytes=runs.total_bytes, merge_ms=(time.perf_counter() - t0) * 1e3)
-        pool_bytes = a["pool_blocks"] * bb
-        eng = NixlEngine(f"gpu-snd-{a['seed']}", telemetry=True)
-        src = fill(pool_bytes, dev, a["seed"])
+        dev, ddev = a["src_device"], a["dst_device"]
+        _set_device(dev)
+        shapes = [int(x) for x in a["shapes"]]
+        paths = [p for p in a["paths"].split(",") if p]
+        _, bb = page_runs(a, 1)
+        pool = a["pool_blocks"] * bb
+        eng = NixlEngine(f"snd-{os.getpid()}", telemetry=True)
+        src = fill(pool, dev, a["seed"])
         region = eng.register(src)
-        arena = StagingArena(runs.total_bytes + (1 << 20), device=dev)
-        gate = BounceGate.from_config({}, device=dev)
-        snd = BounceSender(eng, arena, gate)
-        d = gate.decision(runs, merged=True)
-        out.update(profile=gate.profile, gate_path=d.path, gate_reason=d.reason)
-        rmeta, rdesc = rconn.recv()
+        top = max(shapes) * bb
+        arena = StagingArena(top + (8 << 20), device=dev)
+        rmeta, rdesc, ripc = rconn.recv()
         peer = eng.add_peer(rmeta)
         rconn.send(eng.metadata())
+        mapped, link = None, a["link"]
+        if ripc is not None and dev.startswith("cuda"):
+            try:
+                enable_peer_access(dev, ddev)
+                mapped = open_region(ripc, dev)  # mapped in OUR GPU's context (peer access)
+                if link == "auto":
+                    link = link_between(dev, ripc["host"], ripc["uuid"])
+            except IpcUnavailable as e:
+                out["ipc_error"] = str(e)
+        if link == "auto":
+            link = "same_gpu" if dev == ddev and dev.startswith("cuda") else (
+                "nvlink" if dev.startswith("cuda") else "cma")
+        gate = BounceGate.from_config({}, device=dev, link=link)
+        snd = BounceSender(eng, arena, gate)
+        out.update(link=link, link_profile=repr(gate.link_profile), ipc=mapped is not None,
+                   copy_impl=os.environ.get("VLLM_DSA_COPY_IMPL", "auto"))
+        avail = tuple(p for p in PATHS if p != "ipc" or mapped is not None)
 
-        def one(path: str | None, tag: bytes) -> tuple[float, Any, Any]:
-            rconn.send(("xfer", tag, path != "direct"))
-            msg = rconn.recv()
-            if msg[0] != "ready":
-                raise RuntimeError(str(msg))
-            sync(dev)
-            t0 = time.perf_counter()
-            s = snd.send(peer, region, rdesc, page, tag, slot=msg[1], path=path)
-            t1 = time.perf_counter()
-            st = snd.wait(s, 60.0)
-            t2 = time.perf_counter()
-            if rconn.recv()[0] != "done":
-                raise RuntimeError("receiver did not finish")
-            dt = time.perf_counter() - t0
-            phases.append((t1 - t0, t2 - t1, t0 + dt - t2))
-            ok = rconn.recv()
-            if ok != ("verified", True):
-                raise RuntimeError(f"bytes differ ({path}): {ok}")
-            return dt, s, st
-
-        for label, path in (("auto", None), ("direct", "direct")):
-            ts, stats, phases = [], None, []
-            for rep in range(a["reps"] + 2):
-                dt, s, st = one(path, f"{label}-{rep}".encode())
-                if rep >= 2:
-                    ts.append(dt)
-                stats = (s, st)
-            s, st = stats
-            out[f"{label}_ms"] = statistics.median(ts) * 1e3
-            ph = phases[2:]
-            out[f"{label}_phases_ms"] = {
-                "send(gather+post)": statistics.median(p[0] for p in ph) * 1e3,
-                "wait(write done)": statistics.median(p[1] for p in ph) * 1e3,
-                "receiver(scatter+ack)": statistics.median(p[2] for p in ph) * 1e3,
+        for blocks in shapes:
+            page, _ = page_runs(a, blocks)
+            runs = page.merged()
+            by_layer = layer_major(page, blocks)
+            rconn.send(("shape", blocks))
+            if rconn.recv()[0] != "ok":
+                raise RuntimeError("receiver did not take the shape")
+            total = runs.total_bytes
+            d = gate.choose(runs, merged=True, paths=avail)
+            res: dict[str, Any] = {
+                "blocks": blocks, "page_runs": page.num_runs, "merged_runs": runs.num_runs,
+                "total_bytes": total, "gate_path": d.path + (f":{d.chunks}" if d.path == "pipelined" else ""),
+                "gate_reason": d.reason, "gate_estimates_us": dict(d.estimates), "paths": {},
             }
-            out[f"{label}_min_ms"] = min(ts) * 1e3
-            out[f"{label}_path"] = s.path
-            out[f"{label}_desc_count"] = st.desc_count
-            out[f"{label}_nixl_xfer_us"] = st.xfer_us
-            print(f"[sender] {label}: {out[f'{label}_ms']:.2f} ms median, path={s.path}, "
-                  f"descCount={st.desc_count}", flush=True)
-        rconn.send(("stop",))
+            print(f"[sender] shape {blocks} blocks: {page.num_runs} page runs -> {runs.num_runs} merged, "
+                  f"{total / 1e9:.3f} GB; gate ({link}): {res['gate_path']}", flush=True)
 
-        # Gather / scatter vs a device-to-device copy of the same bytes (same buffers).
-        total = runs.total_bytes
-        stage = arena.buffer[:total]
-        self_runs = Runs(runs.src_offsets, runs.src_offsets, runs.lengths)
-        reps = max(10, a["reps"])
-        g = timed(lambda: gather(src, runs, stage), dev, reps)
-        sc = timed(lambda: scatter(stage, src, self_runs), dev, reps)  # writes the same bytes back
-        cp = timed(lambda: stage.copy_(src[:total]), dev, reps)
-        g8 = timed(lambda: gather(src, runs, stage, max_width=8), dev, reps)
-        sc8 = timed(lambda: scatter(stage, src, self_runs, max_width=8), dev, reps)
-        out.update(gather_ms=g * 1e3, scatter_ms=sc * 1e3, copy_ms=cp * 1e3,
-                   gather_vs_copy=cp / g, scatter_vs_copy=cp / sc,
-                   gather_int64_vs_copy=cp / g8, scatter_int64_vs_copy=cp / sc8,
-                   copy_tbps_rw=2 * total / cp / 1e12)
-        out["kernels"] = kernel_bench(src, stage, runs, dev) if dev.startswith("cuda") else {}
+            def one(path: str, tag: bytes, page: Any = page, runs: Any = runs,
+                    by_layer: Any = by_layer) -> tuple[float, float, float, str, int, int]:
+                kind, _, k = path.partition(":")
+                staged = kind in ("bounce", "pipelined", "auto")
+                rconn.send(("xfer", tag, staged))
+                msg = rconn.recv()
+                if msg[0] != "ready":
+                    raise RuntimeError(str(msg))
+                slot = msg[1]
+                sync(dev)
+                t0 = time.perf_counter()
+                chunks = 1
+                if kind in ("per_page_layer_major", "per_page", "merged"):
+                    posted = {"per_page": page, "merged": runs, "per_page_layer_major": by_layer}[kind]
+                    x = eng.write(peer, region, rdesc, posted, encode_notif("direct", 0, tag))
+                    t1 = time.perf_counter()
+                    st = eng.wait(x, 120.0)
+                    used = kind
+                else:
+                    if kind == "auto":
+                        s = snd.send(peer, region, rdesc, page, tag, slot=slot, paths=avail, ipc=mapped)
+                    elif kind.startswith("ipc"):
+                        impl = {"ipc_sm": "triton", "ipc_ce": "ce"}.get(kind)
+                        s = snd.send(peer, region, rdesc, page, tag, slot=slot, path="ipc", ipc=mapped,
+                                     ipc_impl=impl)
+                        kind = "ipc"
+                    else:
+                        s = snd.send(peer, region, rdesc, page, tag, slot=slot, path=kind,
+                                     chunks=int(k) if k else None, ipc=mapped)
+                    t1 = time.perf_counter()
+                    st = snd.wait(s, 120.0)
+                    used, chunks = s.path, s.chunks
+                    if kind != "auto" and used != kind:
+                        raise RuntimeError(f"{path} fell back to {used}: {s.reason}")
+                t2 = time.perf_counter()
+                if rconn.recv()[0] != "done":
+                    raise RuntimeError("receiver did not finish")
+                t3 = time.perf_counter()
+                ok = rconn.recv()
+                if ok != ("verified", True):
+                    raise RuntimeError(f"bytes differ on {path}: {ok}")
+                label = used + (f":{chunks}" if used == "pipelined" else "")
+                return t3 - t0, t1 - t0, t2 - t1, label, st.desc_count, st.num_runs
+
+            todo = [p for p in paths if not (p.startswith("ipc") and mapped is None)]
+            if "ipc_ce" in todo and not ce_available():
+                todo.remove("ipc_ce")
+            got: dict[str, list[Any]] = {p: [] for p in todo}
+            for rep in range(a["reps"] + 2):  # paths interleaved rep by rep: drift hits all alike
+                for path in todo:
+                    if path == "per_page_layer_major" and rep >= max(3, a["reps"] // 3) + 2:
+                        continue
+                    got[path].append(one(path, f"{blocks}-{path}-{rep}".encode()))
+            for path in todo:
+                rows = got[path][2:]
+                med = _median([r[0] for r in rows])
+                res["paths"][path] = {
+                    "median_ms": med * 1e3,
+                    "min_ms": min(r[0] for r in rows) * 1e3,
+                    "gb_per_s": total / med / 1e9,
+                    "phases_ms": {
+                        "send": _median([r[1] for r in rows]) * 1e3,
+                        "wait": _median([r[2] for r in rows]) * 1e3,
+                        "receiver": _median([r[0] - r[1] - r[2] for r in rows]) * 1e3,
+                    },
+                    "used": sorted({r[3] for r in rows}),
+                    "desc_count": sorted({r[4] for r in rows}),
+                    "posted": sorted({r[5] for r in rows}),
+                }
+                p = res["paths"][path]
+                print(f"[sender]   {path:22s} {p['median_ms']:9.3f} ms  {p['gb_per_s']:7.1f} GB/s  "
+                      f"send {p['phases_ms']['send']:.3f} wait {p['phases_ms']['wait']:.3f} "
+                      f"recv {p['phases_ms']['receiver']:.3f}  used={p['used']} "
+                      f"descCount={p['desc_count']}", flush=True)
+            best = min((v["median_ms"], k) for k, v in res["paths"].items() if k != "auto")
+            res["best_path"], res["best_ms"] = best[1], best[0]
+            if "auto" in res["paths"]:
+                res["auto_over_best"] = res["paths"]["auto"]["median_ms"] / best[0]
+            out["shapes"][str(blocks)] = res
+
+        if mapped is not None:
+            big, _ = page_runs(a, max(shapes))
+            out["kernels"] = kernel_bench(src, mapped, big.merged(), a, dev != ddev)
+        rconn.send(("stop",))
         eng.close()
         conn.send(out)
     except BaseException as e:
-        out["error"] = f"sender: {type(e).__name__}: {e}"
+        import traceback
+
+        out["error"] = f"sender: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         conn.send(out)
         raise
 
 
-def check_odd(device: str) -> dict[str, Any]:
-    """gather/scatter on ``device`` with odd offsets/lengths (narrow views) against a numpy reference."""
+SWEEP = (
+    (64 << 10, 16 << 10, 8),
+    (256 << 10, 16 << 10, 8),
+    (1 << 20, 16 << 10, 8),
+    (4 << 20, 16 << 10, 8),
+    (1 << 20, 32 << 10, 8),
+    (1 << 20, 8 << 10, 4),
+    (1 << 20, 16 << 10, 4),
+    (1 << 20, 32 << 10, 16),
+)
+
+
+def tune(a: dict[str, Any]) -> dict[str, Any]:
+    """Kernel-only numbers on the largest shape, in this process, before the two-process run.
+
+    Device copy (the floor), gather / scatter (torch index ops and the Triton run copy, kernel time
+    and per call), the scattered -> scattered single copy for each launch shape of :data:`SWEEP`
+    (the best becomes ``VLLM_DSA_COPY_CONFIG`` for the transfer processes), the host cost of one
+    launch, and the merge of the page runs (a per-request host cost).
+    """
     import torch
 
-    from vllm_dsa_connector.transport import Runs, gather, scatter
+    from vllm_dsa_connector.transport import CopyConfig, Runs, copy_runs, gather, scatter
+
+    dev = a["src_device"]
+    _set_device(dev)
+    page, bb = page_runs(a, max(a["shapes"]))
+    t0 = time.perf_counter()
+    runs = Runs(page.src_offsets, page.dst_offsets, page.lengths).merged()
+    out: dict[str, Any] = {"merge_ms": (time.perf_counter() - t0) * 1e3, "bytes": runs.total_bytes}
+    total = runs.total_bytes
+    pool = a["pool_blocks"] * bb
+    src = fill(pool, dev, a["seed"] + 1)
+    other = torch.empty(pool, dtype=torch.uint8, device=dev)
+    stage = torch.empty(total, dtype=torch.uint8, device=dev)
+    self_runs = Runs(runs.src_offsets, runs.src_offsets, runs.lengths)
+    cp = ev_ms(lambda: stage.copy_(src[:total]))
+    out.update(copy_ms=cp, copy_tbps_rw=2 * total / cp / 1e9)
+    reps = max(10, a["reps"])
+    for impl in ("index", "triton"):
+        try:
+            g = ev_ms(lambda impl=impl: gather(src, runs, stage, impl=impl))
+            sc = ev_ms(lambda impl=impl: scatter(stage, src, self_runs, impl=impl))
+            gc = timed(lambda impl=impl: gather(src, runs, stage, impl=impl), dev, reps) * 1e3
+            scc = timed(lambda impl=impl: scatter(stage, src, self_runs, impl=impl), dev, reps) * 1e3
+            out[impl] = {"gather_ms": g, "scatter_ms": sc, "gather_vs_copy": cp / g,
+                         "scatter_vs_copy": cp / sc, "gather_call_ms": gc, "scatter_call_ms": scc,
+                         "gather_call_vs_copy": cp / gc, "scatter_call_vs_copy": cp / scc}
+        except Exception as e:
+            out[impl] = {"error": f"{type(e).__name__}: {e}"}
+    sweep: dict[str, Any] = {}
+    best = (float("inf"), "")
+    for pb, bk, nw in SWEEP:
+        cfg = CopyConfig(pb, bk, nw)
+        key = f"{pb},{bk},{nw}"
+        try:
+            k = ev_ms(lambda cfg=cfg: copy_runs(src, other, runs, impl="triton", config=cfg))
+            g = ev_ms(lambda cfg=cfg: copy_runs(src, stage, Runs(runs.src_offsets, runs.staging_offsets(),
+                                                                 runs.lengths), impl="triton", config=cfg))
+            sweep[key] = {"scattered_ms": k, "scattered_vs_copy": cp / k, "gather_vs_copy": cp / g}
+            best = min(best, (k + g, key))
+        except Exception as e:
+            sweep[key] = f"{type(e).__name__}: {e}"
+    out["sweep"] = sweep
+    out["best_config"] = best[1]
+    if best[1]:
+        os.environ["VLLM_DSA_COPY_CONFIG"] = best[1]
+        host = []
+        for _ in range(20):  # host time of one launch (asynchronous; synchronised between calls)
+            sync(dev)
+            t0 = time.perf_counter()
+            copy_runs(src, other, runs)
+            host.append(time.perf_counter() - t0)
+        sync(dev)
+        out["launch_host_ms"] = statistics.median(host[2:]) * 1e3
+        out["scattered_call_ms"] = timed(lambda: copy_runs(src, other, runs), dev, reps) * 1e3
+    return out  # the buffers go with this frame (run() empties the cache)
+
+
+def kernel_bench(src: Any, mapped: Any, runs: Any, a: dict[str, Any], cross: bool) -> dict[str, Any]:
+    """The single copy through the IPC mapping (GPU time); across GPUs also the NVLink copy bound."""
+    import torch
+
+    from vllm_dsa_connector.transport import CopyConfig, Runs, copy_runs
+
+    total = runs.total_bytes
+    out: dict[str, Any] = {"bytes": total}
+    reps = max(10, a["reps"])
+    for impl in ("ce",) if cross else ():
+        try:
+            k = ev_ms(lambda impl=impl: copy_runs(src, mapped, runs, impl=impl))
+            out[f"ipc_{impl}_ms"] = k
+            out[f"ipc_{impl}_gbps"] = total / k / 1e6
+            out[f"ipc_{impl}_call_ms"] = timed(lambda impl=impl: copy_runs(src, mapped, runs, impl=impl),
+                                               a["src_device"], reps) * 1e3
+        except Exception as e:
+            out[f"ipc_{impl}_error"] = f"{type(e).__name__}: {e}"
+    try:
+        k = ev_ms(lambda: copy_runs(src, mapped, runs, impl="triton"))
+        out.update(ipc_kernel_ms=k, ipc_kernel_gbps=total / k / 1e6)
+        if cross:  # launch shapes for stores over NVLink
+            sweep = {}
+            for pb, bk, nw in ((256 << 10, 16 << 10, 8), (1 << 20, 16 << 10, 8),
+                               (4 << 20, 32 << 10, 16), (1 << 20, 8 << 10, 4)):
+                cfg = CopyConfig(pb, bk, nw)
+                ms = ev_ms(lambda cfg=cfg: copy_runs(src, mapped, runs, impl="triton", config=cfg))
+                sweep[f"{pb},{bk},{nw}"] = round(total / ms / 1e6, 1)
+            out["ipc_sweep_gbps"] = sweep
+    except Exception as e:
+        out["ipc_kernel_error"] = f"{type(e).__name__}: {e}"
+    if cross:  # the NVLink copy bound: a plain torch peer copy
+        peer = torch.empty(total, dtype=torch.uint8, device=a["dst_device"])
+
+        def both() -> None:
+            torch.cuda.synchronize(src.device)
+            torch.cuda.synchronize(peer.device)
+
+        ts = []
+        for _ in range(reps + 1):
+            both()
+            t0 = time.perf_counter()
+            peer.copy_(src[:total])
+            both()
+            ts.append(time.perf_counter() - t0)
+        pc = statistics.median(ts[1:]) * 1e3
+        pe = ev_ms(lambda: peer.copy_(src[:total]))
+        one = Runs(np.array([0]), np.array([0]), np.array([total]))
+        tk = ev_ms(lambda: copy_runs(src, peer, one, impl="triton"))
+        out["peer_copy"] = {"torch_copy_ms": pc, "torch_copy_event_ms": pe,
+                            "torch_copy_gbps": total / pc / 1e6,
+                            "triton_contiguous_ms": tk, "triton_contiguous_gbps": total / tk / 1e6}
+        del peer
+    return out
+
+
+def check_odd(device: str) -> dict[str, bool]:
+    """gather/scatter/copy_runs on ``device`` with odd offsets/lengths against a numpy reference."""
+    import torch
+
+    from vllm_dsa_connector.transport import Runs, copy_runs, gather, scatter
 
     rng = np.random.default_rng(1)
     out = {}
+    impls = ("index", "triton") if device.startswith("cuda") else ("index",)
     for name, n, lmax, off, unit in (("odd", 3000, 999, 3, 1), ("int64", 3000, 64, 0, 8),
                                      ("w16", 3000, 64, 0, 16)):
         lens = rng.integers(1, lmax, n) * unit
@@ -271,22 +530,75 @@ def check_odd(device: str) -> dict[str, Any]:
         runs = Runs(src, dst, lens)
         size = int(max(runs.src_extent(), runs.dst_extent()))
         host = torch.randint(0, 256, (size,), dtype=torch.uint8)
-        stage = torch.empty(runs.total_bytes, dtype=torch.uint8, device=device)
-        gather(host.to(device), runs, stage)
         idx = np.concatenate([np.arange(o, o + k) for o, k in zip(src, lens, strict=True)])
-        ok_g = np.array_equal(stage.cpu().numpy(), host.numpy()[idx])
-        dst_t = torch.zeros(size, dtype=torch.uint8, device=device)
-        scatter(stage, dst_t, runs)
+        didx = np.concatenate([np.arange(o, o + k) for o, k in zip(dst, lens, strict=True)])
         ref = np.zeros(size, np.uint8)
-        ref[np.concatenate([np.arange(o, o + k) for o, k in zip(dst, lens, strict=True)])] = host.numpy()[idx]
-        out[name] = bool(ok_g and np.array_equal(dst_t.cpu().numpy(), ref))
+        ref[didx] = host.numpy()[idx]
+        for impl in impls:
+            stage = torch.empty(runs.total_bytes, dtype=torch.uint8, device=device)
+            gather(host.to(device), runs, stage, impl=impl)
+            ok_g = np.array_equal(stage.cpu().numpy(), host.numpy()[idx])
+            dst_t = torch.zeros(size, dtype=torch.uint8, device=device)
+            scatter(stage, dst_t, runs, impl=impl)
+            one = torch.zeros(size, dtype=torch.uint8, device=device)
+            copy_runs(host.to(device), one, runs, impl=impl)
+            out[f"{name}/{impl}"] = bool(ok_g and np.array_equal(dst_t.cpu().numpy(), ref)
+                                         and np.array_equal(one.cpu().numpy(), ref))
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
+def summary(res: dict[str, Any]) -> str:
+    lines = [f"link {res.get('link')} ipc={res.get('ipc')} {res.get('ipc_error', '')}"]
+    for blocks, sh in res.get("shapes", {}).items():
+        lines.append(f"shape {blocks} blocks ({sh['total_bytes'] / 1e9:.3f} GB, {sh['page_runs']} page runs, "
+                     f"{sh['merged_runs']} merged): gate -> {sh['gate_path']}; best {sh['best_path']} "
+                     f"{sh['best_ms']:.3f} ms; auto/best {sh.get('auto_over_best', float('nan')):.3f}")
+        for p, v in sh["paths"].items():
+            ph = v["phases_ms"]
+            lines.append(f"  {p:22s} {v['median_ms']:9.3f} ms {v['gb_per_s']:7.1f} GB/s  send {ph['send']:.3f} "
+                         f"wait {ph['wait']:.3f} recv {ph['receiver']:.3f}  used {v['used']} desc {v['desc_count']}")
+    t = res.get("tune", {})
+    if t:
+        lines.append(f"device copy {t['copy_ms']:.3f} ms ({t['copy_tbps_rw']:.2f} TB/s r+w); merge of the page "
+                     f"runs {t['merge_ms']:.2f} ms; best launch shape {t.get('best_config')}; host per launch "
+                     f"{t.get('launch_host_ms', float('nan')):.3f} ms; scattered copy per call "
+                     f"{t.get('scattered_call_ms', float('nan')):.3f} ms")
+        for impl in ("index", "triton"):
+            v = t.get(impl, {})
+            if "gather_ms" in v:
+                lines.append(f"  {impl}: gather {v['gather_vs_copy']:.3f} scatter {v['scatter_vs_copy']:.3f} of copy "
+                             f"(per call {v['gather_call_vs_copy']:.3f} / {v['scatter_call_vs_copy']:.3f})")
+            elif v:
+                lines.append(f"  {impl}: {v}")
+        for key, v in t.get("sweep", {}).items():
+            lines.append(f"  sweep {key}: {v if isinstance(v, str) else ', '.join(f'{x} {y:.3f}' for x, y in v.items())}")
+    k = res.get("kernels", {})
+    if k:
+        if "ipc_kernel_ms" in k:
+            lines.append(f"  ipc kernel {k['ipc_kernel_ms']:.3f} ms = {k['ipc_kernel_gbps']:.0f} GB/s; "
+                         f"sweep {k.get('ipc_sweep_gbps', {})}")
+        if "ipc_kernel_error" in k:
+            lines.append(f"  ipc kernel error: {k['ipc_kernel_error']}")
+        if "ipc_ce_ms" in k:
+            lines.append(f"  ipc copy engine {k['ipc_ce_ms']:.3f} ms = {k['ipc_ce_gbps']:.0f} GB/s "
+                         f"(per call {k['ipc_ce_call_ms']:.3f} ms)")
+        elif "ipc_ce_error" in k:
+            lines.append(f"  ipc copy engine error: {k['ipc_ce_error']}")
+        if "peer_copy" in k:
+            pc = k["peer_copy"]
+            lines.append(f"  peer copy bound: torch {pc['torch_copy_ms']:.3f} ms = {pc['torch_copy_gbps']:.0f} GB/s;"
+                         f" triton contiguous {pc['triton_contiguous_gbps']:.0f} GB/s")
+    return "\n".join(lines)
+
+
+def parser(doc: str, paths: str, src: str, dst: str, shapes: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--src-device", default=src)
+    p.add_argument("--dst-device", default=dst)
+    p.add_argument("--paths", default=paths, help=f"comma list of {', '.join(ALL_PATHS)}")
+    p.add_argument("--link", default="auto", help="gate link (auto: from the IPC descriptor)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--shapes", default=shapes, help="comma list of request sizes in blocks")
     p.add_argument("--blocks", type=int, default=594)
     p.add_argument("--pool-blocks", type=int, default=1400)
     p.add_argument("--mla-pages", type=int, default=78)
@@ -294,40 +606,56 @@ def main() -> int:
     p.add_argument("--idx-pages", type=int, default=21)
     p.add_argument("--idx-page-bytes", type=int, default=8448)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=480.0)
+    p.add_argument("--no-tune", action="store_true", help="skip the kernel sweep before the run")
     p.add_argument("--out", default="")
-    args = p.parse_args()
-    a = vars(args)
-    odd = check_odd(args.device)
-    print("gather/scatter exact on", args.device, odd, flush=True)
+    return p
+
+
+def run(a: dict[str, Any]) -> int:
+    a["shapes"] = [int(x) for x in str(a["shapes"]).split(",") if x]
+    odd = check_odd(a["src_device"])
+    print("gather/scatter/copy_runs exact on", a["src_device"], odd, flush=True)
+    tuned: dict[str, Any] = {}
+    if a["src_device"].startswith("cuda") and not a.get("no_tune"):
+        import torch
+
+        tuned = tune(a)
+        torch.cuda.empty_cache()
+        print("tuned:", json.dumps(tuned), flush=True)
     ctx = mp.get_context("spawn")
     main_end, snd_end = ctx.Pipe()
     ra, rb = ctx.Pipe()
-    pr = ctx.Process(target=receiver, args=(rb, a))
-    ps = ctx.Process(target=sender, args=(snd_end, ra, a))
-    pr.start()
-    ps.start()
-    res: dict[str, Any] = {}
-    deadline = time.time() + 420
+    procs = [ctx.Process(target=receiver, args=(rb, a)), ctx.Process(target=sender, args=(snd_end, ra, a))]
+    for pr in procs:
+        pr.start()
+    res: dict[str, Any] = {"error": "timed out"}
+    deadline = time.time() + a["timeout"]
     while time.time() < deadline:
         if main_end.poll(1.0):
             res = main_end.recv()
             break
-        if not ps.is_alive():
-            res = {"error": f"sender exited with {ps.exitcode}"}
+        if not procs[1].is_alive():
+            res = {"error": f"sender exited with {procs[1].exitcode}"}
             break
-    else:
-        res = {"error": "timed out"}
-    for proc in (ps, pr):
-        proc.join(15)
-        if proc.is_alive():
-            proc.kill()
+    for pr in procs:
+        pr.join(15)
+        if pr.is_alive():
+            pr.kill()
     res["args"] = a
     res["odd_exact"] = odd
-    print(json.dumps(res, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
+    res["tune"] = tuned
+    if a["out"]:
+        with open(a["out"], "w") as f:
             json.dump(res, f, indent=1)
-    return 0 if "error" not in res else 1
+    print(json.dumps({k: v for k, v in res.items() if k not in ("shapes", "kernels", "tune", "args")}))
+    print(summary(res), flush=True)
+    return 0 if "error" not in res and all(odd.values()) else 1
+
+
+def main() -> int:
+    a = vars(parser(__doc__ or "", ONE_GPU_PATHS, "cuda:0", "cuda:0", "594,64,8").parse_args())
+    return run(a)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,27 @@ Bounce (``bounce.py``)
       Both sides must pass the same ``Runs`` for writer i (they are merged identically on both sides).
     - Notifications are ``dsa1:<b|d><writer>:<tag>`` (``encode_notif`` / ``decode_notif``).
 
+Copy kernel (``copy.py``)
+    ``copy_runs(src, dst, runs, impl=None, config=None) -> "triton" | "index"``: one pass over the bytes
+    of ``runs`` from ``src`` to ``dst`` (scattered or packed on either side; ``dst`` may be a peer GPU's
+    mapping). CUDA: one Triton kernel over a table of pieces (``plan_pieces``; 16-byte vector accesses
+    when every offset is 16-byte aligned); CPU: torch index ops. ``gather``/``scatter`` use it on CUDA.
+    ``VLLM_DSA_COPY_IMPL`` = auto | triton | index.
+
+Same-node single copy (``ipc.py``)
+    ``export_region(tensor) -> IpcDesc`` (``to_dict`` for the handshake) on D; ``open_region(desc)`` on
+    P maps it once (``IpcUnavailable`` on another host / GPU not visible); ``enable_peer_access(a, b)``
+    for two GPUs; ``link_between(local_device, remote_host, remote_uuid)`` names the gate's link.
+    ``BounceSender.send(..., path="ipc" | paths=(..., "ipc"), ipc=mapped)``: one kernel writes D's pages,
+    then a NIXL notification ``dsa1:i<writer>:<tag>`` (no scatter on D).
+
+Pipelined bounce
+    ``plan_chunks(runs, count, align=4096) -> list[Chunk]`` (deterministic, both sides).
+    ``BounceSender.send(..., path="pipelined", chunks=K)`` gathers K chunks back to back and posts each
+    chunk's one-descriptor WRITE when its gather is done (``progress(send)`` from the worker loop;
+    ``wait`` drives it); notifications ``dsa1:c<writer>.<i>.<K>:<tag>`` (``encode_chunk_notif``);
+    ``BounceReceiver`` scatters each chunk on arrival and completes after the last.
+
 Gate (``gate.py``)
     ``BounceGate.from_config(kv_connector_extra_config, device="cpu"|"cuda:0", environ=None)``;
     ``decide(runs) -> "bounce" | "direct"`` on the runs AFTER merging; ``decision(runs)`` with reason
@@ -70,37 +91,53 @@ Gate (``gate.py``)
     ``bounce_reserve_timeout_s``. Explicit > env > defaults; a bad value or an unknown ``bounce_*`` key
     raises ``OptionError`` naming the key (call it at start-up). Other keys of the dict are ignored, so
     pass the whole extra config; add ``BOUNCE_OPTION_KEYS`` to your ``check_unknown`` set.
+    ``choose(runs, paths=("direct", "bounce", "pipelined", "ipc"), link=None) -> Decision`` (``path``,
+    ``chunks``, ``reason``, ``estimates``): the fastest possible path over a link, from the per-link
+    ``LINKS`` profiles (``same_gpu``, ``nvlink``, ``rdma``, ``cma``, ``tcp``; ``LinkProfile.estimates``);
+    ``for_link(name)`` gives a gate for another link. Keys ``bounce_link``, ``bounce_wire_gbps``,
+    ``bounce_ipc_gbps``, ``bounce_max_chunks``.
 
 Measured (2026-11-29; medians; the 2-vCPU host was shared, load 8-15, so compare ratios)
     ``vllm-dsa bench transfer`` 4096 x 576 B: scattered/bounce 4.2-4.9x (default UCX and tcp); gate
     picks bounce. 1024 x 64 KiB: default UCX direct wins (gate: direct), tcp bounce wins 1.13-1.3x under
-    load (gate: bounce). H200, GLM-5.2-shaped request (58,806 page runs -> 593 merged, 2.05 GB): bounce
-    end to end incl. receiver scatter 4.06-4.10 ms (1 descriptor) vs 5.7-7.1 ms direct (593-594);
-    index_select / index_copy_ kernels at 0.93 / 0.98 of a device copy (0.83-0.90 per call with the
-    index upload and launch).
+    load (gate: bounce).
+Measured on H200 (2026-11-30; bench/gpu_transfer.py, bench/gpu_two_gpu.py; README "Transport paths on
+H200"): the GLM-5.2-shaped request (2.05 GB, 593 merged runs), two processes on one GPU: ipc 1.62-2.00 ms
+end to end, bounce 4.2-4.9, direct 5.0-7.9; GPU 0 -> GPU 1: ipc (Triton stores over NVLink) 6.53 ms,
+merged direct 7.05-7.46, pipelined x4 7.4-8.9, bounce 8.4-9.2, a plain peer copy 5.30 (387 GB/s).
 """
 
 from vllm_dsa_connector.transport.gate import (
     BOUNCE_OPTION_KEYS,
+    LINKS,
+    PATHS,
     PROFILES,
     BounceGate,
     BounceSettings,
     CostModel,
     Decision,
+    LinkProfile,
     detect_profile,
 )
-from vllm_dsa_connector.transport.runs import Runs, merge_runs, runs_from_blocks
+from vllm_dsa_connector.transport.runs import Chunk, Runs, merge_runs, plan_chunks, runs_from_blocks
 
 __all__ = [
     "BOUNCE_OPTION_KEYS",
+    "LINKS",
+    "PATHS",
     "PROFILES",
     "BounceGate",
     "BounceReceiver",
     "BounceSender",
     "BounceSettings",
+    "Chunk",
+    "CopyConfig",
     "CostModel",
     "Decision",
+    "IpcDesc",
+    "IpcUnavailable",
     "LayoutError",
+    "LinkProfile",
     "NixlEngine",
     "PreparedList",
     "Region",
@@ -113,18 +150,29 @@ __all__ = [
     "Transfer",
     "TransferError",
     "TransferStats",
+    "ce_available",
     "check_fan_in",
+    "copy_runs",
+    "decode_chunk_notif",
     "decode_notif",
     "detect_profile",
+    "enable_peer_access",
+    "encode_chunk_notif",
     "encode_notif",
+    "export_region",
     "gather",
+    "link_between",
     "merge_runs",
+    "open_region",
+    "plan_chunks",
+    "plan_pieces",
     "runs_from_blocks",
     "scatter",
 ]
 
 _LAZY = {
     "NixlEngine": "engine",
+    "PreparedList": "engine",
     "Region": "engine",
     "RegionDesc": "engine",
     "Transfer": "engine",
@@ -138,10 +186,22 @@ _LAZY = {
     "StagingArena": "bounce",
     "StagingSlot": "bounce",
     "check_fan_in": "bounce",
+    "decode_chunk_notif": "bounce",
     "decode_notif": "bounce",
+    "encode_chunk_notif": "bounce",
     "encode_notif": "bounce",
     "gather": "bounce",
     "scatter": "bounce",
+    "CopyConfig": "copy",
+    "copy_runs": "copy",
+    "ce_available": "copy",
+    "plan_pieces": "copy",
+    "IpcDesc": "ipc",
+    "IpcUnavailable": "ipc",
+    "enable_peer_access": "ipc",
+    "export_region": "ipc",
+    "link_between": "ipc",
+    "open_region": "ipc",
 }
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Runs", "merge_runs", "runs_from_blocks"]
+__all__ = ["Chunk", "Runs", "merge_runs", "plan_chunks", "runs_from_blocks"]
 
 
 def _as_i64(name: str, values: object) -> np.ndarray:
@@ -174,3 +174,58 @@ def runs_from_blocks(
     lens = np.full(s.size, int(block_bytes), np.int64)
     src, dst = s * block_bytes + src_base, d * block_bytes + dst_base
     return merge_runs(src, dst, lens) if merge else Runs(src, dst, lens)
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """One piece of a pipelined transfer: staging bytes ``[start, start + nbytes)`` and the runs in them.
+
+    ``runs`` keep their source and destination offsets; packed in order they fill exactly the chunk's
+    staging range (gather chunk ``i`` into ``staging[start:start + nbytes]``, scatter it from there).
+    """
+
+    index: int
+    start: int
+    nbytes: int
+    runs: Runs
+
+
+def plan_chunks(runs: Runs, count: int, *, align: int = 4096) -> list[Chunk]:
+    """Cut ``runs`` (in their packed order) into at most ``count`` chunks of about equal bytes.
+
+    Cuts fall on multiples of ``align`` in the packed (staging) byte stream, so a run may be split
+    between two chunks; every byte lands in exactly one chunk, in order. Deterministic: the sender and
+    the receiver of a pipelined bounce compute the same plan from the same (merged) runs and ``count``.
+    Vectorised (no Python loop per run). Empty chunks are dropped.
+    """
+    if count < 1:
+        raise ValueError(f"plan_chunks: count must be >= 1, got {count}")
+    if align < 1:
+        raise ValueError(f"plan_chunks: align must be >= 1, got {align}")
+    total = runs.total_bytes
+    if count == 1 or total == 0:
+        return [Chunk(0, 0, total, runs)] if total else []
+    # Cut points in staging space: multiples of align near j * total / count, strictly inside (0, total).
+    j = np.arange(1, count, dtype=np.int64)
+    cuts = -(-(j * total // count) // align) * align
+    cuts = np.unique(cuts[(cuts > 0) & (cuts < total)])
+    keep = runs.lengths > 0
+    src, dst, lens = runs.src_offsets[keep], runs.dst_offsets[keep], runs.lengths[keep]
+    starts = np.zeros(lens.size, np.int64)
+    if lens.size > 1:
+        np.cumsum(lens[:-1], out=starts[1:])
+    bounds = np.union1d(starts, cuts)  # every piece starts at a run start or a cut
+    ends = np.r_[bounds[1:], total]
+    r = np.searchsorted(starts, bounds, side="right") - 1  # the run each piece lies in
+    delta = bounds - starts[r]
+    p_src, p_dst, p_len = src[r] + delta, dst[r] + delta, ends - bounds
+    chunk_of = np.searchsorted(cuts, bounds, side="right")
+    edges = np.searchsorted(chunk_of, np.arange(cuts.size + 2), side="left")
+    out: list[Chunk] = []
+    for c in range(cuts.size + 1):
+        a, b = int(edges[c]), int(edges[c + 1])
+        if a == b:
+            continue
+        sub = Runs(p_src[a:b], p_dst[a:b], p_len[a:b])
+        out.append(Chunk(len(out), int(bounds[a]), int(p_len[a:b].sum()), sub))
+    return out

@@ -1,0 +1,365 @@
+"""Transport paths beyond bounce/direct, on CPU: chunk plans, the run-copy planner and kernel (Triton's
+interpreter), the per-link gate, chunk/IPC notifications, the pipelined receiver, and a pipelined bounce
+between two real NIXL agents. Timings are never asserted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_dsa_connector.options import OptionError
+from vllm_dsa_connector.transport import (
+    LINKS,
+    BounceGate,
+    BounceSettings,
+    IpcDesc,
+    Runs,
+    StagingArena,
+    copy_runs,
+    decode_chunk_notif,
+    decode_notif,
+    encode_chunk_notif,
+    encode_notif,
+    link_between,
+    plan_chunks,
+    plan_pieces,
+    runs_from_blocks,
+)
+
+GLM_BLOCK = 78 * 41984 + 21 * 8448  # bytes of one GLM-5.2-shaped block (BLHNC)
+
+
+def _bytes(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    if lengths.size == 0:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, lengths, strict=True)])
+
+
+def _random_runs(rng: np.random.Generator, n: int, unit: int, off: int = 0) -> Runs:
+    lens = rng.integers(1, 40, n) * unit
+    gaps = rng.integers(1, 9, n) * unit
+    src = np.r_[0, np.cumsum((lens + gaps)[:-1])] + off
+    order = rng.permutation(n)
+    dst = np.empty(n, np.int64)
+    dst[order] = np.r_[0, np.cumsum((lens[order] + gaps[order])[:-1])] + off
+    return Runs(src, dst, lens)
+
+
+# -- plans ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 16, 1000])
+def test_plan_chunks_covers_every_byte_once_in_order(count: int) -> None:
+    runs = _random_runs(np.random.default_rng(count), 100, 256)
+    chunks = plan_chunks(runs, count, align=4096)
+    assert 1 <= len(chunks) <= count
+    pos = 0
+    for i, ch in enumerate(chunks):
+        assert ch.index == i and ch.start == pos and ch.runs.total_bytes == ch.nbytes > 0
+        assert ch.start % 4096 == 0
+        pos += ch.nbytes
+    assert pos == runs.total_bytes
+    src = np.concatenate([_bytes(c.runs.src_offsets, c.runs.lengths) for c in chunks])
+    dst = np.concatenate([_bytes(c.runs.dst_offsets, c.runs.lengths) for c in chunks])
+    assert np.array_equal(src, _bytes(runs.src_offsets, runs.lengths))
+    assert np.array_equal(dst, _bytes(runs.dst_offsets, runs.lengths))
+    assert plan_chunks(Runs.empty(), 4) == []
+    with pytest.raises(ValueError):
+        plan_chunks(runs, 0)
+
+
+def test_plan_pieces_splits_runs_keeping_alignment() -> None:
+    t = plan_pieces(np.array([0, 10_000]), np.array([5_000, 0]), np.array([1000, 0]), 300)
+    assert t.tolist() == [[0, 300, 600, 900], [5000, 5300, 5600, 5900], [300, 300, 300, 100]]
+    assert plan_pieces(np.zeros(0), np.zeros(0), np.zeros(0), 8).shape == (3, 0)
+
+
+def test_runs_table_splits_only_skewed_runs() -> None:
+    from vllm_dsa_connector.transport.copy import _runs_table
+
+    lens = np.full(10, 1 << 20, np.int64)
+    table, per_run = _runs_table(np.arange(10) << 20, np.arange(10) << 20, lens, 1 << 16)
+    assert table.shape == (3, 10) and per_run == 16  # uniform: one entry per run
+    lens[3] = 1 << 30  # one run 1024x the others: split so the grid stays small
+    table, per_run = _runs_table(np.arange(10) << 31, np.arange(10) << 31, lens, 1 << 16)
+    assert table.shape[1] > 10 and table[2].sum() == lens.sum() and per_run * table.shape[1] < 4 * (
+        lens.sum() >> 16
+    )
+
+
+# -- copy ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unit,off", [(1, 3), (8, 0), (16, 0), (576, 0)])
+def test_copy_runs_scattered_to_scattered_exact(unit: int, off: int) -> None:
+    runs = _random_runs(np.random.default_rng(unit), 200, unit, off)
+    size = max(runs.src_extent(), runs.dst_extent()) + 64
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    assert copy_runs(src, dst, runs) == "index"  # CPU
+    ref = np.zeros(size, np.uint8)
+    ref[_bytes(runs.dst_offsets, runs.lengths)] = src.numpy()[_bytes(runs.src_offsets, runs.lengths)]
+    assert np.array_equal(dst.numpy(), ref)
+    with pytest.raises(ValueError):
+        copy_runs(src, dst[:10], runs)
+    with pytest.raises(ValueError):
+        copy_runs(src, dst, runs, impl="triton")  # needs CUDA tensors
+
+
+_INTERPRET = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch
+from vllm_dsa_connector.transport import copy as C
+from vllm_dsa_connector.transport.runs import Runs
+assert C.triton_available(), C._KERNEL_ERROR
+rng = np.random.default_rng(0)
+for unit, off, skew in ((1, 3, False), (8, 0, False), (16, 0, True), (256, 0, False)):
+    n = 40
+    lens = rng.integers(1, 40, n) * unit
+    if skew:
+        lens[5] = lens.sum() * 5 // unit * unit
+    gaps = rng.integers(1, 9, n) * unit
+    src = np.r_[0, np.cumsum((lens + gaps)[:-1])] + off
+    order = rng.permutation(n)
+    dst = np.empty(n, np.int64)
+    dst[order] = np.r_[0, np.cumsum((lens[order] + gaps[order])[:-1])] + off
+    runs = Runs(src, dst, lens)
+    size = int(max(runs.src_extent(), runs.dst_extent())) + 16
+    s = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    d = torch.zeros(size, dtype=torch.uint8)
+    cfg = C.CopyConfig(piece_bytes=1024, block_bytes=64, num_warps=1)
+    C._launch_triton(s, d, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg)
+    ref = torch.zeros(size, dtype=torch.uint8)
+    C._copy_index(s, ref, runs.src_offsets, runs.dst_offsets, runs.lengths)
+    assert torch.equal(d, ref), (unit, off, skew)
+print("ok")
+"""
+
+
+def test_triton_copy_kernel_exact_under_interpreter() -> None:
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRET], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_copy_config_from_env() -> None:
+    from vllm_dsa_connector.transport.copy import DEFAULT_CONFIG, default_config, default_impl
+
+    assert default_config({}) is DEFAULT_CONFIG
+    cfg = default_config({"VLLM_DSA_COPY_CONFIG": "65536,16384,8"})
+    assert (cfg.piece_bytes, cfg.block_bytes, cfg.num_warps) == (65536, 16384, 8)
+    with pytest.raises(ValueError):
+        default_config({"VLLM_DSA_COPY_CONFIG": "big"})
+    assert default_impl({}) == "auto" and default_impl({"VLLM_DSA_COPY_IMPL": "ce"}) == "ce"
+    with pytest.raises(ValueError):
+        default_impl({"VLLM_DSA_COPY_IMPL": "dma"})
+
+
+# -- gate ----------------------------------------------------------------------------------------------
+
+
+def _glm(blocks: int) -> Runs:
+    return runs_from_blocks(np.arange(blocks) * 2, np.arange(blocks) * 2 + 1, GLM_BLOCK)
+
+
+ALL = ("direct", "bounce", "pipelined", "ipc")
+
+
+@pytest.mark.parametrize(
+    "link,blocks,expected",
+    [
+        # What the H200 runs measured fastest (README "Transport on H200").
+        ("same_gpu", 594, "ipc"),
+        ("same_gpu", 64, "ipc"),
+        ("same_gpu", 8, "direct"),
+        ("nvlink", 594, "ipc"),
+        ("nvlink", 64, "direct"),
+        ("nvlink", 8, "direct"),
+    ],
+)
+def test_gate_choose_per_link_matches_measured_best(link: str, blocks: int, expected: str) -> None:
+    d = BounceGate(device="cuda:0", link=link, environ={}).choose(_glm(blocks), paths=ALL)
+    assert d.path == expected and d.link == link and f"link {link}" in d.reason
+    assert {"direct", "bounce", "ipc"} <= dict(d.estimates).keys()
+
+
+def test_gate_choose_paths_thresholds_and_modes() -> None:
+    gate = BounceGate(device="cuda:0", link="nvlink", environ={})
+    big = _glm(594)
+    assert gate.choose(big, paths=("direct", "bounce", "pipelined")).path == "direct"
+    # Without the direct path's descriptors being cheap, pipelining beats one bounce across GPUs.
+    slow = BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", link="nvlink", environ={})
+    d = slow.choose(big, paths=("direct", "bounce", "pipelined"))
+    assert d.path == "pipelined" and d.chunks >= 2
+    one_gpu = BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", link="same_gpu", environ={})
+    assert one_gpu.choose(big, paths=("direct", "bounce", "pipelined")).path == "bounce"  # no overlap
+    never = BounceGate(BounceSettings(mode="never"), device="cuda:0", link="nvlink", environ={})
+    assert never.choose(big, paths=("direct", "bounce", "pipelined")).path == "direct"
+    always = BounceGate(BounceSettings(mode="always"), device="cuda:0", link="same_gpu", environ={})
+    assert always.choose(big, paths=ALL).path in ("bounce", "pipelined")
+    few = gate.choose(_glm(4), paths=("bounce", "pipelined"))
+    assert few.path == "direct" and "bounce_min_runs" in few.reason
+    assert gate.choose(Runs.empty(), paths=ALL).path == "direct"
+    capped = BounceGate(BounceSettings(max_chunks=1, desc_cost_us=50.0), device="cuda:0", link="nvlink",
+                        environ={})
+    assert capped.choose(big, paths=("pipelined",)).path == "direct"  # no chunk count allowed
+    with pytest.raises(ValueError):
+        gate.choose(big, paths=("teleport",))
+    assert gate.for_link("same_gpu").choose(big, paths=ALL).path == "ipc"
+    assert gate.choose(big, paths=ALL, link="same_gpu").link == "same_gpu"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gate_choose_agrees_with_decision_on_cpu_links(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for profile in ("cma", "tcp"):
+        gate = BounceGate(BounceSettings(profile=profile), environ={})
+        assert gate.link == profile and LINKS[profile].ipc_gbps is None
+        for _ in range(30):
+            n = int(rng.integers(1, 5000))
+            block = int(rng.choice([576, 4096, 16384, 65536, 1 << 20]))
+            runs = runs_from_blocks(np.arange(n), np.arange(n) * 2, block)
+            assert gate.choose(runs, paths=("direct", "bounce")).path == gate.decide(runs)
+
+
+def test_gate_link_options() -> None:
+    g = BounceGate.from_config({"bounce_link": "nvlink", "bounce_ipc_gbps": 100}, device="cuda:0",
+                               environ={})
+    assert g.link == "nvlink" and g.link_profile.ipc_gbps == 100.0
+    assert BounceGate.from_config({}, device="cuda:0", environ={}).link == "same_gpu"
+    assert BounceGate.from_config({}, environ={"UCX_TLS": "tcp"}).link == "tcp"
+    cpu_rdma = BounceGate.from_config({"bounce_link": "rdma"}, environ={}).link_profile
+    assert cpu_rdma.copy_gbps == 4.0 and not cpu_rdma.overlap  # host memory: CPU copies
+    for bad in ({"bounce_link": "pcie"}, {"bounce_max_chunks": 0}, {"bounce_wire_gbps": 0}):
+        with pytest.raises(OptionError, match=next(iter(bad))):
+            BounceGate.from_config(bad, environ={})
+    with pytest.raises(ValueError):
+        BounceGate(device="cpu", link="pcie", environ={})
+
+
+def test_link_between_cpu_and_unknown_peer() -> None:
+    assert link_between("cpu") == "cma" and link_between("cpu", cpu_link="tcp") == "tcp"
+    if torch.cuda.is_available():  # pragma: no cover - GPU hosts only
+        assert link_between("cuda:0", None) == "rdma"
+
+
+# -- notifications, IPC descriptors ---------------------------------------------------------------------
+
+
+def test_chunk_and_ipc_notifications() -> None:
+    msg = encode_chunk_notif(2, 3, 8, b"req:1")
+    assert decode_chunk_notif(msg) == (2, 3, 8, b"req:1") and decode_notif(msg) is None
+    assert decode_chunk_notif(encode_chunk_notif(0, 8, 8, b"x")) is None  # index out of range
+    assert decode_chunk_notif(b"dsa1:c1.2:x") is None and decode_chunk_notif(b"other") is None
+    assert decode_notif(encode_notif("ipc", 5, b"t")) == ("ipc", 5, b"t")
+    assert decode_chunk_notif(encode_notif("bounce", 0, b"t")) is None
+
+
+def test_ipc_desc_roundtrip_and_refusals() -> None:
+    from vllm_dsa_connector.transport import IpcUnavailable, export_region, open_region
+    from vllm_dsa_connector.transport.ipc import host_id
+
+    d = IpcDesc(host_id(), "GPU-x", 100, 8, b"\x01\x02", 4096, 0, b"ref", 3, b"", False)
+    assert IpcDesc.from_dict(d.to_dict()) == d
+    with pytest.raises(ValueError):
+        IpcDesc.from_dict({"host": "h"})
+    with pytest.raises(IpcUnavailable):
+        export_region(torch.zeros(4))  # CPU memory cannot be shared this way
+    other = IpcDesc("elsewhere/0", "GPU-x", 100, 8, b"\x01", 4096, 0, b"", 0, b"", False)
+    with pytest.raises(IpcUnavailable, match="host"):
+        open_region(other.to_dict())
+
+
+# -- pipelined receive and send ---------------------------------------------------------------------------
+
+
+def test_receiver_scatters_each_chunk_and_completes_after_the_last() -> None:
+    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine
+
+    eng = NixlEngine(f"unit-pipe-{time.monotonic_ns()}")
+    try:
+        arena = StagingArena(1 << 20, align=4096)
+        rcv = BounceReceiver(eng, arena)
+        dst = torch.zeros(1 << 19, dtype=torch.uint8)
+        runs = runs_from_blocks([0, 1, 2, 3], [7, 2, 5, 0], 16384)
+        (slot,) = rcv.expect(b"p", dst, [runs])
+        packed = torch.randint(0, 256, (runs.total_bytes,), dtype=torch.uint8)
+        arena.buffer[slot.offset : slot.offset + runs.total_bytes] = packed
+        chunks = plan_chunks(runs.merged(), 3)
+        assert rcv.handle("w", encode_chunk_notif(0, 2, len(chunks), b"p"))  # out of order is fine
+        assert rcv._finish() == []
+        rcv.handle("w", encode_chunk_notif(0, 0, len(chunks), b"p"))
+        rcv.handle("w", encode_chunk_notif(0, 0, len(chunks), b"p"))  # repeated: ignored
+        assert rcv._finish() == []
+        rcv.handle("w", encode_chunk_notif(0, 1, len(chunks), b"p"))
+        assert rcv._finish() == [b"p"] and arena.free_bytes == arena.size
+        m = runs.merged()
+        for so, do, n in zip(m.staging_offsets(), m.dst_offsets, m.lengths, strict=True):
+            assert torch.equal(dst[do : do + n], packed[so : so + n])
+        # Chunk notifications that arrive before expect() wait for it.
+        rcv.handle("w", encode_chunk_notif(0, 0, 1, b"q"))
+        rcv.expect(b"q", dst, [runs])
+        assert rcv._finish() == [b"q"]
+    finally:
+        eng.close()
+
+
+def test_pipelined_and_gated_sends_between_two_agents_exact() -> None:
+    from vllm_dsa_connector.transport import BounceReceiver, BounceSender, NixlEngine
+
+    stamp = time.monotonic_ns()
+    a, b = NixlEngine(f"pipe-s-{stamp}"), NixlEngine(f"pipe-r-{stamp}")
+    try:
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        snd = BounceSender(a, StagingArena(1 << 20), BounceGate(BounceSettings(min_runs=1), environ={}))
+        rcv = BounceReceiver(b, StagingArena(1 << 20))
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        rng = np.random.default_rng(0)
+        sb, db = rng.choice(256, 100, replace=False), rng.choice(256, 100, replace=False)
+        runs = runs_from_blocks(sb, db, 4096, merge=False)
+        cases = [("pipelined", 5, None), ("pipelined", 1, None), ("bounce", None, None),
+                 (None, None, ("direct", "bounce", "pipelined"))]
+
+        def complete(s, tag: bytes) -> None:
+            deadline = time.monotonic() + 20
+            while tag not in rcv.poll():
+                snd.progress(s)
+                for x in s._posted or [s.transfer]:
+                    if x._xfer is not None:
+                        a.state(x)  # the sender's agent progresses too (one process here)
+                assert time.monotonic() < deadline, f"{s.path} did not complete"
+
+        for i, (path, k, paths) in enumerate(cases):
+            dst.zero_()
+            tag = f"t{i}".encode()
+            (slot,) = rcv.expect(tag, dst, [runs])
+            s = snd.send(peer, rs, rd.desc(), runs, tag, slot=slot, path=path, chunks=k, paths=paths)
+            complete(s, tag)
+            st = snd.wait(s)
+            if path == "pipelined":
+                assert s.chunks == st.num_runs == k
+            for x, y in zip(sb, db, strict=True):
+                assert torch.equal(dst[y * 4096 : (y + 1) * 4096], src[x * 4096 : (x + 1) * 4096])
+        assert snd.arena.free_bytes == snd.arena.size and rcv.arena.free_bytes == rcv.arena.size
+        # No IPC mapping: a forced ipc path falls back to a direct WRITE.
+        (slot,) = rcv.expect(b"z", dst, [runs], bounce=False)
+        s = snd.send(peer, rs, rd.desc(), runs, b"z", slot=None, path="ipc")
+        assert s.path == "direct"
+        complete(s, b"z")
+        snd.wait(s)
+    finally:
+        a.close()
+        b.close()
