@@ -345,6 +345,8 @@ def test_registration_is_idempotent():
     register_tokenizer_mode()
     register_tokenizer_mode()
     assert TokenizerRegistry.tokenizers["dsa-prefix-cache"][1] == "DSAPrefixCacheTokenizer"
-    assert RENDERER_REGISTRY.renderers["dsa-prefix-cache"] == ("vllm.renderers.hf", "HfRenderer")
+    # the base mode's own renderer (tests/test_tokenizer_modes.py)
+    assert RENDERER_REGISTRY.renderers["dsa-prefix-cache"] == (
+        "vllm_dsa_connector.tokenizer.modes", "prefix_cache_renderer")
     cls = TokenizerRegistry.load_tokenizer_cls("dsa-prefix-cache")
     assert callable(cls.from_pretrained)  # loading through it is covered by test_tokenizer_serve

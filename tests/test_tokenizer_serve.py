@@ -33,14 +33,14 @@ TURNS = [
 
 
 def _port() -> int:
-    for port in range(21000 + os.getpid() % 900, 22000):
+    for port in range(25100 + os.getpid() % 50, 25200):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 21000-21999")
+    raise RuntimeError("no free port in 25100-25199")
 
 
 def _post(url: str, body: dict) -> dict:

@@ -1,11 +1,15 @@
-"""Register the ``dsa-prefix-cache`` tokenizer mode with vLLM (called by the general plugin in every process)."""
+"""Register the ``dsa-prefix-cache`` tokenizer mode with vLLM (called by the general plugin in every process).
+
+The tokenizer entry loads the base mode's tokenizer and wraps it; the renderer entry returns the base mode's
+renderer (see :mod:`.modes`).
+"""
 
 from __future__ import annotations
 
 from .wrapper import MODE
 
 TOKENIZER_ENTRY = ("vllm_dsa_connector.tokenizer.wrapper", "DSAPrefixCacheTokenizer")
-RENDERER_ENTRY = ("vllm.renderers.hf", "HfRenderer")
+RENDERER_ENTRY = ("vllm_dsa_connector.tokenizer.modes", "prefix_cache_renderer")
 
 
 def register_tokenizer_mode() -> None:

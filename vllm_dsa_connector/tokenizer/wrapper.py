@@ -1,4 +1,4 @@
-"""The ``dsa-prefix-cache`` tokenizer mode: vLLM's HF tokenizer with prompt encoding through a PrefixTokenCache.
+"""The ``dsa-prefix-cache`` tokenizer mode: a vLLM mode's tokenizer with prompt encoding through a PrefixTokenCache.
 
 :func:`wrap_tokenizer` returns a copy of a transformers fast tokenizer whose class is a subclass of the original
 one (so every ``isinstance`` check, chat template and vLLM's thread pool keep working) with ``__call__`` and
@@ -7,6 +7,10 @@ handled by adding the fixed prefix/suffix ids that the tokenizer's post-processo
 post-processors that add constant tokens); truncation that would cut, pairs, batches, offsets, tensors and
 padding go to the original implementation. Copies of the tokenizer (vLLM deep-copies it per worker thread)
 share one cache. Stats are logged every ``log_interval_s`` seconds.
+
+:class:`DSAPrefixCacheTokenizer` (the vLLM TokenizerRegistry entry) wraps the tokenizer of the *base mode*
+(the mode vLLM would use for the model, or ``VLLM_DSA_TOKCACHE_BASE_MODE``; see :mod:`.modes`), so the base
+mode's chat encoding and renderer stay in charge and only text -> ids goes through the cache.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from typing import Any
 from vllm.logger import init_logger
 
 from .cache import PrefixTokenCache
+from .modes import MODE, BaseMode, ModeError, check_tokenizer, resolve_base_mode
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
-MODE = "dsa-prefix-cache"
 _CONSTANT_POSTPROCESSORS = {"ByteLevel", "TemplateProcessing", "BertProcessing", "RobertaProcessing"}
 _PROBES = ("a", "Hello world", "x\n\ny  z", "é1")
 # kwargs of __call__ that keep the cached path when they have these (default) values
@@ -115,19 +119,27 @@ def _truncation_limit(tok: Any, truncation: Any, max_length: int | None) -> int 
 
 def _make_class(base_cls: type) -> type:
     class DSAPrefixCacheTokenizer(base_cls):  # type: ignore[misc, valid-type]
+        def _dsa_ids(self, text: str, kwargs: dict[str, Any]) -> list[int] | None:
+            """The ids of the cached path, or None when the original implementation must run."""
+            add_special_tokens = kwargs.get("add_special_tokens", True)
+            if add_special_tokens and self._dsa_affixes is None:
+                return None
+            ids = self._dsa_cache.encode(text)
+            if add_special_tokens and (self._dsa_affixes[0] or self._dsa_affixes[1]):
+                ids = self._dsa_affixes[0] + ids + self._dsa_affixes[1]
+            limit = _truncation_limit(self, kwargs.get("truncation"), kwargs.get("max_length"))
+            if limit is not None and len(ids) > limit:
+                return None
+            self._dsa_cache.log_if_due()
+            return ids
+
         def __call__(self, text: Any = None, text_pair: Any = None, *args: Any, **kwargs: Any) -> Any:
             # Same positional order as transformers (text, text_pair, text_target, ...): any further
             # positional argument goes to the original implementation untouched.
-            add_special_tokens = kwargs.get("add_special_tokens", True)
             if (self._dsa_agrees and not args and isinstance(text, str) and text_pair is None
-                    and all(k in _KNOWN or (k in _BENIGN and v in _BENIGN[k]) for k, v in kwargs.items())
-                    and (not add_special_tokens or self._dsa_affixes is not None)):
-                ids = self._dsa_cache.encode(text)
-                if add_special_tokens and (self._dsa_affixes[0] or self._dsa_affixes[1]):
-                    ids = self._dsa_affixes[0] + ids + self._dsa_affixes[1]
-                limit = _truncation_limit(self, kwargs.get("truncation"), kwargs.get("max_length"))
-                if limit is None or len(ids) <= limit:
-                    self._dsa_cache.log_if_due()
+                    and all(k in _KNOWN or (k in _BENIGN and v in _BENIGN[k]) for k, v in kwargs.items())):
+                ids = self._dsa_ids(text, kwargs)
+                if ids is not None:
                     from transformers import BatchEncoding
 
                     data: dict[str, list[int]] = {"input_ids": ids}
@@ -140,11 +152,14 @@ def _make_class(base_cls: type) -> type:
             return super().__call__(text, text_pair, *args, **kwargs)
 
         def encode(self, text: Any, text_pair: Any = None, *args: Any, **kwargs: Any) -> Any:
+            # The path of vLLM's chat encodings (DeepSeek V3.2/V4 modes: encode(prompt, add_special_tokens=False)):
+            # ids straight from the cache, no BatchEncoding.
             if (self._dsa_agrees and not args and isinstance(text, str) and text_pair is None
                     and set(kwargs) <= {"add_special_tokens", "truncation", "max_length", "padding"}
                     and kwargs.get("padding", False) in (False, None)):
-                kwargs.pop("padding", None)
-                return self.__call__(text, **kwargs)["input_ids"]
+                ids = self._dsa_ids(text, kwargs)
+                if ids is not None:
+                    return ids
             return super().encode(text, text_pair, *args, **kwargs)
 
         @property
@@ -167,21 +182,25 @@ def _make_class(base_cls: type) -> type:
         def __reduce__(self) -> Any:  # pickling: the plain tokenizer plus the options, re-wrapped on load
             base: Any = object.__new__(base_cls)
             base.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_dsa_")})
-            return _rewrap, (base, self._dsa_cache.options)
+            return _rewrap, (base, self._dsa_cache.options, self._dsa_base)
 
     DSAPrefixCacheTokenizer.__name__ = f"DSAPrefixCache{base_cls.__name__}"
     DSAPrefixCacheTokenizer.__qualname__ = DSAPrefixCacheTokenizer.__name__
     return DSAPrefixCacheTokenizer
 
 
-def _rewrap(base: Any, options: Any) -> Any:
+def _rewrap(base: Any, options: Any, base_mode: BaseMode | None = None) -> Any:
     from dataclasses import asdict
 
-    return wrap_tokenizer(base, **asdict(options))
+    return wrap_tokenizer(base, base_mode=base_mode, **asdict(options))
 
 
-def wrap_tokenizer(tokenizer: Any, *, environ: Any = None, **options: Any) -> Any:
-    """A copy of ``tokenizer`` whose single-text encodes go through a new :class:`PrefixTokenCache`."""
+def wrap_tokenizer(tokenizer: Any, *, environ: Any = None, base_mode: BaseMode | None = None,
+                   **options: Any) -> Any:
+    """A copy of ``tokenizer`` whose single-text encodes go through a new :class:`PrefixTokenCache`.
+
+    ``base_mode``: the vLLM tokenizer mode ``tokenizer`` was loaded with (kept on the copy for the renderer).
+    """
     base_cls = type(tokenizer)
     cache = PrefixTokenCache(tokenizer, environ=environ, **options)
     wrapped = copy.copy(tokenizer)
@@ -189,6 +208,7 @@ def wrap_tokenizer(tokenizer: Any, *, environ: Any = None, **options: Any) -> An
     wrapped._dsa_cache = cache
     wrapped._dsa_affixes = _special_affixes(base_cls, tokenizer)
     wrapped._dsa_agrees = _backend_path_agrees(base_cls, tokenizer)
+    wrapped._dsa_base = base_mode
     cache.tokenizer = wrapped  # fingerprint the tokenizer that is served (shares the backend)
     s = cache.stats()
     logger.info(
@@ -202,17 +222,29 @@ def wrap_tokenizer(tokenizer: Any, *, environ: Any = None, **options: Any) -> An
 class DSAPrefixCacheTokenizer:
     """vLLM TokenizerRegistry entry for ``--tokenizer-mode dsa-prefix-cache``.
 
-    Loads the tokenizer exactly like the ``hf`` mode and wraps it; options come from the environment
-    (``VLLM_DSA_TOKCACHE_*``, see :class:`~vllm_dsa_connector.tokenizer.CacheOptions`).
+    Loads the tokenizer exactly like the base mode (vLLM's ``get_tokenizer`` with that mode, see
+    :func:`~vllm_dsa_connector.tokenizer.modes.resolve_base_mode`) and wraps it; a base mode or tokenizer that
+    cannot be wrapped raises :class:`~vllm_dsa_connector.tokenizer.modes.ModeError` naming it. Cache options
+    come from the environment (``VLLM_DSA_TOKCACHE_*``, see :class:`~vllm_dsa_connector.tokenizer.CacheOptions`).
     """
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | Path, *args: Any, **kwargs: Any) -> Any:
-        from vllm.tokenizers.hf import CachedHfTokenizer
+        from vllm.tokenizers.registry import get_tokenizer
 
-        base = CachedHfTokenizer.from_pretrained(path_or_repo_id, *args, **kwargs)
-        if not getattr(base, "is_fast", False) or not hasattr(base, "backend_tokenizer"):
-            logger.warning("%s: %s is not a fast tokenizer; serving it without the prefix cache",
-                           MODE, type(base).__name__)
-            return base
-        return wrap_tokenizer(base, environ=os.environ)
+        base_mode = resolve_base_mode(
+            path_or_repo_id, environ=os.environ, trust_remote_code=bool(kwargs.get("trust_remote_code")),
+            revision=kwargs.get("revision"),
+        )
+        base = get_tokenizer(path_or_repo_id, *args, tokenizer_mode=base_mode.mode, **kwargs)
+        check_tokenizer(base, base_mode)
+        wrapped = wrap_tokenizer(base, environ=os.environ, base_mode=base_mode)
+        if not wrapped._dsa_agrees:
+            raise ModeError(
+                f"--tokenizer-mode {MODE} cannot wrap tokenizer mode {base_mode.mode!r}: "
+                f"{type(base).__name__} gives other ids than its Rust backend on probe texts; serve it with "
+                f"--tokenizer-mode {base_mode.mode} (no prefix cache)"
+            )
+        logger.info("DSA prefix token cache: --tokenizer-mode %s wraps tokenizer mode %s: %s", MODE,
+                    base_mode.describe(), type(base).__name__)
+        return wrapped
