@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models made locally (cached across runs), free ports."""
+"""Shared fixtures and helpers: tiny models made locally (cached across runs), free ports, processes left on ports."""
 
 from __future__ import annotations
 
@@ -29,3 +29,25 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def processes_on_ports(base: int, span: int) -> list[str]:
+    """Live processes whose command line names a port in ``base .. base + span - 1`` (engines, proxies)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(f"--port {base + i}" in cmd for i in range(span)) or f":{base}" in cmd:
+            out.append(f"{pid}: {cmd[:120]}")
+    return out

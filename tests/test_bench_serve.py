@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import listening, processes_on_ports
 
 pytestmark = pytest.mark.slow
 
@@ -18,24 +18,7 @@ BASE = 25040  # HTTP base..base+2, side channels base+3, base+4
 
 
 def _ours(base: int) -> list[str]:
-    """Live processes started for this base port (engines and proxy)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(f"--port {base + i}" in cmd for i in range(3)) or f":{base}" in cmd:
-            out.append(f"{pid}: {cmd[:120]}")
-    return out
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    return processes_on_ports(base, 3)
 
 
 def test_bench_serve_smoke(tiny_mla_dir: Path, tmp_path: Path) -> None:
@@ -57,4 +40,4 @@ def test_bench_serve_smoke(tiny_mla_dir: Path, tmp_path: Path) -> None:
     while _ours(BASE) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _ours(BASE), f"left behind: {_ours(BASE)}"
-    assert not any(_listening(BASE + i) for i in range(5))
+    assert not any(listening(BASE + i) for i in range(5))

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import listening, processes_on_ports
 
 pytestmark = pytest.mark.slow
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def _our_engines(port_base: int) -> list[str]:
-    """Command lines of live processes started for this base port (engines and proxy)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(f"--port {port_base + i}" in cmd for i in range(6)) or f":{port_base}" in cmd:
-            out.append(f"{pid}: {cmd[:120]}")
-    return out
+    return processes_on_ports(port_base, 6)
 
 
 def test_demo_check_passes(tiny_mla_dir: Path, tmp_path: Path) -> None:
@@ -50,7 +32,7 @@ def test_demo_check_passes(tiny_mla_dir: Path, tmp_path: Path) -> None:
     turns = [line for line in out.splitlines() if "P/D turn" in line]
     assert len(turns) == 2 and all("runs checksummed" in t and " 0 B moved" not in t for t in turns), turns
     assert not _our_engines(base), "demo left processes behind"
-    assert not any(_listening(base + i) for i in range(6))
+    assert not any(listening(base + i) for i in range(6))
 
 
 def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
