@@ -153,13 +153,19 @@ def _output(sending=(), recving=(), failed=()):
                              failed_recving=set(failed))
 
 
+def _registered(p, d, clock, name: str, src: list[int], dst: list[int]):
+    """P prefilled ``p-<name>``; D allocated ``d-<name>`` and P accepted its registration."""
+    params = _prefill(p, f"p-{name}", 2 * BLOCK, src)
+    req = _load(d, clock, f"d-{name}", params, 2 * BLOCK, 0, dst)
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads[f"d-{name}"].reg)
+    d.build_connector_meta(None)
+    return req
+
+
 def test_give_up_before_dispatch_releases_at_once_and_p_never_writes(pd) -> None:
     p, d, clock = pd
-    params = _prefill(p, "p-stall", 2 * BLOCK, [21, 22])
-    _load(d, clock, "d-stall", params, 2 * BLOCK, 0, [50, 51])
-    d.build_connector_meta(None)
-    _wait(d.consumer.loads["d-stall"].reg)
-    d.build_connector_meta(None)
+    _registered(p, d, clock, "stall", [21, 22], [50, 51])
     assert p.producer.lease("p-stall").state is LeaseState.REGISTERED  # P's engine has not stepped yet
     clock.t += 5.1  # D's transfer timeout passes
     meta = d.build_connector_meta(None)
@@ -177,11 +183,7 @@ def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
     from vllm_dsa_connector.connector.consumer import SAFETY_MARGIN_S
 
     p, d, clock = pd
-    params = _prefill(p, "p-slow", 2 * BLOCK, [23, 24])
-    _load(d, clock, "d-slow", params, 2 * BLOCK, 0, [52, 53])
-    d.build_connector_meta(None)
-    _wait(d.consumer.loads["d-slow"].reg)
-    d.build_connector_meta(None)
+    _registered(p, d, clock, "slow", [23, 24], [52, 53])
     (job,) = p.build_connector_meta(None).push  # handed to P's workers: a WRITE may be in flight
     assert job.post_deadline <= d.consumer.loads["d-slow"].give_up_at + (job.post_deadline - clock.t)
     clock.t += 5.1
@@ -199,11 +201,7 @@ def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
 
 def test_abort_while_loading_keeps_blocks_until_safe(pd) -> None:
     p, d, clock = pd
-    params = _prefill(p, "p-abort", 2 * BLOCK, [25, 26])
-    req = _load(d, clock, "d-abort", params, 2 * BLOCK, 0, [54, 55])
-    d.build_connector_meta(None)
-    _wait(d.consumer.loads["d-abort"].reg)
-    d.build_connector_meta(None)
+    req = _registered(p, d, clock, "abort", [25, 26], [54, 55])
     from vllm.v1.request import RequestStatus
 
     req.status = RequestStatus.FINISHED_ABORTED
