@@ -29,7 +29,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.commands.demo import cluster, connector_config, metric, scrape, start_pair
+from vllm_dsa_connector.commands.demo import (
+    cluster,
+    connector_config,
+    metric,
+    resolve_model,
+    scrape,
+    start_pair,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,16 +145,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``vllm-dsa bench serve``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer is the local model directory
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if args.model:
-        model = Path(args.model)
-    elif args.model_kind == "dsa":
-        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
-
-        model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
-    else:
-        from vllm_dsa_connector.tiny_models import make_tiny_mla
-
-        model = make_tiny_mla()
+    model = resolve_model(args.model, args.model_kind)
     args.dtype = "float32"
     if args.input_len + args.output_len > 2048 or min(args.num_prompts, args.concurrency, args.input_len) < 1:
         print("vllm-dsa bench serve: need 1 <= --input-len, input + output <= 2048 (the engines' "

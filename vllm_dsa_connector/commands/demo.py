@@ -142,6 +142,20 @@ def engine_env(bind: str) -> dict[str, str]:
     return env
 
 
+def resolve_model(model: str | None, kind: str) -> Path:
+    """``model`` if given, else the tiny model of ``kind`` (``mla``: DeepSeek-V2 MLA; ``dsa``: GLM-MoE-DSA with
+    ``index_topk_freq=2``, ``index_topk=16``), made if absent."""
+    if model:
+        return Path(model)
+    if kind == "dsa":
+        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+
+        return make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
+    from vllm_dsa_connector.tiny_models import make_tiny_mla
+
+    return make_tiny_mla()
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (vLLM CPU then picks AMX_MLA for MLA models unless told otherwise)."""
     import torch
@@ -450,8 +464,6 @@ def run_turns(x_url: str, p_url: str, d_url: str, model: Path, turns: int, max_t
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``vllm-dsa demo``."""
-    from vllm_dsa_connector.tiny_models import make_tiny_mla
-
     if args.turns < 1:
         print("vllm-dsa demo: --turns must be >= 1", file=sys.stderr)
         return 2
@@ -460,14 +472,7 @@ def run(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as e:
         print(f"vllm-dsa demo: --extra-config is not JSON: {e}", file=sys.stderr)
         return 2
-    if args.model:
-        model = Path(args.model)
-    elif args.model_kind == "dsa":
-        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
-
-        model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
-    else:
-        model = make_tiny_mla()
+    model = resolve_model(args.model, args.model_kind)
     verify = not args.no_verify
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-dsa-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
