@@ -126,3 +126,23 @@ def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
         assert worker.get_transfer_results() == (set(), set(), set())
     finally:
         worker.shutdown()
+
+
+def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
+    from vllm_dsa_connector.connector.metadata import Notice, RankPayload, RecvJob
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.receiving import _Recv
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker, _RemoteEngine
+
+    worker = DSAConnectorWorker("D-unit", ConnectorOptions(), {}, role="kv_consumer")  # a real NIXL agent
+    try:
+        worker.remotes["P"] = _RemoteEngine([RankPayload("P", 0, 0, 0, "agent-p0", b"", {}, [], {})], {})
+        state = _Recv(RecvJob("d1", "P", [3], {0: [0]}, 30.0), {0}, time.monotonic() + 30, time.monotonic())
+        worker._apply(state, Notice("d1", 0, True, 10, 1), "direct", "agent-evil")  # a forged notice
+        assert state.pending == {0}
+        worker._apply(state, Notice("d1", 0, True, -5, 1), "direct", "agent-p0")  # malformed
+        assert state.pending == {0}
+        worker._apply(state, Notice("d1", 0, True, 10, 1), "direct", "agent-p0")
+        assert state.pending == set() and not state.error
+    finally:
+        worker.shutdown()
