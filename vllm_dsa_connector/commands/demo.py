@@ -138,7 +138,9 @@ def engine_env(bind: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    # check_backend reads vLLM's INFO line naming the attention backend: never quieter than INFO
+    if env.get("VLLM_LOGGING_LEVEL", "INFO").upper() != "DEBUG":
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
     return env
 
 

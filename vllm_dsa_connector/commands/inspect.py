@@ -62,9 +62,17 @@ def stages_json(tables: list) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    # Keep stdout for the table/JSON: vLLM's import-time info lines are noise here.
+    # Keep stdout for the table/JSON: vLLM's import-time info lines are noise here. (Only for this
+    # process's own imports; restored below so callers running it in-process keep their setting.)
+    previous = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from vllm_dsa_connector.layout import build_offline
+    try:
+        from vllm_dsa_connector.layout import build_offline
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = previous
 
     try:
         if args.tp_size < 1:
