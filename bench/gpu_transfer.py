@@ -12,6 +12,10 @@ each side (2.05 GB). The transfer is described per page (58,806 runs) and merged
   bounce                gather into staging, ONE write, scatter on the receiver
   pipelined:K           bounce in K chunks: gather, WRITE and scatter of different chunks overlap
   ipc                   one kernel reads P's pages and writes D's pages through a CUDA IPC mapping
+                        (launch plan cached on the request's runs, replayed from a CUDA graph; the
+                        notification carries an interprocess event and leaves right after the launch)
+  ipc_cold              the same with a new request's runs every rep (plan built, no graph)
+  ipc_notify            the same with the notification only after the copy finished (the old signal)
   auto                  what the gate picks (``BounceGate.choose`` over direct/bounce/pipelined/ipc)
 
 Timed end to end: from the sender's first call to the receiver's "done" (all data landed, scattered,
@@ -48,6 +52,8 @@ ALL_PATHS = (
     "pipelined:4",
     "pipelined:8",
     "ipc",
+    "ipc_cold",
+    "ipc_notify",
     "ipc_sm",
     "ipc_ce",
     "auto",
@@ -114,10 +120,11 @@ def timed(fn: Any, device: str, reps: int) -> float:
     return statistics.median(ts[1:])
 
 
-def ev_ms(fn: Any, n: int = 15) -> float:
+def ev_ms(fn: Any, n: int = 15, sleep_cycles: int = 3_000_000) -> float:
     """Median milliseconds of ``fn`` between two CUDA events on the current stream (GPU time only).
 
-    A ~1.5 ms GPU sleep is queued first, so the host's launch work overlaps it and stays out.
+    A ~1.5 ms GPU sleep (``sleep_cycles``) is queued first, so the host's launch work overlaps it and
+    stays out.
     """
     import torch
 
@@ -125,13 +132,21 @@ def ev_ms(fn: Any, n: int = 15) -> float:
     ts = []
     for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(3_000_000)
+        torch.cuda._sleep(sleep_cycles)
         a.record()
         fn()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return statistics.median(ts)
+
+
+def recv(conn: Any, hot: bool) -> Any:
+    """``conn.recv()``; with ``hot`` spin on ``poll`` first (the core never idles between transfers)."""
+    if hot:
+        while not conn.poll():
+            pass
+    return conn.recv()
 
 
 def _set_device(dev: str) -> None:
@@ -180,7 +195,7 @@ def receiver(conn: Any, a: dict[str, Any]) -> None:
         eng.add_peer(conn.recv())
         page = runs = dst_runs = None
         while True:
-            msg = conn.recv()
+            msg = recv(conn, a["hot"])
             if msg[0] == "stop":
                 break
             if msg[0] == "shape":
@@ -197,7 +212,7 @@ def receiver(conn: Any, a: dict[str, Any]) -> None:
             (slot,) = rcv.expect(tag, dst, [page], bounce=staged)
             conn.send(("ready", slot.to_dict() if slot else None))
             rcv.wait(tag, 120.0)
-            conn.send(("done",))
+            conn.send(("done", time.perf_counter()))  # CLOCK_MONOTONIC: comparable across processes
             n = runs.total_bytes
             gather(dst, dst_runs, got_buf)
             conn.send(("verified", bool(torch.equal(got_buf[:n], want_buf[:n]))))
@@ -222,12 +237,15 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
         BounceSender,
         IpcUnavailable,
         NixlEngine,
+        Runs,
         StagingArena,
         ce_available,
         enable_peer_access,
         encode_notif,
         link_between,
         open_region,
+        plan_stats,
+        trace_launches,
     )
 
     out: dict[str, Any] = {"shapes": {}}
@@ -263,6 +281,8 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
         out.update(link=link, link_profile=repr(gate.link_profile), ipc=mapped is not None,
                    copy_impl=os.environ.get("VLLM_DSA_COPY_IMPL", "auto"))
         avail = tuple(p for p in PATHS if p != "ipc" or mapped is not None)
+        trace = trace_launches(True)
+        assert trace is not None
 
         for blocks in shapes:
             page, _ = page_runs(a, blocks)
@@ -282,17 +302,19 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
                   f"{total / 1e9:.3f} GB; gate ({link}): {res['gate_path']}", flush=True)
 
             def one(path: str, tag: bytes, page: Any = page, runs: Any = runs,
-                    by_layer: Any = by_layer) -> tuple[float, float, float, str, int, int]:
+                    by_layer: Any = by_layer) -> tuple[Any, ...]:
                 kind, _, k = path.partition(":")
                 staged = kind in ("bounce", "pipelined", "auto")
                 rconn.send(("xfer", tag, staged))
-                msg = rconn.recv()
+                msg = recv(rconn, a["hot"])
                 if msg[0] != "ready":
                     raise RuntimeError(str(msg))
                 slot = msg[1]
                 sync(dev)
                 t0 = time.perf_counter()
                 chunks = 1
+                launch = float("nan")
+                stages: list[float] = []
                 if kind in ("per_page_layer_major", "per_page", "merged"):
                     posted = {"per_page": page, "merged": runs, "per_page_layer_major": by_layer}[kind]
                     x = eng.write(peer, region, rdesc, posted, encode_notif("direct", 0, tag))
@@ -304,26 +326,39 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
                         s = snd.send(peer, region, rdesc, page, tag, slot=slot, paths=avail, ipc=mapped)
                     elif kind.startswith("ipc"):
                         impl = {"ipc_sm": "triton", "ipc_ce": "ce"}.get(kind)
-                        s = snd.send(peer, region, rdesc, page, tag, slot=slot, path="ipc", ipc=mapped,
-                                     ipc_impl=impl)
+                        # ipc_cold: a new request's (merged) runs: no cached plan, no graph
+                        posted = Runs(runs.src_offsets, runs.dst_offsets, runs.lengths) \
+                            if kind == "ipc_cold" else page
+                        signal = "notify" if kind == "ipc_notify" else None
+                        s = snd.send(peer, region, rdesc, posted, tag, slot=slot, path="ipc", ipc=mapped,
+                                     ipc_impl=impl, ipc_signal=signal)
                         kind = "ipc"
                     else:
                         s = snd.send(peer, region, rdesc, page, tag, slot=slot, path=kind,
                                      chunks=int(k) if k else None, ipc=mapped)
                     t1 = time.perf_counter()
+                    if s.path == "ipc":
+                        launch = s.launch_s
+                        if len(trace) == 4:  # send preamble, plan lookup, to the launch, launch, rest
+                            stages = [trace[0] - t0, trace[1] - trace[0], trace[2] - trace[1],
+                                      trace[3] - trace[2], t1 - trace[3]]
                     st = snd.wait(s, 120.0)
                     used, chunks = s.path, s.chunks
                     if kind != "auto" and used != kind:
                         raise RuntimeError(f"{path} fell back to {used}: {s.reason}")
                 t2 = time.perf_counter()
-                if rconn.recv()[0] != "done":
+                done = recv(rconn, a["hot"])
+                if done[0] != "done":
                     raise RuntimeError("receiver did not finish")
                 t3 = time.perf_counter()
                 ok = rconn.recv()
                 if ok != ("verified", True):
                     raise RuntimeError(f"bytes differ on {path}: {ok}")
                 label = used + (f":{chunks}" if used == "pipelined" else "")
-                return t3 - t0, t1 - t0, t2 - t1, label, st.desc_count, st.num_runs
+                if used == "ipc":
+                    label += f"({s.signal})"
+                return (t3 - t0, t1 - t0, t2 - t1, label, st.desc_count, st.num_runs, launch,
+                        done[1] - t0, stages)
 
             todo = [p for p in paths if not (p.startswith("ipc") and mapped is None)]
             if "ipc_ce" in todo and not ce_available():
@@ -337,30 +372,44 @@ def sender(conn: Any, rconn: Any, a: dict[str, Any]) -> None:
             for path in todo:
                 rows = got[path][2:]
                 med = _median([r[0] for r in rows])
+                staged = [r[8] for r in rows if r[8]]
                 res["paths"][path] = {
                     "median_ms": med * 1e3,
+                    # end to end until the receiver completed (its clock), without the ack's pipe
+                    "rcv_median_ms": _median([r[7] for r in rows]) * 1e3,
+                    "launch_stages_us": [round(_median([x[i] for x in staged]) * 1e6, 1)
+                                         for i in range(5)] if staged else [],
                     "min_ms": min(r[0] for r in rows) * 1e3,
                     "gb_per_s": total / med / 1e9,
                     "phases_ms": {
                         "send": _median([r[1] for r in rows]) * 1e3,
                         "wait": _median([r[2] for r in rows]) * 1e3,
                         "receiver": _median([r[0] - r[1] - r[2] for r in rows]) * 1e3,
+                        "launch": _median([r[6] for r in rows]) * 1e3,  # ipc: host launch inside send
                     },
                     "used": sorted({r[3] for r in rows}),
                     "desc_count": sorted({r[4] for r in rows}),
                     "posted": sorted({r[5] for r in rows}),
                 }
                 p = res["paths"][path]
-                print(f"[sender]   {path:22s} {p['median_ms']:9.3f} ms  {p['gb_per_s']:7.1f} GB/s  "
-                      f"send {p['phases_ms']['send']:.3f} wait {p['phases_ms']['wait']:.3f} "
+                print(f"[sender]   {path:22s} {p['median_ms']:9.3f} ms (rcv {p['rcv_median_ms']:.3f}) "
+                      f"{p['gb_per_s']:7.1f} GB/s  "
+                      f"send {p['phases_ms']['send']:.3f} (launch {p['phases_ms']['launch']:.3f} "
+                      f"{p['launch_stages_us']}) "
+                      f"wait {p['phases_ms']['wait']:.3f} "
                       f"recv {p['phases_ms']['receiver']:.3f}  used={p['used']} "
                       f"descCount={p['desc_count']}", flush=True)
             best = min((v["median_ms"], k) for k, v in res["paths"].items() if k != "auto")
             res["best_path"], res["best_ms"] = best[1], best[0]
             if "auto" in res["paths"]:
                 res["auto_over_best"] = res["paths"]["auto"]["median_ms"] / best[0]
+            best = min((v["rcv_median_ms"], k) for k, v in res["paths"].items() if k != "auto")
+            res["rcv_best_path"], res["rcv_best_ms"] = best[1], best[0]
+            if "auto" in res["paths"]:
+                res["rcv_auto_over_best"] = res["paths"]["auto"]["rcv_median_ms"] / best[0]
             out["shapes"][str(blocks)] = res
 
+        out["plan_stats"] = plan_stats()
         if mapped is not None:
             big, _ = page_runs(a, max(shapes))
             out["kernels"] = kernel_bench(src, mapped, big.merged(), a, dev != ddev)
@@ -449,7 +498,25 @@ def tune(a: dict[str, Any]) -> dict[str, Any]:
             copy_runs(src, other, runs)
             host.append(time.perf_counter() - t0)
         sync(dev)
-        out["launch_host_ms"] = statistics.median(host[2:]) * 1e3
+        out["launch_host_ms"] = statistics.median(host[2:]) * 1e3  # cached plan (graph replay)
+        cold = []
+        for _ in range(12):  # a new request's runs every call: plan, table upload, Triton launch
+            fresh = Runs(runs.src_offsets, runs.dst_offsets, runs.lengths)
+            sync(dev)
+            t0 = time.perf_counter()
+            copy_runs(src, other, fresh)
+            cold.append(time.perf_counter() - t0)
+        sync(dev)
+        out["launch_cold_host_ms"] = statistics.median(cold[2:]) * 1e3
+        idle = []
+        for _ in range(12):  # the cached plan again, after 3 ms of host sleep (a core that idled)
+            sync(dev)
+            time.sleep(0.003)
+            t0 = time.perf_counter()
+            copy_runs(src, other, runs)
+            idle.append(time.perf_counter() - t0)
+        sync(dev)
+        out["launch_after_idle_host_ms"] = statistics.median(idle[2:]) * 1e3
         out["scattered_call_ms"] = timed(lambda: copy_runs(src, other, runs), dev, reps) * 1e3
     return out  # the buffers go with this frame (run() empties the cache)
 
@@ -458,7 +525,7 @@ def kernel_bench(src: Any, mapped: Any, runs: Any, a: dict[str, Any], cross: boo
     """The single copy through the IPC mapping (GPU time); across GPUs also the NVLink copy bound."""
     import torch
 
-    from vllm_dsa_connector.transport import CopyConfig, Runs, copy_runs
+    from vllm_dsa_connector.transport import CopyConfig, Runs, ce_available, copy_runs
 
     total = runs.total_bytes
     out: dict[str, Any] = {"bytes": total}
@@ -485,6 +552,8 @@ def kernel_bench(src: Any, mapped: Any, runs: Any, a: dict[str, Any], cross: boo
             out["ipc_sweep_gbps"] = sweep
     except Exception as e:
         out["ipc_kernel_error"] = f"{type(e).__name__}: {e}"
+    if cross and ce_available():  # exploration: copy engines on several streams, SM kernel + DMAs
+        out["split_gbps"] = split_bench(src, mapped, runs)
     if cross:  # the NVLink copy bound: a plain torch peer copy
         peer = torch.empty(total, dtype=torch.uint8, device=a["dst_device"])
 
@@ -507,6 +576,56 @@ def kernel_bench(src: Any, mapped: Any, runs: Any, a: dict[str, Any], cross: boo
                             "torch_copy_gbps": total / pc / 1e6,
                             "triton_contiguous_ms": tk, "triton_contiguous_gbps": total / tk / 1e6}
         del peer
+    return out
+
+
+def split_bench(src: Any, mapped: Any, runs: Any) -> dict[str, float]:
+    """GPU-time GB/s of the scattered copy over NVLink split across streams: per-run copy-engine DMAs
+    round-robin on k streams (``ce_xk``), and the Triton kernel on the main stream with every m-th run
+    on copy engines beside it (``sm+ce_1/m``). Host issue hidden behind a ~5 ms GPU sleep."""
+    import torch
+
+    from vllm_dsa_connector.transport import Runs, copy_runs
+
+    total = runs.total_bytes
+    main = torch.cuda.current_stream()
+    side = [torch.cuda.Stream() for _ in range(4)]
+
+    def sub(idx: Any) -> Any:
+        return Runs(runs.src_offsets[idx], runs.dst_offsets[idx], runs.lengths[idx])
+
+    def multi(parts: list[tuple[Any, str]]) -> None:
+        start = torch.cuda.Event()
+        start.record(main)
+        for i, (r, impl) in enumerate(parts):
+            st = main if impl == "triton" else side[i % len(side)]
+            if st is not main:
+                st.wait_event(start)
+            with torch.cuda.stream(st):
+                copy_runs(src, mapped, r, impl=impl)
+            if st is not main:
+                main.wait_stream(st)
+
+    n = runs.num_runs
+    every = np.arange(n)
+    variants: dict[str, list[tuple[Any, str]]] = {
+        "ce_x2": [(sub(every[i::2]), "ce") for i in range(2)],
+        "ce_x4": [(sub(every[i::4]), "ce") for i in range(4)],
+    }
+    for m in (8, 4, 3):
+        ce = every[::m]
+        sm = np.setdiff1d(every, ce)
+        variants[f"sm+ce_1/{m}"] = [(sub(sm), "triton"), (sub(ce), "ce")]
+    ce = every[::4]
+    sm = np.setdiff1d(every, ce)
+    variants["sm+ce_1/4_x2"] = [(sub(sm), "triton"), (sub(ce[0::2]), "ce"), (sub(ce[1::2]), "ce")]
+    out = {}
+    for name, parts in variants.items():
+        try:
+            ms = ev_ms(lambda parts=parts: multi(parts), n=11, sleep_cycles=10_000_000)
+            out[name] = round(total / ms / 1e6, 1)
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"  # type: ignore[assignment]
     return out
 
 
@@ -555,13 +674,17 @@ def summary(res: dict[str, Any]) -> str:
                      f"{sh['best_ms']:.3f} ms; auto/best {sh.get('auto_over_best', float('nan')):.3f}")
         for p, v in sh["paths"].items():
             ph = v["phases_ms"]
-            lines.append(f"  {p:22s} {v['median_ms']:9.3f} ms {v['gb_per_s']:7.1f} GB/s  send {ph['send']:.3f} "
-                         f"wait {ph['wait']:.3f} recv {ph['receiver']:.3f}  used {v['used']} desc {v['desc_count']}")
+            lines.append(f"  {p:22s} {v['median_ms']:9.3f} ms (rcv {v.get('rcv_median_ms', float('nan')):.3f}) "
+                         f"{v['gb_per_s']:7.1f} GB/s  send {ph['send']:.3f} "
+                         f"(launch {ph.get('launch', float('nan')):.3f}) wait {ph['wait']:.3f} "
+                         f"recv {ph['receiver']:.3f}  used {v['used']} desc {v['desc_count']}")
     t = res.get("tune", {})
     if t:
         lines.append(f"device copy {t['copy_ms']:.3f} ms ({t['copy_tbps_rw']:.2f} TB/s r+w); merge of the page "
                      f"runs {t['merge_ms']:.2f} ms; best launch shape {t.get('best_config')}; host per launch "
-                     f"{t.get('launch_host_ms', float('nan')):.3f} ms; scattered copy per call "
+                     f"{t.get('launch_host_ms', float('nan')):.3f} ms (cached plan; after 3 ms idle "
+                     f"{t.get('launch_after_idle_host_ms', float('nan')):.3f}; new runs "
+                     f"{t.get('launch_cold_host_ms', float('nan')):.3f} ms); scattered copy per call "
                      f"{t.get('scattered_call_ms', float('nan')):.3f} ms")
         for impl in ("index", "triton"):
             v = t.get(impl, {})
@@ -577,6 +700,8 @@ def summary(res: dict[str, Any]) -> str:
         if "ipc_kernel_ms" in k:
             lines.append(f"  ipc kernel {k['ipc_kernel_ms']:.3f} ms = {k['ipc_kernel_gbps']:.0f} GB/s; "
                          f"sweep {k.get('ipc_sweep_gbps', {})}")
+        if "split_gbps" in k:
+            lines.append(f"  split across streams (GB/s, GPU time): {k['split_gbps']}")
         if "ipc_kernel_error" in k:
             lines.append(f"  ipc kernel error: {k['ipc_kernel_error']}")
         if "ipc_ce_ms" in k:
@@ -588,6 +713,21 @@ def summary(res: dict[str, Any]) -> str:
             pc = k["peer_copy"]
             lines.append(f"  peer copy bound: torch {pc['torch_copy_ms']:.3f} ms = {pc['torch_copy_gbps']:.0f} GB/s;"
                          f" triton contiguous {pc['triton_contiguous_gbps']:.0f} GB/s")
+            sh = res.get("shapes", {}).get(str(max(int(b) for b in res["shapes"])), {})
+            if sh:
+                auto = sh["paths"].get("auto", {}).get("median_ms", float("nan"))
+                lines.append(f"GOALS ({sh['blocks']} blocks): gate {sh['gate_path']} {auto:.3f} ms = "
+                             f"{auto / sh['best_ms']:.3f}x of best {sh['best_path']} {sh['best_ms']:.3f} ms "
+                             f"(goal <= 1.05); best = {sh['best_ms'] / pc['torch_copy_ms']:.3f}x of the NVLink "
+                             f"bound {pc['torch_copy_ms']:.3f} ms (goal <= 1.1)")
+                if "rcv_best_ms" in sh:
+                    ra = sh["paths"].get("auto", {}).get("rcv_median_ms", float("nan"))
+                    lines.append(f"GOALS, end at the receiver's completion (no ack pipe): gate {ra:.3f} ms = "
+                                 f"{ra / sh['rcv_best_ms']:.3f}x of best {sh['rcv_best_path']} "
+                                 f"{sh['rcv_best_ms']:.3f} ms; best = {sh['rcv_best_ms'] / pc['torch_copy_ms']:.3f}x"
+                                 f" of the bound")
+    if "plan_stats" in res:
+        lines.append(f"copy plans: {res['plan_stats']}")
     return "\n".join(lines)
 
 
@@ -608,6 +748,8 @@ def parser(doc: str, paths: str, src: str, dst: str, shapes: str) -> argparse.Ar
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=480.0)
     p.add_argument("--no-tune", action="store_true", help="skip the kernel sweep before the run")
+    p.add_argument("--hot", action="store_true",
+                   help="both processes spin on their pipes between transfers (no idle core before a send)")
     p.add_argument("--out", default="")
     return p
 

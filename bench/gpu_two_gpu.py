@@ -8,15 +8,18 @@ the paths of ``bench/gpu_transfer.py`` (same runner, same request, same seeded d
   merged                runs merged by memory adjacency on both sides (``Runs.merged``: 593)
   bounce                gather into one staging region, ONE write, scatter on the receiver
   pipelined:K           the bounce in K chunks (gather / WRITE / scatter of different chunks overlap)
-  ipc                   GPU 1's pages written through a CUDA IPC mapping over NVLink, one copy-engine
-                        DMA per merged run (the library's choice on this link); ipc_ce the same forced,
-                        ipc_sm one Triton kernel on GPU 0 storing through the mapping
+  ipc                   GPU 1's pages written through a CUDA IPC mapping over NVLink by one Triton
+                        kernel on GPU 0 (the library's default; launch plan cached on the request's runs
+                        and replayed from a CUDA graph, completion on an interprocess CUDA event whose
+                        notification leaves at launch); ipc_sm the kernel forced, ipc_ce one copy-engine
+                        DMA per merged run, ipc_cold a new request's runs every rep (plan built, no
+                        graph), ipc_notify the notification only after the copy (the old signal)
   auto                  the gate's choice with the cross-GPU (``nvlink``) link profile
 Every rep is verified byte for byte on the receiver. Prints medians, GB/s, NIXL descriptor counts and
 the NVLink copy bound measured in the same run (a plain torch copy of the same bytes GPU 0 -> GPU 1).
 Set UCX_PROTO_INFO=y to see what UCX selected.
 
-    PYTHONPATH=. python bench/gpu_two_gpu.py [--reps 5] [--out results.json]
+    PYTHONPATH=. python bench/gpu_two_gpu.py [--reps 10] [--shapes 594,64,8] [--out results.json]
 """
 
 from __future__ import annotations

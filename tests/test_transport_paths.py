@@ -23,8 +23,10 @@ from vllm_dsa_connector.transport import (
     StagingArena,
     copy_runs,
     decode_chunk_notif,
+    decode_event_notif,
     decode_notif,
     encode_chunk_notif,
+    encode_event_notif,
     encode_notif,
     link_between,
     plan_chunks,
@@ -152,6 +154,68 @@ def test_triton_copy_kernel_exact_under_interpreter() -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+_PLANS = r"""
+import gc, os
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch
+from vllm_dsa_connector.transport import copy as C
+from vllm_dsa_connector.transport.runs import Runs
+assert C.triton_available(), C._KERNEL_ERROR
+rng = np.random.default_rng(1)
+n = 30
+lens = rng.integers(1, 40, n) * 16
+gaps = rng.integers(1, 9, n) * 16
+src = np.r_[0, np.cumsum((lens + gaps)[:-1])]
+order = rng.permutation(n)
+dst = np.empty(n, np.int64)
+dst[order] = np.r_[0, np.cumsum((lens[order] + gaps[order])[:-1])]
+runs = Runs(src, dst, lens)
+size = int(max(runs.src_extent(), runs.dst_extent())) + 16
+s = torch.randint(0, 256, (size,), dtype=torch.uint8)
+d1, d2 = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+ref = torch.zeros(size, dtype=torch.uint8)
+C._copy_index(s, ref, runs.src_offsets, runs.dst_offsets, runs.lengths)
+cfg = C.CopyConfig(piece_bytes=1024, block_bytes=64, num_warps=1)
+C._copy_planned(runs, s, d1, cfg)
+assert torch.equal(d1, ref)
+d1.zero_()
+C._copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
+assert torch.equal(d1, ref)
+st = C.plan_stats()
+assert st["plans"] == 1 and st["plan_hits"] == 1, st
+C._copy_planned(runs, s, d2, cfg)  # another destination: its own plan
+assert C.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
+try:
+    C._copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
+    raise SystemExit("no bounds check")
+except ValueError:
+    pass
+assert len(C._PLANS) == 1
+del runs
+gc.collect()
+assert len(C._PLANS) == 0  # plans go with their runs
+print("ok")
+"""
+
+
+def test_copy_plans_cached_per_runs_under_interpreter() -> None:
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", _PLANS], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_copy_graphs_switch() -> None:
+    from vllm_dsa_connector.transport.copy import graphs_enabled, plan_stats
+
+    assert graphs_enabled({}) and graphs_enabled({"VLLM_DSA_COPY_GRAPH": "1"})
+    assert not graphs_enabled({"VLLM_DSA_COPY_GRAPH": "0"})
+    assert not graphs_enabled({"VLLM_DSA_COPY_GRAPH": "off"})
+    assert set(plan_stats()) == {"plans", "plan_hits", "graphs", "graph_replays", "graph_failures"}
+
+
 def test_copy_config_from_env() -> None:
     from vllm_dsa_connector.transport.copy import DEFAULT_CONFIG, default_config, default_impl
 
@@ -183,8 +247,8 @@ ALL = ("direct", "bounce", "pipelined", "ipc")
         ("same_gpu", 64, "ipc"),
         ("same_gpu", 8, "direct"),
         ("nvlink", 594, "ipc"),
-        ("nvlink", 64, "direct"),
-        ("nvlink", 8, "direct"),
+        ("nvlink", 64, "ipc"),
+        ("nvlink", 8, "ipc"),
     ],
 )
 def test_gate_choose_per_link_matches_measured_best(link: str, blocks: int, expected: str) -> None:
@@ -263,6 +327,123 @@ def test_chunk_and_ipc_notifications() -> None:
     assert decode_chunk_notif(b"dsa1:c1.2:x") is None and decode_chunk_notif(b"other") is None
     assert decode_notif(encode_notif("ipc", 5, b"t")) == ("ipc", 5, b"t")
     assert decode_chunk_notif(encode_notif("bounce", 0, b"t")) is None
+    handle = bytes(range(64))
+    msg = encode_event_notif(3, handle, b"req:7")
+    assert decode_event_notif(msg) == (3, handle, b"req:7")
+    assert decode_notif(msg) is None and decode_chunk_notif(msg) is None
+    assert decode_event_notif(encode_notif("ipc", 3, b"t")) is None
+    for bad in (b"dsa1:e3:t", b"dsa1:e.ab:t", b"dsa1:e3.abc:t", b"dsa1:e3.zz:t", b"dsa1:e3.ab"):
+        assert decode_event_notif(bad) is None, bad
+
+
+class _FakeEvent:
+    """Stands in for a sender's interprocess CUDA event on a CPU host."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.broken = False
+
+    def query(self) -> bool:
+        if self.broken:
+            raise RuntimeError("event gone")
+        return self.fired
+
+
+def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine
+
+    eng = NixlEngine(f"unit-ipcev-{time.monotonic_ns()}")
+    try:
+        rcv = BounceReceiver(eng, StagingArena(1 << 16, align=4096))
+        events: dict[bytes, _FakeEvent] = {b"\x01" * 64: _FakeEvent(), b"\x02" * 64: _FakeEvent()}
+        opened: list[bytes] = []
+
+        def open_event(handle: bytes, dst: torch.Tensor) -> _FakeEvent | None:
+            opened.append(handle)
+            return events.get(handle)
+
+        rcv._open_event = open_event  # type: ignore[method-assign]
+        dst = torch.zeros(1 << 16, dtype=torch.uint8)
+        a, b = runs_from_blocks([0], [0], 4096), runs_from_blocks([1], [1], 4096)
+        rcv.expect(b"r", dst, [a, b], bounce=False)
+        h1, h2 = b"\x01" * 64, b"\x02" * 64
+        assert rcv.handle("p", encode_event_notif(0, h1, b"r"))  # launched, not done
+        assert rcv.handle("p", encode_event_notif(1, h2, b"r"))
+        assert rcv._finish() == []
+        events[h1].fired = True
+        assert rcv._finish() == []  # writer 1's copy still running
+        events[h2].fired = True
+        with caplog.at_level("WARNING"):
+            assert rcv._finish() == [b"r"]
+            # The senders' "copy done" notifications come after: dropped without a warning.
+            rcv.handle("p", encode_notif("ipc", 0, b"r"))
+            rcv.handle("p", encode_notif("ipc", 1, b"r"))
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        # An event that cannot be opened: the writer completes on the notification after the copy.
+        rcv.expect(b"s", dst, [a], bounce=False)
+        rcv.handle("p", encode_event_notif(0, b"\x03" * 64, b"s"))
+        assert rcv._finish() == []
+        rcv.handle("p", encode_notif("ipc", 0, b"s"))
+        assert rcv._finish() == [b"s"]
+        # An event that fails when queried: the same fallback.
+        events[h1].fired, events[h1].broken = False, True
+        rcv.expect(b"t", dst, [a], bounce=False)
+        rcv.handle("p", encode_event_notif(0, h1, b"t"))
+        assert rcv._finish() == [] and rcv._finish() == []
+        rcv.handle("p", encode_notif("ipc", 0, b"t"))
+        assert rcv._finish() == [b"t"]
+        # "Copy done" before the event notification, and both before expect(): complete, no wait.
+        events[h2].fired = False
+        rcv.handle("p", encode_notif("ipc", 0, b"u"))
+        rcv.handle("p", encode_event_notif(0, h2, b"u"))
+        rcv.expect(b"u", dst, [a], bounce=False)
+        assert rcv._finish() == [b"u"]
+        # Event notification early, "copy done" later: the event no longer matters once it came.
+        rcv.handle("p", encode_event_notif(0, h2, b"v"))
+        rcv.expect(b"v", dst, [a], bounce=False)
+        assert rcv._finish() == []
+        rcv.handle("p", encode_notif("ipc", 0, b"v"))
+        assert rcv._finish() == [b"v"]
+    finally:
+        eng.close()
+
+
+def test_ipc_send_on_cpu_copies_then_notifies() -> None:
+    """The ipc path with a CPU "mapping" (the receiver's tensor): copy, then the notification after it."""
+    from vllm_dsa_connector.transport import BounceReceiver, BounceSender, NixlEngine
+
+    stamp = time.monotonic_ns()
+    a, b = NixlEngine(f"ipc-s-{stamp}"), NixlEngine(f"ipc-r-{stamp}")
+    try:
+        src = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+        dst = torch.zeros(1 << 18, dtype=torch.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        snd = BounceSender(a, StagingArena(1 << 16), BounceGate(environ={}))
+        with pytest.raises(ValueError):
+            BounceSender(a, StagingArena(1 << 12), BounceGate(environ={}), ipc_signal="pigeon")
+        both = BounceSender(a, StagingArena(1 << 12), BounceGate(environ={}), ipc_signal="event+notify")
+        assert both.ipc_signal == "event+notify"
+        rcv = BounceReceiver(b, StagingArena(1 << 16))
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        runs = runs_from_blocks([3, 0, 9], [1, 7, 2], 4096, merge=False)
+        for i in range(2):  # the second send reuses the merged runs (cached on ``runs``)
+            dst.zero_()
+            tag = f"ipc{i}".encode()
+            rcv.expect(tag, dst, [runs], bounce=False)
+            s = snd.send(peer, rs, rd.desc(), runs, tag, slot=None, path="ipc", ipc=dst)
+            assert s.path == "ipc" and s.signal == "notify" and s.launch_s >= 0
+            st = snd.wait(s)
+            assert st.num_runs == 3 and st.total_bytes == 3 * 4096
+            deadline = time.monotonic() + 20
+            while tag not in rcv.poll():
+                a.poll_notifications()  # one process: the sender's agent progresses too
+                assert time.monotonic() < deadline, "ipc send did not complete"
+            for x, y in ((3, 1), (0, 7), (9, 2)):
+                assert torch.equal(dst[y * 4096 : (y + 1) * 4096], src[x * 4096 : (x + 1) * 4096])
+    finally:
+        a.close()
+        b.close()
 
 
 def test_ipc_desc_roundtrip_and_refusals() -> None:

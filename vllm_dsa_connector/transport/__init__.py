@@ -71,8 +71,13 @@ Same-node single copy (``ipc.py``)
     ``export_region(tensor) -> IpcDesc`` (``to_dict`` for the handshake) on D; ``open_region(desc)`` on
     P maps it once (``IpcUnavailable`` on another host / GPU not visible); ``enable_peer_access(a, b)``
     for two GPUs; ``link_between(local_device, remote_host, remote_uuid)`` names the gate's link.
-    ``BounceSender.send(..., path="ipc" | paths=(..., "ipc"), ipc=mapped)``: one kernel writes D's pages,
-    then a NIXL notification ``dsa1:i<writer>:<tag>`` (no scatter on D).
+    ``BounceSender.send(..., path="ipc" | paths=(..., "ipc"), ipc=mapped)``: one kernel writes D's pages
+    (no scatter on D). Completion: ``BounceSender(..., ipc_signal="event")`` (default on CUDA) sends
+    ``dsa1:e<writer>.<interprocess event handle>:<tag>`` right after the launch and D completes when
+    that event fired; ``dsa1:i<writer>:<tag>`` follows from ``wait`` once the copy is done (all D needs
+    with ``ipc_signal="notify"``, or when it cannot open the event). The copy's launch plan (table on
+    the GPU, grid) is cached on the ``Runs`` object and replayed from a CUDA graph from its second use
+    (``plan_stats()``; ``VLLM_DSA_COPY_GRAPH=0`` for plain launches).
 
 Pipelined bounce
     ``plan_chunks(runs, count, align=4096) -> list[Chunk]`` (deterministic, both sides).
@@ -103,8 +108,9 @@ Measured (2026-11-29; medians; the 2-vCPU host was shared, load 8-15, so compare
     load (gate: bounce).
 Measured on H200 (2026-11-30; bench/gpu_transfer.py, bench/gpu_two_gpu.py; README "Transport paths on
 H200"): the GLM-5.2-shaped request (2.05 GB, 593 merged runs), two processes on one GPU: ipc 1.62-2.00 ms
-end to end, bounce 4.2-4.9, direct 5.0-7.9; GPU 0 -> GPU 1: ipc (Triton stores over NVLink) 6.53 ms,
-merged direct 7.05-7.46, pipelined x4 7.4-8.9, bounce 8.4-9.2, a plain peer copy 5.30 (387 GB/s).
+end to end, bounce 4.2-4.9, direct 5.0-7.9; GPU 0 -> GPU 1: ipc (Triton stores over NVLink, cached plan,
+graph replay, event completion) 5.77-5.94 ms, merged direct 7.05-7.46, pipelined x4 7.4-8.9, bounce
+8.3-9.2, a plain peer copy 5.20-5.31 (386-394 GB/s).
 """
 
 from vllm_dsa_connector.transport.gate import (
@@ -154,10 +160,12 @@ __all__ = [
     "check_fan_in",
     "copy_runs",
     "decode_chunk_notif",
+    "decode_event_notif",
     "decode_notif",
     "detect_profile",
     "enable_peer_access",
     "encode_chunk_notif",
+    "encode_event_notif",
     "encode_notif",
     "export_region",
     "gather",
@@ -166,8 +174,10 @@ __all__ = [
     "open_region",
     "plan_chunks",
     "plan_pieces",
+    "plan_stats",
     "runs_from_blocks",
     "scatter",
+    "trace_launches",
 ]
 
 _LAZY = {
@@ -187,8 +197,10 @@ _LAZY = {
     "StagingSlot": "bounce",
     "check_fan_in": "bounce",
     "decode_chunk_notif": "bounce",
+    "decode_event_notif": "bounce",
     "decode_notif": "bounce",
     "encode_chunk_notif": "bounce",
+    "encode_event_notif": "bounce",
     "encode_notif": "bounce",
     "gather": "bounce",
     "scatter": "bounce",
@@ -196,6 +208,8 @@ _LAZY = {
     "copy_runs": "copy",
     "ce_available": "copy",
     "plan_pieces": "copy",
+    "plan_stats": "copy",
+    "trace_launches": "copy",
     "IpcDesc": "ipc",
     "IpcUnavailable": "ipc",
     "enable_peer_access": "ipc",

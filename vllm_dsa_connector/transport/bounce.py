@@ -22,7 +22,18 @@ them, or forced): ``pipelined`` cuts the packed stream into chunks (:func:`plan_
 back to back and posts each chunk's WRITE as soon as its gather finished; the receiver scatters each
 chunk when its notification arrives, so gather, wire and scatter overlap across GPUs or nodes.
 ``ipc`` (same node): one kernel writes the destination's pages through a CUDA IPC mapping of the
-receiver's region (:mod:`vllm_dsa_connector.transport.ipc`), then a NIXL notification tells the receiver.
+receiver's region (:mod:`vllm_dsa_connector.transport.ipc`). Completion signal (``ipc_signal``):
+``"event"`` (default on CUDA) records an interprocess CUDA event behind the kernel and sends the NIXL
+notification ``dsa1:e<writer>.<event handle>:<tag>`` right after the launch, so it travels while the
+kernel runs; the receiver opens the event once per handle and completes when it has fired (no host
+round trip after the copy). ``"event+notify"`` also sends ``dsa1:i<writer>:<tag>`` once the sender's
+``wait`` saw the copy finish (a receiver that cannot open the event completes on that one; otherwise it
+is dropped). ``"notify"``: only the notification after completion.
+
+Gather and scatter use torch index ops over rows (the gcd of the runs' offsets and lengths); when that
+index would exceed :data:`MAX_INDEX_ROWS` rows (e.g. the chunks of a pipelined bounce, cut at 4 KiB
+multiples inside blocks: 256-byte rows, millions of them built on the host per chunk) they use the
+Triton run copy on CUDA instead (a table of runs, no per-row index).
 """
 
 from __future__ import annotations
@@ -66,9 +77,13 @@ __all__ = [
     "StagingArena",
     "StagingSlot",
     "check_fan_in",
+    "IPC_SIGNALS",
+    "MAX_INDEX_ROWS",
     "decode_chunk_notif",
+    "decode_event_notif",
     "decode_notif",
     "encode_chunk_notif",
+    "encode_event_notif",
     "encode_notif",
     "gather",
     "scatter",
@@ -245,12 +260,24 @@ def _index(idx: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True) if device.type != "cpu" else t
 
 
-def _use_kernel(a: torch.Tensor, b: torch.Tensor, impl: str | None) -> bool:
+#: Above this many index rows gather/scatter use the Triton run copy on CUDA (see the module docstring).
+MAX_INDEX_ROWS = 1 << 16
+
+
+def _use_kernel(
+    a: torch.Tensor, b: torch.Tensor, impl: str | None, offsets: np.ndarray, lengths: np.ndarray,
+    total: int,
+) -> bool:
     # Packed <-> scattered: torch's index ops measured faster than the Triton run copy on H200 (0.935 /
-    # 0.971 of a device copy vs 0.91), so the kernel only when asked for (impl or VLLM_DSA_COPY_IMPL).
+    # 0.971 of a device copy vs 0.91), so the kernel only when asked for (impl or VLLM_DSA_COPY_IMPL),
+    # or when the row index would be large (its host-side construction then dominates).
     mode = default_impl() if impl is None else impl
-    if mode != "triton" or not (a.is_cuda and b.is_cuda):
+    if mode not in ("auto", "triton") or not (a.is_cuda and b.is_cuda):
         return False
+    if mode == "auto":
+        row = int(np.gcd.reduce(np.concatenate([offsets, lengths]))) if lengths.size else 1
+        if total // max(1, row) <= MAX_INDEX_ROWS:
+            return False
     return triton_available()
 
 
@@ -262,7 +289,8 @@ def gather(
     ``out`` is a 1-D uint8 tensor (e.g. :meth:`StagingArena.view`) of at least ``runs.total_bytes``.
     One ``torch.index_select`` on the widest view the runs allow (16-byte, else int64, ..., uint8;
     ``max_width`` caps it); ``impl="triton"`` (or ``VLLM_DSA_COPY_IMPL=triton``) uses the Triton run
-    copy (:func:`copy_runs`) on CUDA instead.
+    copy (:func:`copy_runs`) on CUDA instead, and so does the default when the index would have more
+    than :data:`MAX_INDEX_ROWS` rows.
     """
     total = runs.total_bytes
     if total == 0:
@@ -272,7 +300,7 @@ def gather(
     if out.numel() < total or out.dtype != torch.uint8:
         raise ValueError(f"gather: out must be uint8 with >= {total} bytes")
     ob = out[:total]
-    if _use_kernel(sb, ob, impl):
+    if _use_kernel(sb, ob, impl, runs.src_offsets, runs.lengths, total):
         copy_arrays(sb, ob, runs.src_offsets, runs.staging_offsets(), runs.lengths, impl)
         return
     row, w, dt = _plan(runs.src_offsets, runs.lengths, (sb.data_ptr(), ob.data_ptr()), max_width)
@@ -300,7 +328,7 @@ def scatter(
     if staging.numel() < total or staging.dtype != torch.uint8:
         raise ValueError(f"scatter: staging must be uint8 with >= {total} bytes")
     sb = staging[:total]
-    if _use_kernel(sb, db, impl):
+    if _use_kernel(sb, db, impl, runs.dst_offsets, runs.lengths, total):
         copy_arrays(sb, db, runs.staging_offsets(), runs.dst_offsets, runs.lengths, impl)
         return
     row, w, dt = _plan(runs.dst_offsets, runs.lengths, (db.data_ptr(), sb.data_ptr()), max_width)
@@ -337,6 +365,26 @@ def decode_notif(msg: bytes) -> tuple[str, int, bytes] | None:
     if not sep or len(head) < 2 or head[:1] not in _CODE_PATH or not head[1:].isdigit():
         return None
     return _CODE_PATH[head[:1]], int(head[1:]), tag
+
+
+def encode_event_notif(writer: int, handle: bytes, tag: bytes) -> bytes:
+    """``dsa1:e<writer>.<hex handle>:<tag>``: the ``ipc`` copy was launched; done when the event fires."""
+    return _NOTIF_PREFIX + f"e{int(writer)}.".encode() + bytes(handle).hex().encode() + b":" + tag
+
+
+def decode_event_notif(msg: bytes) -> tuple[int, bytes, bytes] | None:
+    """Inverse of :func:`encode_event_notif`: ``(writer, handle, tag)``; ``None`` for other messages."""
+    if not msg.startswith(_NOTIF_PREFIX + b"e"):
+        return None
+    head, sep, tag = msg[len(_NOTIF_PREFIX) + 1 :].partition(b":")
+    w, dot, hexed = head.partition(b".")
+    if not sep or not dot or not w.isdigit() or not hexed or len(hexed) % 2:
+        return None
+    try:
+        handle = bytes.fromhex(hexed.decode())
+    except ValueError:
+        return None
+    return int(w), handle, tag
 
 
 def encode_chunk_notif(writer: int, index: int, count: int, tag: bytes) -> bytes:
@@ -404,6 +452,10 @@ class Send:
     _slot: StagingSlot | None = field(default=None, repr=False)
     _writer: int = 0
     _tag: bytes = b""
+    launch_s: float = 0.0  # ipc: host time of the copy launch (plan lookup or build, launch)
+    signal: str = ""  # ipc: "event" (notification at launch) or "notify" (after completion)
+    _handle: bytes = field(default=b"", repr=False)  # ipc event signal: the event's IPC handle
+    _pool: Any = field(default=None, repr=False)  # ipc event signal: where the event goes back
 
 
 def _record(t: torch.Tensor) -> Any:
@@ -418,6 +470,34 @@ def _done(ev: Any) -> bool:
     return ev is None or bool(ev.query())
 
 
+def _pause(started: float, spin_s: float = 0.02) -> None:
+    """Between polls: yield only for the first ``spin_s`` (completions seen within microseconds), then
+    sleep 50 us (a long wait does not burn a core)."""
+    time.sleep(0 if time.perf_counter() - started < spin_s else 5e-5)
+
+
+IPC_SIGNALS = ("event", "event+notify", "notify")
+
+
+class _EventPool:
+    """Interprocess CUDA events of one device, each with its IPC handle; an event is reused only after
+    the sender saw it fire (a receiver still holding it then sees a later record: never early)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.free: list[tuple[Any, bytes]] = []
+
+    def acquire(self) -> tuple[Any, bytes | None]:
+        """A recorded-later event and its handle (``None``: handle comes after the first record)."""
+        if self.free:
+            return self.free.pop()
+        return torch.cuda.Event(interprocess=True), None
+
+    def release(self, ev: Any, handle: bytes) -> None:
+        if len(self.free) < 64:
+            self.free.append((ev, handle))
+
+
 class BounceSender:
     """Writer side: gate, gather into the local arena, one WRITE into the receiver's slot (or direct).
 
@@ -430,7 +510,10 @@ class BounceSender:
         arena: StagingArena,
         gate: BounceGate,
         reserve_timeout_s: float | None = None,
+        ipc_signal: str = "event",
     ) -> None:
+        if ipc_signal not in IPC_SIGNALS:
+            raise ValueError(f"BounceSender: ipc_signal must be one of {IPC_SIGNALS}; got {ipc_signal!r}")
         self.engine = engine
         self.arena = arena
         self.gate = gate
@@ -438,7 +521,9 @@ class BounceSender:
             gate.settings.reserve_timeout_s if reserve_timeout_s is None else reserve_timeout_s
         )
         self.region = engine.register(arena.buffer)
+        self.ipc_signal = ipc_signal
         self._logged: set[str] = set()
+        self._events: dict[str, _EventPool] = {}
 
     def _once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -460,6 +545,7 @@ class BounceSender:
         chunks: int | None = None,
         ipc: torch.Tensor | None = None,
         ipc_impl: str | None = None,
+        ipc_signal: str | None = None,
     ) -> Send:
         """Send ``runs`` of ``src`` to ``dst`` on ``peer``; bounce through ``slot`` when the gate says so.
 
@@ -468,7 +554,10 @@ class BounceSender:
         candidates for :meth:`BounceGate.choose`. ``ipc`` is the receiver's region (``dst``) mapped
         here (:func:`~vllm_dsa_connector.transport.ipc.open_region`); ``chunks`` overrides the gate's
         chunk count of a pipelined send; ``ipc_impl`` the copy of the ``ipc`` path (default: the Triton
-        kernel, measured faster than one copy-engine DMA per run across GPUs too; ``"ce"`` forces those).
+        kernel, measured faster than one copy-engine DMA per run across GPUs too; ``"ce"`` forces those);
+        ``ipc_signal`` overrides the sender's completion signal of the ``ipc`` path (``"event"`` /
+        ``"event+notify"`` / ``"notify"``, see the module docstring). Pass the same ``runs`` object to send the same request
+        again: its merge and the copy's launch plan are cached on it.
         Falls back to direct when the receiver gave no slot, the slot is too small, or the local arena
         has no room within the bounded wait.
         """
@@ -499,7 +588,9 @@ class BounceSender:
                 path, reason = "direct", "no IPC mapping of the destination"
                 self._once(reason)
             else:
-                return self._send_ipc(peer, src, merged, ipc, tag, writer, decision, reason, ipc_impl)
+                return self._send_ipc(
+                    peer, src, merged, ipc, tag, writer, decision, reason, ipc_impl, ipc_signal
+                )
         res = None
         staging: StagingSlot | None = None
         if path in ("bounce", "pipelined"):
@@ -551,14 +642,29 @@ class BounceSender:
         decision: Decision | None,
         reason: str,
         impl: str | None = None,
+        signal: str | None = None,
     ) -> Send:
         if peer not in self.engine.peers:
             raise TransferError(f"ipc send {tag!r}: unknown peer {peer!r}", peer=peer)
+        signal = self.ipc_signal if signal is None else signal
+        if signal not in IPC_SIGNALS:
+            raise ValueError(f"ipc_signal must be one of {IPC_SIGNALS}; got {signal!r}")
         t0 = time.perf_counter()
         copy_runs(src.tensor, mapped, merged, impl=impl)
-        ev = _record(src.tensor)
+        ev: Any = None
+        handle = b""
+        pool = None
+        if src.tensor.is_cuda and signal != "notify" and self._ipc_events_ok(src.tensor.device):
+            pool = self._events[str(src.tensor.device)]
+            ev, h = pool.acquire()
+            ev.record(torch.cuda.current_stream(src.tensor.device))
+            handle = h if h is not None else bytes(ev.ipc_handle())
+        else:
+            signal = "notify"
+            ev = _record(src.tensor)
+        launch = time.perf_counter() - t0
         rec = Transfer(f"ipc {tag[:48]!r}", peer, merged.num_runs, merged.total_bytes, t0)
-        return Send(
+        send = Send(
             rec,
             "ipc",
             decision,
@@ -567,7 +673,34 @@ class BounceSender:
             _peer=peer,
             _notif=encode_notif("ipc", writer, tag),
             _event=ev,
+            launch_s=launch,
+            signal=signal,
+            _handle=handle,
+            _pool=pool,
         )
+        if signal != "notify":  # tell D now: the notification travels while the kernel runs
+            self.engine.send_notification(peer, encode_event_notif(writer, handle, tag))
+        return send
+
+    def _ipc_events_ok(self, device: torch.device) -> bool:
+        key = str(device)
+        if key in self._events:
+            return True
+        if f"no-events:{key}" in self._logged:
+            return False
+        try:
+            with torch.cuda.device(device):
+                probe = torch.cuda.Event(interprocess=True)
+                probe.record()
+                handle = bytes(probe.ipc_handle())
+            pool = _EventPool(device)
+            pool.release(probe, handle)
+            self._events[key] = pool
+            return True
+        except Exception as e:  # no interprocess events here: notify after completion
+            self._logged.add(f"no-events:{key}")
+            logger.info("ipc: no interprocess CUDA events on %s (%s); notifying after completion", key, e)
+            return False
 
     # -- pipelined ----------------------------------------------------------------------------------
 
@@ -659,7 +792,7 @@ class BounceSender:
         if rec.stats is not None:
             return rec.stats
         deadline = rec.started + timeout_s
-        spins = 0
+        started = time.perf_counter()
         while not _done(send._event):
             if time.perf_counter() > deadline:
                 raise TransferError(
@@ -667,9 +800,12 @@ class BounceSender:
                     peer=rec.peer,
                     transfer=rec.name,
                 )
-            spins += 1
-            time.sleep(0 if spins < 200 else 5e-5)
-        self.engine.send_notification(send._peer, send._notif)  # the bytes are there: tell D
+            _pause(started)
+        if send.signal != "event":  # the bytes are there: tell D (after an event D usually drops it)
+            self.engine.send_notification(send._peer, send._notif)
+        if send._pool is not None and send._event is not None:
+            send._pool.release(send._event, send._handle)
+            send._pool = send._event = None
         rec.stats = TransferStats(rec.num_runs, rec.total_bytes, time.perf_counter() - rec.started, 0)
         return rec.stats
 
@@ -748,6 +884,7 @@ class _Expected:
     res: Reservation | None
     arrived: dict[int, str] = field(default_factory=dict)
     chunks: dict[int, tuple[list[Chunk], set[int]]] = field(default_factory=dict)  # pipelined
+    events: dict[int, Any] = field(default_factory=dict)  # ipc event signal: writer -> opened event
 
 
 class BounceReceiver:
@@ -761,7 +898,10 @@ class BounceReceiver:
         self.reserve_timeout_s = reserve_timeout_s
         self.region = engine.register(arena.buffer)
         self._expected: dict[bytes, _Expected] = {}
-        self._early: dict[bytes, list[tuple[int, str, int, int]]] = {}  # writer, path, chunk, count
+        # writer, path, chunk, count, event handle
+        self._early: dict[bytes, list[tuple[int, str, int, int, bytes]]] = {}
+        self._ipc_events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._bad_events: set[bytes] = set()
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent tags
         self.other: list[tuple[str, bytes]] = []  # notifications that are not ours
 
@@ -797,20 +937,55 @@ class BounceReceiver:
             off += size
         exp = _Expected(tag, dst, merged, slots, res)
         self._expected[tag] = exp
-        for writer, path, index, count in self._early.pop(tag, []):
+        for writer, path, index, count, handle in self._early.pop(tag, []):
             if path == "pipelined":
                 self._chunk(exp, writer, index, count)
             else:
-                self._arrive(exp, writer, path)
+                self._arrive(exp, writer, path, handle)
         return slots
 
-    def _arrive(self, exp: _Expected, writer: int, path: str) -> None:
+    def _open_event(self, handle: bytes, dst: torch.Tensor) -> Any:
+        """The sender's interprocess event for ``handle`` (opened once); ``None`` when it cannot be."""
+        ev = self._ipc_events.get(handle)
+        if ev is not None or handle in self._bad_events:
+            return ev
+        devices = [dst.device] if dst.is_cuda else []
+        if torch.cuda.is_available():
+            devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        err: Exception | None = None
+        for dev in devices:
+            try:
+                ev = torch.cuda.Event.from_ipc_handle(dev, handle)
+                break
+            except Exception as e:  # try the next device context
+                err = e
+        if ev is None:
+            if not self._bad_events:
+                logger.warning("ipc: cannot open the sender's CUDA event (%s); completing on the "
+                               "sender's notification after the copy instead", err)
+            self._bad_events.add(handle)
+            return None
+        self._ipc_events[handle] = ev
+        while len(self._ipc_events) > 4096:
+            self._ipc_events.popitem(last=False)
+        return ev
+
+    def _arrive(self, exp: _Expected, writer: int, path: str, handle: bytes = b"") -> None:
         if not 0 <= writer < len(exp.runs):
             logger.warning("bounce: tag %r has no writer %d; ignored", exp.tag, writer)
             return
         if writer in exp.arrived:
+            if path == "ipc":  # the other half of the ipc event signal: the sender saw the copy done
+                if not handle:
+                    exp.events.pop(writer, None)
+                return
             logger.warning("bounce: duplicate notification from writer %d of %r", writer, exp.tag)
             return
+        if handle:  # ipc, launched: complete once the sender's event fired
+            ev = self._open_event(handle, exp.dst)
+            if ev is None:
+                return  # the sender's notification after completion will come
+            exp.events[writer] = ev
         if path == "bounce":
             slot = exp.slots[writer]
             if slot is None:
@@ -842,33 +1017,59 @@ class BounceReceiver:
 
     def handle(self, peer: str, msg: bytes) -> bool:
         """Feed one notification; ``True`` when it was a bounce-protocol message."""
+        handle = b""
+        index = count = 0
         chunk = decode_chunk_notif(msg)
         if chunk is not None:
             writer, index, count, tag = chunk
             path = "pipelined"
         else:
-            parsed = decode_notif(msg)
-            if parsed is None:
-                self.other.append((peer, msg))
-                return False
-            path, writer, tag = parsed
-            index = count = 0
+            launched = decode_event_notif(msg)
+            if launched is not None:
+                writer, handle, tag = launched
+                path = "ipc"
+            else:
+                parsed = decode_notif(msg)
+                if parsed is None:
+                    self.other.append((peer, msg))
+                    return False
+                path, writer, tag = parsed
         exp = self._expected.get(tag)
         if exp is None:
             if tag in self._closed:  # a late writer of a finished or cancelled request
-                logger.warning("bounce: late notification for finished/cancelled %r dropped", tag)
+                if path == "ipc":  # the sender's "copy done" after D completed on its event
+                    logger.debug("bounce: ipc notification for finished %r dropped", tag)
+                else:
+                    logger.warning("bounce: late notification for finished/cancelled %r dropped", tag)
             else:
-                self._early.setdefault(tag, []).append((writer, path, index, count))
+                self._early.setdefault(tag, []).append((writer, path, index, count, handle))
         elif path == "pipelined":
             self._chunk(exp, writer, index, count)
         else:
-            self._arrive(exp, writer, path)
+            self._arrive(exp, writer, path, handle)
+        return True
+
+    def _events_fired(self, exp: _Expected) -> bool:
+        """Whether every ipc writer's event fired (a writer whose event cannot be queried waits for the
+        sender's notification after completion instead)."""
+        for writer, ev in list(exp.events.items()):
+            try:
+                fired = bool(ev.query())
+            except Exception as e:
+                logger.warning("ipc: querying writer %d's CUDA event failed (%s); waiting for its "
+                               "notification", writer, e)
+                del exp.events[writer]
+                exp.arrived.pop(writer, None)
+                return False
+            if not fired:
+                return False
+            del exp.events[writer]
         return True
 
     def _finish(self) -> list[bytes]:
         done = []
         for tag, exp in list(self._expected.items()):
-            if len(exp.arrived) == len(exp.runs):
+            if len(exp.arrived) == len(exp.runs) and self._events_fired(exp):
                 _sync(exp.dst)
                 if exp.res is not None:
                     self.arena.release(exp.res)
@@ -885,8 +1086,8 @@ class BounceReceiver:
 
     def wait(self, tag: bytes, timeout_s: float = 10.0) -> None:
         """Poll until ``tag`` completes; ``TimeoutError`` naming the missing writers otherwise."""
-        deadline = time.perf_counter() + timeout_s
-        spins = 0
+        started = time.perf_counter()
+        deadline = started + timeout_s
         while tag in self._expected:
             if tag in self.poll():
                 return
@@ -896,8 +1097,7 @@ class BounceReceiver:
                 raise TimeoutError(
                     f"bounce receive {tag!r}: writers {missing} did not arrive in {timeout_s}s"
                 )
-            spins += 1
-            time.sleep(0 if spins < 200 else 5e-5)
+            _pause(started)
 
     def cancel(self, tag: bytes) -> None:
         """Abandon ``tag``; its staging region is quarantined (a late writer may still write into it)."""

@@ -17,6 +17,13 @@ way across GPUs over NVLink when runs are few and large. Elsewhere (CPU tensors,
 ``impl="index"``) it falls back to torch index ops on the widest integer view (``index_select`` +
 ``index_copy_``: two passes, used for CPU hosts and tests).
 ``VLLM_DSA_COPY_IMPL`` = ``auto`` (default: Triton on CUDA when it loads) | ``triton`` | ``index`` | ``ce``.
+
+Launch plans: :func:`copy_runs` keeps, per :class:`Runs` object (weakly, so a plan dies with its request's
+runs) and per (source, destination, launch shape), what one launch needs: the runs table already on the
+GPU, the grid and the typed views. A repeated copy of the same runs then skips the numpy planning, the
+bounds check and the table upload; from its second use the launch is replayed from a CUDA graph
+captured once (one ``cudaGraphLaunch`` instead of Triton's launcher). ``VLLM_DSA_COPY_GRAPH=0`` turns the
+graphs off (plans stay). ``copy_arrays`` (gather / scatter on derived arrays) plans every call.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import logging
 import math
 import os
 import threading
+import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -42,7 +51,10 @@ __all__ = [
     "copy_runs",
     "default_config",
     "default_impl",
+    "graphs_enabled",
     "plan_pieces",
+    "plan_stats",
+    "trace_launches",
     "triton_available",
 ]
 
@@ -175,7 +187,8 @@ def _build_kernel() -> Any:
 class _Uploader:
     """A ring of pinned host + device buffers for the runs tables (no pinned allocation per call).
 
-    Slot ``i`` is reused only after the event recorded behind the kernel that read it completed.
+    Slot ``i`` is reused only after the event recorded behind the kernel (or the copy) that read it
+    completed.
     """
 
     SLOTS = 8
@@ -188,7 +201,12 @@ class _Uploader:
         self.dev: list[torch.Tensor | None] = [None] * self.SLOTS
         self.events: list[Any] = [None] * self.SLOTS
 
-    def upload(self, arr: np.ndarray) -> tuple[torch.Tensor, int]:
+    def upload(self, arr: np.ndarray, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Copy ``arr`` to the device (asynchronously, on the current stream); returns (tensor, slot).
+
+        ``out``: a device tensor of ``arr.size`` int64 to copy into (a plan's own table) instead of the
+        slot's device buffer. Call :meth:`done` with the slot once the consumer is enqueued.
+        """
         with self.lock:
             i = self.next
             self.next = (i + 1) % self.SLOTS
@@ -204,8 +222,9 @@ class _Uploader:
                 dev = torch.empty(cap, dtype=torch.int64, device=self.device)
                 self.host[i], self.dev[i] = host, dev
             host[:n].numpy()[:] = arr
-            dev[:n].copy_(host[:n], non_blocking=True)
-            return dev[:n], i
+            target = dev[:n] if out is None else out
+            target.copy_(host[:n], non_blocking=True)
+            return target, i
 
     def done(self, i: int) -> None:
         ev = torch.cuda.Event()
@@ -297,14 +316,39 @@ def _runs_table(
     return table, -(-longest // piece)
 
 
-def _launch_triton(
+class _Plan:
+    """One prepared Triton launch: typed views, the runs table (on the device for CUDA), grid, meta."""
+
+    __slots__ = ("args", "grid", "meta", "device", "ready", "stream", "uses", "graph", "slot")
+
+    def __init__(self, args: tuple[Any, ...], grid: tuple[int], meta: dict[str, int],
+                 device: torch.device) -> None:
+        self.args = args
+        self.grid = grid
+        self.meta = meta
+        self.device = device
+        self.ready: Any = None  # event behind the table upload (a cached plan on another stream waits)
+        self.stream: Any = None  # the stream the table was uploaded on
+        self.uses = 0
+        self.graph: Any = None  # CUDAGraph once captured; False when capture failed
+        self.slot = -1  # ring slot of an uncached plan's table
+
+    def launch(self) -> None:
+        _KERNEL[self.grid](*self.args, **self.meta)
+
+
+def _prepare_triton(
     sb: torch.Tensor,
     db: torch.Tensor,
     src_off: np.ndarray,
     dst_off: np.ndarray,
     lens: np.ndarray,
     cfg: CopyConfig,
-) -> None:
+    own_table: bool = False,
+) -> _Plan | None:
+    """Plan one launch (``None``: nothing to copy). ``own_table``: the table gets its own device tensor
+    (a cached plan), else a ring slot (``plan.slot``; call ``_uploader(dev).done(slot)`` after the launch).
+    """
     vals = np.concatenate([src_off, dst_off, lens])
     w, dt, g = _width(vals, (sb.data_ptr(), db.data_ptr()))
     align = max(1, g // w)  # elements; offsets and lengths are multiples of this (16 bytes at most)
@@ -313,21 +357,164 @@ def _launch_triton(
     table, per_run = _runs_table(src_off // w, dst_off // w, lens // w, piece)
     n = table.shape[1]
     if n == 0:
-        return
+        return None
     s = sb[: (sb.numel() // w) * w].view(dt)
     d = db[: (db.numel() // w) * w].view(dt)
     grid = (n * per_run,)
     dev = sb.device
-    args = (s, d)
+    meta = {"BLOCK": block, "ALIGN": align, "num_warps": cfg.num_warps}
+    flat = np.ascontiguousarray(table).reshape(-1)
     if dev.type != "cuda":  # only under TRITON_INTERPRET=1 (tests)
-        idx = torch.from_numpy(np.ascontiguousarray(table).reshape(-1))
-        _KERNEL[grid](*args, idx, n, piece, per_run, BLOCK=block, ALIGN=align, num_warps=cfg.num_warps)
-        return
+        return _Plan((s, d, torch.from_numpy(flat), n, piece, per_run), grid, meta, dev)
     up = _uploader(dev)
     with torch.cuda.device(dev):
-        idx, slot = up.upload(np.ascontiguousarray(table).reshape(-1))
-        _KERNEL[grid](*args, idx, n, piece, per_run, BLOCK=block, ALIGN=align, num_warps=cfg.num_warps)
-        up.done(slot)
+        if own_table:
+            out = torch.empty(flat.size, dtype=torch.int64, device=dev)
+            idx, slot = up.upload(flat, out=out)
+            up.done(slot)  # the pinned slot is free once this copy ran
+            plan = _Plan((s, d, idx, n, piece, per_run), grid, meta, dev)
+            plan.stream = torch.cuda.current_stream(dev)
+            plan.ready = torch.cuda.Event()
+            plan.ready.record(plan.stream)
+            return plan
+        idx, slot = up.upload(flat)
+    plan = _Plan((s, d, idx, n, piece, per_run), grid, meta, dev)
+    plan.slot = slot
+    return plan
+
+
+def _launch_triton(
+    sb: torch.Tensor,
+    db: torch.Tensor,
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    lens: np.ndarray,
+    cfg: CopyConfig,
+) -> None:
+    plan = _prepare_triton(sb, db, src_off, dst_off, lens, cfg)
+    if plan is None:
+        return
+    if plan.device.type != "cuda":
+        plan.launch()
+        return
+    with torch.cuda.device(plan.device):
+        plan.launch()
+        _uploader(plan.device).done(plan.slot)
+
+
+# -- launch plans cached per Runs, CUDA graphs ---------------------------------------------------------
+
+# Runs -> {(pointers, sizes, devices, launch shape): plan}; weak, so a plan goes with its request's runs.
+_PLANS: weakref.WeakKeyDictionary[Runs, dict[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
+_PLANS_PER_RUNS = 4
+_NO_GRAPH: set[str] = set()  # devices where a capture failed (plain launches there)
+_CAPTURE_STREAMS: dict[str, Any] = {}
+_STATS = {"plans": 0, "plan_hits": 0, "graphs": 0, "graph_replays": 0, "graph_failures": 0}
+
+
+_TRACE: list[float] | None = None  # benchmarks: perf_counter stamps of the last planned copy
+
+
+def trace_launches(on: bool = True) -> list[float] | None:
+    """Benchmarks: stamp the last planned copy (``perf_counter`` at copy_runs entry, plan found, launch
+    or replay issued, returned); returns the list that is refilled per copy (``None`` when off)."""
+    global _TRACE
+    _TRACE = [] if on else None
+    return _TRACE
+
+
+def plan_stats() -> dict[str, int]:
+    """Counters of this process: plans built, cached-plan launches, graphs captured / replayed / failed."""
+    return dict(_STATS)
+
+
+def graphs_enabled(environ: Any = None) -> bool:
+    """``VLLM_DSA_COPY_GRAPH`` (default on): replay a cached plan's launch from a CUDA graph."""
+    env = os.environ if environ is None else environ
+    return str(env.get("VLLM_DSA_COPY_GRAPH", "1")).strip().lower() not in ("0", "false", "off", "no")
+
+
+def _plan_key(sb: torch.Tensor, db: torch.Tensor, cfg: CopyConfig) -> tuple[Any, ...]:
+    return (sb.data_ptr(), sb.numel(), db.data_ptr(), db.numel(), str(sb.device), str(db.device),
+            cfg.piece_bytes, cfg.block_bytes, cfg.num_warps)
+
+
+def _capture(plan: _Plan) -> Any:
+    """Capture the plan's launch into a CUDA graph on a side stream; ``False`` when that fails."""
+    dev = plan.device
+    key = str(dev)
+    try:
+        side = _CAPTURE_STREAMS.get(key)
+        if side is None:
+            side = _CAPTURE_STREAMS.setdefault(key, torch.cuda.Stream(dev))
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            # thread_local: NIXL/UCX threads of this process may issue CUDA calls meanwhile.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                plan.launch()
+            finally:
+                graph.capture_end()
+        _STATS["graphs"] += 1
+        return graph
+    except Exception as e:  # capture refused: plain launches on this device from now on
+        _NO_GRAPH.add(key)
+        _STATS["graph_failures"] += 1
+        logger.warning("copy_runs: CUDA graph capture failed on %s (%s); plain launches", dev, e)
+        return False
+
+
+def _run_plan(plan: _Plan) -> None:
+    """Launch a cached plan on the current stream (graph replay from its second use)."""
+    dev = plan.device
+    if dev.type != "cuda":  # only under TRITON_INTERPRET=1 (tests): no streams, no graphs
+        plan.uses += 1
+        plan.launch()
+        return
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev)
+        if plan.ready is not None and stream != plan.stream:
+            stream.wait_event(plan.ready)  # the table upload ran on another stream
+            plan.args[2].record_stream(stream)  # and its memory is not reused under this launch
+        plan.uses += 1
+        if plan.graph is None and plan.uses >= 2:
+            if graphs_enabled() and str(dev) not in _NO_GRAPH:
+                plan.graph = _capture(plan)
+        tr = _TRACE
+        if tr is not None:
+            tr.append(time.perf_counter())
+        if plan.graph:
+            plan.graph.replay()
+            _STATS["graph_replays"] += 1
+        else:
+            plan.launch()
+        if tr is not None:
+            tr.append(time.perf_counter())
+
+
+def _copy_planned(runs: Runs, sb: torch.Tensor, db: torch.Tensor, cfg: CopyConfig) -> None:
+    """The Triton copy of ``runs`` through the plan cached on ``runs`` (built on first use)."""
+    key = _plan_key(sb, db, cfg)
+    per = _PLANS.get(runs)
+    plan = per.get(key) if per is not None else None
+    if plan is None:
+        runs.check_bounds(sb.numel(), db.numel(), what="copy_runs")
+        plan = _prepare_triton(sb, db, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg,
+                               own_table=True)
+        if plan is None:
+            return
+        with _LOCK:
+            per = _PLANS.setdefault(runs, {})
+            if len(per) >= _PLANS_PER_RUNS:
+                per.pop(next(iter(per)))
+            per[key] = plan
+        _STATS["plans"] += 1
+    else:
+        _STATS["plan_hits"] += 1
+    if _TRACE is not None:
+        _TRACE.append(time.perf_counter())
+    _run_plan(plan)
 
 
 # -- copy engine -----------------------------------------------------------------------------------
@@ -436,12 +623,36 @@ def copy_runs(
 
     Asynchronous on CUDA (enqueued on the current stream of ``src``'s device). Runs must not overlap
     on the destination (the kernel's programs run in any order). Raises ``ValueError`` when a run
-    leaves either tensor.
+    leaves either tensor. The Triton copy on CUDA keeps its launch plan on ``runs`` (see the module
+    docstring): copy the same request again through the same ``Runs`` object to reuse it.
     """
+    tr = _TRACE
+    if tr is not None:
+        tr.clear()
+        tr.append(time.perf_counter())
     if runs.total_bytes == 0:
         return "none"
     sb = _byte_view(src, "copy_runs src")
     db = _byte_view(dst, "copy_runs dst")
+    mode = default_impl() if impl is None else impl
+    if (
+        mode in ("auto", "triton")
+        and sb.is_cuda
+        and db.is_cuda
+        and triton_available()
+        and (mode == "triton" or (sb.device, db.device) not in _FAILED_LAUNCH)
+    ):
+        try:
+            _copy_planned(runs, sb, db, config or default_config())
+            return "triton"
+        except ValueError:
+            raise
+        except Exception as e:
+            if mode == "triton":
+                raise
+            _FAILED_LAUNCH.add((sb.device, db.device))
+            logger.warning("Triton copy failed on %s -> %s (%s); using index ops", sb.device,
+                           db.device, e)
     runs.check_bounds(sb.numel(), db.numel(), what="copy_runs")
     return copy_arrays(sb, db, runs.src_offsets, runs.dst_offsets, runs.lengths, impl, config)
 

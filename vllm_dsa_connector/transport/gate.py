@@ -171,7 +171,10 @@ class LinkProfile:
 #   -> ~3.5 us each, added; 58,806 descriptors 247-335 ms; bounce 8.4-9.2 ms; pipelined x4 7.4-8.9 ms
 #   (gather/scatter overlap the wire; 0.15-0.6 ms per chunk, mostly host launches); the IPC kernel
 #   storing through the mapping 5.52 ms of GPU time (371 GB/s; a plain peer copy 387-394 GB/s, one
-#   copy-engine DMA per run 304 GB/s) + ~0.85 ms fixed (6.53 ms end to end).
+#   copy-engine DMA per run 304 GB/s) + ~0.85 ms fixed (6.53 ms end to end); with the launch plan
+#   cached on the runs (CUDA graph replay) and the completion on an interprocess event whose
+#   notification leaves at launch: 5.85-5.97 ms end to end, ~0.33-0.45 ms fixed (ipc_us); 64 and 8
+#   blocks: ipc 0.80-0.92 / 0.46-0.56 ms vs merged direct 1.07 / 0.53.
 # - rdma: GPUDirect over one 400 Gb/s NIC, an estimate (no such NIC here).
 # - cma/tcp: host memory on this project's CPU hosts (the bounce numbers are those of PROFILES, so
 #   the two models agree there).
@@ -179,7 +182,7 @@ LINKS: dict[str, LinkProfile] = {
     "same_gpu": LinkProfile(
         9.0, 2000.0, 1900.0, 800.0, 150.0, False, False, 1950.0, 600.0, post_us=450.0
     ),
-    "nvlink": LinkProfile(3.5, 391.0, 1900.0, 700.0, 400.0, False, True, 371.0, 850.0, post_us=450.0),
+    "nvlink": LinkProfile(3.5, 391.0, 1900.0, 700.0, 400.0, False, True, 371.0, 400.0, post_us=450.0),
     "rdma": LinkProfile(2.0, 45.0, 1900.0, 100.0, 30.0, True, True, post_us=50.0),
     "cma": LinkProfile(7.0, 2.8, 4.0, 200.0, 50.0, False, False),
     "tcp": LinkProfile(40.0, 1.7, 4.0, 200.0, 60.0, False, False),
