@@ -53,6 +53,7 @@ from vllm_dsa_connector.transport.copy import (
     copy_arrays,
     copy_runs,
     default_impl,
+    row_index,
     triton_available,
 )
 from vllm_dsa_connector.transport.engine import (
@@ -244,17 +245,6 @@ def _plan(
     return g, 1, torch.uint8  # width 1 always fits
 
 
-def _row_index(offsets: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
-    """Row numbers covered by the runs, in run order (vectorised)."""
-    counts = lengths // row
-    first = offsets // row
-    total = int(counts.sum())
-    starts = np.zeros(counts.size, np.int64)
-    if counts.size > 1:
-        np.cumsum(counts[:-1], out=starts[1:])
-    return np.repeat(first - starts, counts) + np.arange(total, dtype=np.int64)
-
-
 def _index(idx: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(idx)
     return t.to(device, non_blocking=True) if device.type != "cpu" else t
@@ -304,7 +294,7 @@ def gather(
         copy_arrays(sb, ob, runs.src_offsets, runs.staging_offsets(), runs.lengths, impl)
         return
     row, w, dt = _plan(runs.src_offsets, runs.lengths, (sb.data_ptr(), ob.data_ptr()), max_width)
-    idx = _index(_row_index(runs.src_offsets, runs.lengths, row), sb.device)
+    idx = _index(row_index(runs.src_offsets, runs.lengths, row), sb.device)
     torch.index_select(_rows(sb, row, w, dt), 0, idx, out=ob.view(dt).view(-1, row // w))
 
 
@@ -332,7 +322,7 @@ def scatter(
         copy_arrays(sb, db, runs.staging_offsets(), runs.dst_offsets, runs.lengths, impl)
         return
     row, w, dt = _plan(runs.dst_offsets, runs.lengths, (db.data_ptr(), sb.data_ptr()), max_width)
-    idx = _index(_row_index(runs.dst_offsets, runs.lengths, row), db.device)
+    idx = _index(row_index(runs.dst_offsets, runs.lengths, row), db.device)
     _rows(db, row, w, dt).index_copy_(0, idx, sb.view(dt).view(-1, row // w))
 
 

@@ -575,7 +575,9 @@ def _copy_ce(
 # -- torch index ops --------------------------------------------------------------------------------
 
 
-def _row_index(offsets: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
+def row_index(offsets: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
+    """Row numbers (of ``row`` bytes) covered by the runs, in run order (vectorised; the gather/scatter
+    index of the bounce transport and of the index-op copy here)."""
     counts = lengths // row
     first = offsets // row
     total = int(counts.sum())
@@ -596,8 +598,8 @@ def _copy_index(
     vals = np.concatenate([src_off, dst_off, lens])
     row = int(np.gcd.reduce(vals)) or 1
     w, dt, _ = _width(np.asarray([row], np.int64), (sb.data_ptr(), db.data_ptr()))
-    sidx = torch.from_numpy(_row_index(src_off, lens, row))
-    didx = torch.from_numpy(_row_index(dst_off, lens, row))
+    sidx = torch.from_numpy(row_index(src_off, lens, row))
+    didx = torch.from_numpy(row_index(dst_off, lens, row))
     if sb.device.type != "cpu":
         sidx = sidx.to(sb.device, non_blocking=True)
     if db.device.type != "cpu":
