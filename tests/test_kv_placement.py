@@ -32,19 +32,16 @@ from typing import Any
 import pytest
 from conftest import free_port
 
-from vllm_dsa_connector.commands.demo import (
+from vllm_dsa_connector.harness.client import metric, scrape
+from vllm_dsa_connector.harness.engines import (
     BackendChoice,
-    Cluster,
     check_backend,
     choose_backend,
-    cluster,
     cpu_has_amx,
     engine_cmd,
     engine_env,
-    metric,
-    scrape,
-    wait_healthy,
 )
+from vllm_dsa_connector.harness.procs import Cluster, cluster, wait_healthy
 
 pytestmark = pytest.mark.slow
 

@@ -143,7 +143,7 @@ def test_tables_from_a_real_cpu_engine(tiny_mla_dir, backend: str, block_size: i
     """The runtime builder over the kv_caches of a real vLLM CPU engine (tiny MLA model, bf16), for each
     CPU MLA backend as users run it: CPU_MLA (block 16) everywhere, AMX_MLA (block 32) where AMX exists.
     The backend is requested and then checked: a vLLM that picks another one fails here."""
-    from vllm_dsa_connector.commands.demo import cpu_has_amx
+    from vllm_dsa_connector.harness.engines import cpu_has_amx
 
     if backend == "AMX_MLA" and not cpu_has_amx():
         pytest.skip("no AMX tiles on this CPU: vLLM runs AMX_MLA only where amx_tile exists")

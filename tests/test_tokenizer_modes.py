@@ -254,14 +254,13 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=["v32", "glm"])
 def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A stock server and a ``dsa-prefix-cache`` server of one tiny model, started side by side."""
-    from vllm_dsa_connector.commands.demo import (
+    from vllm_dsa_connector.harness.engines import (
         check_backend,
         choose_backend,
-        cluster,
         engine_cmd,
         engine_env,
-        wait_healthy,
     )
+    from vllm_dsa_connector.harness.procs import cluster, wait_healthy
 
     model = make_tiny_v32() if request.param == "v32" else make_tiny_glm_qwen()
     backend = choose_backend(model, "bfloat16")

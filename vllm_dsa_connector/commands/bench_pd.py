@@ -26,18 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.commands.demo import (
-    chat,
+from vllm_dsa_connector.harness.client import chat, metric, scrape
+from vllm_dsa_connector.harness.engines import (
     check_backend,
     choose_backend,
-    cluster,
     engine_cmd,
     engine_env,
-    metric,
-    scrape,
     start_pair,
-    wait_healthy,
 )
+from vllm_dsa_connector.harness.procs import cluster, wait_healthy
 
 WORDS = ("dragon paint colour sky river stone lantern harbour winter garden melody thunder "
          "orchard compass library velvet meadow ember glacier canyon").split()
@@ -109,8 +106,9 @@ def _run_one(key: str, model: Path, args: argparse.Namespace, workdir: Path) -> 
         env = {"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(base + 3)},
                "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(base + 4)}}
     with cluster(workdir / key) as c:
-        (workdir / key).mkdir(parents=True, exist_ok=True)
-        urls = dict(zip(("prefill", "decode", "proxy"), start_pair(c, model, args, p_cfg, d_cfg, env), strict=True))
+        urls = start_pair(c, model, p_cfg, d_cfg, base_port=base, dtype=args.dtype,
+                          startup_timeout=args.startup_timeout, attention_backend=args.attention_backend,
+                          extra_env=env, label="bench pd")._asdict()
 
         def sample() -> dict[str, float]:
             m = {"prefill": scrape(urls["prefill"]), "decode": scrape(urls["decode"])}
@@ -140,7 +138,6 @@ def _run_single(model: Path, args: argparse.Namespace, workdir: Path) -> dict[st
     url = f"http://127.0.0.1:{args.base_port + 5}"
     backend = choose_backend(model, args.dtype, args.attention_backend)
     with cluster(workdir / "single") as c:
-        (workdir / "single").mkdir(parents=True, exist_ok=True)
         proc = c.start("single", engine_cmd(model, args.base_port + 5, args.dtype, None, backend=backend),
                        engine_env("0"))
         wait_healthy(url, [proc], args.startup_timeout)

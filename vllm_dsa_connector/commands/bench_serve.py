@@ -25,18 +25,12 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.commands.demo import (
-    cluster,
-    connector_config,
-    metric,
-    resolve_model,
-    scrape,
-    start_pair,
-)
+from vllm_dsa_connector.harness.client import metric, post_json, scrape
+from vllm_dsa_connector.harness.engines import connector_config, resolve_model, start_pair
+from vllm_dsa_connector.harness.procs import cluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,14 +64,6 @@ def vllm_bench_args(url: str, model: Path, args: argparse.Namespace) -> argparse
         "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--disable-tqdm", "--save-detailed",
     ])
-
-
-def _warm_up(url: str, model: Path) -> None:
-    body = {"model": str(model), "prompt": "Warm up the pair.", "max_tokens": 2, "temperature": 0.0}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
 
 
 def kv_sample(p_url: str, d_url: str) -> dict[str, float]:
@@ -146,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer is the local model directory
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     model = resolve_model(args.model, args.model_kind)
-    args.dtype = "float32"
     if args.input_len + args.output_len > 2048 or min(args.num_prompts, args.concurrency, args.input_len) < 1:
         print("vllm-dsa bench serve: need 1 <= --input-len, input + output <= 2048 (the engines' "
               "--max-model-len), --num-prompts and --concurrency >= 1", file=sys.stderr)
@@ -159,10 +144,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             t0 = time.monotonic()
             p_url, d_url, x_url = start_pair(
-                c, model, args, connector_config("kv_producer", True, {}, args.base_port + 3),
-                connector_config("kv_consumer", True, {}, args.base_port + 4))
+                c, model, connector_config("kv_producer", True, {}, args.base_port + 3),
+                connector_config("kv_consumer", True, {}, args.base_port + 4), base_port=args.base_port,
+                dtype="float32", startup_timeout=args.startup_timeout, label="bench serve")
             print(f"{tag} P {p_url}, D {d_url}, proxy {x_url} up in {time.monotonic() - t0:.0f} s", flush=True)
-            _warm_up(x_url, model)
+            post_json(x_url + "/v1/completions",
+                      {"model": str(model), "prompt": "Warm up the pair.", "max_tokens": 2, "temperature": 0.0})
             bench_args = vllm_bench_args(x_url, model, args)
             from vllm.benchmarks.serve import main as vllm_bench_main
 

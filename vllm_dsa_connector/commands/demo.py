@@ -30,20 +30,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm_dsa_connector.harness.client import Reply, chat, metric, scrape
+from vllm_dsa_connector.harness.engines import (
+    check_backend,
+    choose_backend,
+    connector_config,
+    engine_cmd,
+    engine_env,
+    is_dsa_model_dir,
+    resolve_model,
+    start_pair,
+)
+from vllm_dsa_connector.harness.procs import cluster, wait_healthy
 
 USER_TURNS = (
     "Hello! Please tell me a short story about a dragon who learned to paint.",
@@ -53,276 +58,6 @@ USER_TURNS = (
     "Finally, write a two-line poem about the dragon's best painting.",
     "Thank you. Any last advice for beginners?",
 )
-
-
-# ---------------------------------------------------------------------------------------- processes
-
-
-@dataclass
-class Proc:
-    """A started process (own session) and its log file."""
-
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, n: int = 25) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-@dataclass
-class Cluster:
-    """Every process this command starts; ``close`` kills them all (process groups)."""
-
-    workdir: Path
-    procs: list[Proc] = field(default_factory=list)
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> Proc:
-        log = self.workdir / f"{name}.log"
-        fh = open(log, "wb")  # noqa: SIM115 - owned by the child
-        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        fh.close()
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, proc: Proc, grace_s: float = 10.0) -> None:
-        if proc.alive():
-            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(proc.popen.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.popen.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        # the group may hold children (engine core, workers) even after the leader exited
-        try:
-            os.killpg(proc.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc in self.procs:
-            self.procs.remove(proc)
-
-    def close(self) -> None:
-        for proc in list(reversed(self.procs)):
-            self.stop(proc)
-
-
-@contextmanager
-def cluster(workdir: Path) -> Iterator[Cluster]:
-    """A :class:`Cluster` that is cleaned up on exit, exception, Ctrl-C and SIGTERM."""
-    c = Cluster(workdir)
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield c
-    finally:
-        c.close()
-        signal.signal(signal.SIGTERM, old)
-
-
-def engine_env(bind: str) -> dict[str, str]:
-    """Environment of a CPU engine bound to the given cores."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    # check_backend reads vLLM's INFO line naming the attention backend: never quieter than INFO
-    if env.get("VLLM_LOGGING_LEVEL", "INFO").upper() != "DEBUG":
-        env["VLLM_LOGGING_LEVEL"] = "INFO"
-    return env
-
-
-def resolve_model(model: str | None, kind: str) -> Path:
-    """``model`` if given, else the tiny model of ``kind`` (``mla``: DeepSeek-V2 MLA; ``dsa``: GLM-MoE-DSA with
-    ``index_topk_freq=2``, ``index_topk=16``), made if absent."""
-    if model:
-        return Path(model)
-    if kind == "dsa":
-        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
-
-        return make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
-    from vllm_dsa_connector.tiny_models import make_tiny_mla
-
-    return make_tiny_mla()
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (vLLM CPU then picks AMX_MLA for MLA models unless told otherwise)."""
-    import torch
-
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
-def is_dsa_model_dir(model: Path) -> bool:
-    """Whether ``model``'s config.json describes a DSA (sparse indexer) model."""
-    try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return cfg.get("index_topk") is not None
-
-
-@dataclass(frozen=True)
-class BackendChoice:
-    """The attention backend an engine is asked for (``--attention-backend``, None = vLLM's choice) and the
-    one it must end up with (read back from its log), with the reason."""
-
-    requested: str | None
-    expected: str
-    reason: str
-
-
-def choose_backend(model: Path, dtype: str, requested: str = "auto") -> BackendChoice:
-    """Which attention backend a CPU engine of ``model`` runs, and why.
-
-    - DSA models run on the plugin's ``CPU_DSA_SPARSE_MLA`` (vLLM has no CPU sparse backend).
-    - MLA models: vLLM picks AMX_MLA whenever the CPU has AMX tiles, but AMX_MLA takes bf16/fp16/int8
-      weights only and a block size that is a multiple of 32; a float32 run (the deterministic demo)
-      therefore asks for CPU_MLA explicitly, which vLLM honours on every CPU. ``requested`` overrides.
-    """
-    if is_dsa_model_dir(model):
-        return BackendChoice(None, "CPU_DSA_SPARSE_MLA", "DSA model: the plugin's CPU sparse MLA backend")
-    if requested != "auto":
-        return BackendChoice(requested, requested, "requested")
-    if dtype == "float32":
-        return BackendChoice("CPU_MLA", "CPU_MLA", "float32 needs CPU_MLA (AMX_MLA takes bf16/fp16/int8 only)")
-    if cpu_has_amx():
-        return BackendChoice(None, "AMX_MLA", "vLLM's choice on a CPU with AMX tiles")
-    return BackendChoice(None, "CPU_MLA", "vLLM's choice on a CPU without AMX tiles")
-
-
-_BACKEND_LINE = re.compile(r"Using (\w+) backend\.")
-
-
-def backends_in_log(text: str) -> set[str]:
-    """Attention backends an engine reported choosing (vLLM's and the plugin's "Using X backend." lines)."""
-    return set(_BACKEND_LINE.findall(text))
-
-
-def check_backend(proc: Proc, choice: BackendChoice) -> None:
-    """RuntimeError unless the engine's log shows exactly the expected attention backend: a future vLLM
-    that picks another one must not silently change what runs (and what the tests test)."""
-    found = backends_in_log(proc.log.read_text(errors="replace"))
-    if found != {choice.expected}:
-        raise RuntimeError(
-            f"{proc.name}: expected attention backend {choice.expected} ({choice.reason}), the engine "
-            f"reported {sorted(found) or 'none'}; log {proc.log}"
-        )
-
-
-def engine_cmd(model: Path, port: int, dtype: str, kv_config: dict[str, Any] | None,
-               max_model_len: int = 2048, backend: BackendChoice | None = None,
-               extra: list[str] | None = None) -> list[str]:
-    """``api_server`` command line of one engine (``backend``: see :func:`choose_backend`)."""
-    backend = backend or choose_backend(model, dtype)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enforce-eager",
-           "--max-model-len", str(max_model_len), "--seed", "0"]
-    if backend.requested:
-        cmd += ["--attention-backend", backend.requested]
-    if kv_config is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-    return cmd + list(extra or [])
-
-
-def wait_healthy(url: str, procs: list[Proc], timeout_s: float) -> None:
-    """Poll ``url``/health until 200; RuntimeError with the log tail if a process dies or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if not p.alive():
-                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}; log tail:\n{p.tail()}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f} s; logs in {procs[0].log.parent}")
-
-
-# ---------------------------------------------------------------------------------------- HTTP
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text of ``url``/metrics as ``{"name{labels}": value}``."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, val = line.rpartition(" ")
-            try:
-                out[key] = float(val)
-            except ValueError:
-                continue
-    return out
-
-
-def metric(m: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the series of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for key, val in m.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        if all(re.search(rf'\b{k}="{re.escape(v)}"', rest) for k, v in labels.items()):
-            total += val
-    return total
-
-
-@dataclass
-class Reply:
-    """One chat completion."""
-
-    text: str
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int
-
-
-def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Reply:
-    """A streamed greedy chat completion (TTFT measured at the first content chunk)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft = None
-    parts: list[str] = []
-    prompt_tokens = 0
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                prompt_tokens = int(chunk["usage"].get("prompt_tokens", 0))
-            for ch in chunk.get("choices", []):
-                content = (ch.get("delta") or {}).get("content")
-                if content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    parts.append(content)
-    total = time.perf_counter() - t0
-    return Reply("".join(parts), ttft if ttft is not None else total, total, prompt_tokens)
-
-
-# ---------------------------------------------------------------------------------------- the demo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -354,12 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run DSAConnector as the first child of vLLM's MultiConnector, vLLM's "
                              "ExampleConnector (shared-storage KV cache, on a directory under the workdir) "
                              "second; --check then also requires the stored prompts")
-
-
-def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int) -> dict[str, Any]:
-    """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``)."""
-    return {"kv_connector": "DSAConnector", "kv_role": role,
-            "kv_connector_extra_config": {"verify_transfers": verify, "side_channel_port": side_port, **extra}}
 
 
 COMPOSE_CHILD = "ExampleConnector"
@@ -407,29 +136,6 @@ class TurnResult:
     transfer_ms: float
     runs_checked: float
     ok_transfers: float
-
-
-def start_pair(c: Cluster, model: Path, args: argparse.Namespace, p_cfg: dict[str, Any], d_cfg: dict[str, Any],
-               extra_env: dict[str, dict[str, str]] | None = None) -> tuple[str, str, str]:
-    """Start P, D and the proxy; return their URLs once healthy."""
-    base = args.base_port
-    p_url, d_url, x_url = (f"http://127.0.0.1:{base + i}" for i in range(3))
-    ncpu = os.cpu_count() or 1
-    extra_env = extra_env or {}
-    backend = choose_backend(model, args.dtype, getattr(args, "attention_backend", "auto"))
-    p = c.start("prefill", engine_cmd(model, base, args.dtype, p_cfg, backend=backend),
-                {**engine_env("0"), **extra_env.get("prefill", {})})
-    d = c.start("decode", engine_cmd(model, base + 1, args.dtype, d_cfg, backend=backend),
-                {**engine_env(str(min(1, ncpu - 1))), **extra_env.get("decode", {})})
-    x = c.start("proxy", [sys.executable, "-m", "vllm_dsa_connector.pd_proxy", "--prefill", p_url,
-                          "--decode", d_url, "--port", str(base + 2)], dict(os.environ))
-    wait_healthy(p_url, [p, d, x], args.startup_timeout)
-    wait_healthy(d_url, [p, d, x], args.startup_timeout)
-    wait_healthy(x_url, [x], 60)
-    for proc in (p, d):
-        check_backend(proc, backend)
-    print(f"[demo] attention backend {backend.expected} on P and D ({backend.reason})", flush=True)
-    return p_url, d_url, x_url
 
 
 def run_turns(x_url: str, p_url: str, d_url: str, model: Path, turns: int, max_tokens: int,
@@ -502,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
                 ref = c.start("reference", engine_cmd(
                     model, args.base_port + 5, args.dtype, None,
                     backend=choose_backend(model, args.dtype, args.attention_backend)), engine_env("0"))
-            p_url, d_url, x_url = start_pair(c, model, args, p_cfg, d_cfg)
+            p_url, d_url, x_url = start_pair(
+                c, model, p_cfg, d_cfg, base_port=args.base_port, dtype=args.dtype,
+                startup_timeout=args.startup_timeout, attention_backend=args.attention_backend)
             print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             results = run_turns(x_url, p_url, d_url, model, args.turns, args.max_tokens)

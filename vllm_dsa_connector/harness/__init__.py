@@ -1,0 +1,20 @@
+"""Harnesses for the demo, the benches and the tests (nothing here runs inside vLLM).
+
+Servers
+    :mod:`~vllm_dsa_connector.harness.procs` (stdlib only): ``Cluster`` / ``cluster(workdir)`` start
+    processes each in its own process group and stop whole groups (SIGTERM, SIGKILL after a grace
+    period, wait until the group is gone) on exit, exception, Ctrl-C and SIGTERM; ``wait_healthy(url,
+    procs, timeout_s)`` fails with the log tails (``NotReady``).
+    :mod:`~vllm_dsa_connector.harness.engines`: vLLM ``api_server`` command lines and environments, the
+    expected attention backend, DSAConnector configs, ``start_pair`` (P, D and the P/D proxy).
+    :mod:`~vllm_dsa_connector.harness.client`: ``scrape``/``metric`` (Prometheus), ``chat``, ``post_json``.
+
+Two-process transfers
+    :mod:`~vllm_dsa_connector.harness.pair` (no vLLM imports): a producer (P) and a consumer (D) process
+    with real NIXL agents, one control channel between them and one message protocol; the consumer
+    loop is :func:`~vllm_dsa_connector.harness.pair.serve_consumer`, the producer runs a driver
+    function given by the caller.
+
+Submodules are imported explicitly (this package imports nothing), so a transfer script does not pull
+in vLLM.
+"""

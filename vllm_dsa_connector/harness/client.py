@@ -1,0 +1,83 @@
+"""HTTP client side of the harness: Prometheus ``/metrics`` and OpenAI-compatible requests (stdlib only)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text of ``url``/metrics as ``{"name{labels}": value}``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, val = line.rpartition(" ")
+            try:
+                out[key] = float(val)
+            except ValueError:
+                continue
+    return out
+
+
+def metric(m: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, val in m.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(re.search(rf'\b{k}="{re.escape(v)}"', rest) for k, v in labels.items()):
+            total += val
+    return total
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One chat completion."""
+
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    """POST ``body`` as JSON, return the JSON answer."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        out: dict[str, Any] = json.loads(r.read() or b"{}")
+    return out
+
+
+def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Reply:
+    """A streamed greedy chat completion (TTFT measured at the first content chunk)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    prompt_tokens = 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                prompt_tokens = int(chunk["usage"].get("prompt_tokens", 0))
+            for ch in chunk.get("choices", []):
+                content = (ch.get("delta") or {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    parts.append(content)
+    total = time.perf_counter() - t0
+    return Reply("".join(parts), ttft if ttft is not None else total, total, prompt_tokens)

@@ -1,0 +1,174 @@
+"""vLLM ``api_server`` engines on the CPU, for the demo, the benches and the tests.
+
+The command line and environment of one engine (:func:`engine_cmd`, :func:`engine_env`), the attention
+backend it must run (:func:`choose_backend`, checked from its log by :func:`check_backend`), the
+DSAConnector ``--kv-transfer-config`` (:func:`connector_config`) and :func:`start_pair`: a prefill and a
+decode engine plus :mod:`vllm_dsa_connector.pd_proxy`, all started in a :class:`~.procs.Cluster`
+(own process groups, killed as groups).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from vllm_dsa_connector.harness.procs import Cluster, Proc, wait_healthy
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+
+
+def engine_env(bind: str) -> dict[str, str]:
+    """Environment of a CPU engine bound to the given cores (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    # check_backend reads vLLM's INFO line naming the attention backend: never quieter than INFO
+    if env.get("VLLM_LOGGING_LEVEL", "INFO").upper() != "DEBUG":
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
+    return env
+
+
+def resolve_model(model: str | None, kind: str) -> Path:
+    """``model`` if given, else the tiny model of ``kind`` (``mla``: DeepSeek-V2 MLA; ``dsa``: GLM-MoE-DSA with
+    ``index_topk_freq=2``, ``index_topk=16``), made if absent."""
+    if model:
+        return Path(model)
+    if kind == "dsa":
+        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+
+        return make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
+    from vllm_dsa_connector.tiny_models import make_tiny_mla
+
+    return make_tiny_mla()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (vLLM CPU then picks AMX_MLA for MLA models unless told otherwise)."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def is_dsa_model_dir(model: Path) -> bool:
+    """Whether ``model``'s config.json describes a DSA (sparse indexer) model."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("index_topk") is not None
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The attention backend an engine is asked for (``--attention-backend``, None = vLLM's choice) and the
+    one it must end up with (read back from its log), with the reason."""
+
+    requested: str | None
+    expected: str
+    reason: str
+
+
+def choose_backend(model: Path, dtype: str, requested: str = "auto") -> BackendChoice:
+    """Which attention backend a CPU engine of ``model`` runs, and why.
+
+    - DSA models run on the plugin's ``CPU_DSA_SPARSE_MLA`` (vLLM has no CPU sparse backend).
+    - MLA models: vLLM picks AMX_MLA whenever the CPU has AMX tiles, but AMX_MLA takes bf16/fp16/int8
+      weights only and a block size that is a multiple of 32; a float32 run (the deterministic demo)
+      therefore asks for CPU_MLA explicitly, which vLLM honours on every CPU. ``requested`` overrides.
+    """
+    if is_dsa_model_dir(model):
+        return BackendChoice(None, "CPU_DSA_SPARSE_MLA", "DSA model: the plugin's CPU sparse MLA backend")
+    if requested != "auto":
+        return BackendChoice(requested, requested, "requested")
+    if dtype == "float32":
+        return BackendChoice("CPU_MLA", "CPU_MLA", "float32 needs CPU_MLA (AMX_MLA takes bf16/fp16/int8 only)")
+    if cpu_has_amx():
+        return BackendChoice(None, "AMX_MLA", "vLLM's choice on a CPU with AMX tiles")
+    return BackendChoice(None, "CPU_MLA", "vLLM's choice on a CPU without AMX tiles")
+
+
+_BACKEND_LINE = re.compile(r"Using (\w+) backend\.")
+
+
+def backends_in_log(text: str) -> set[str]:
+    """Attention backends an engine reported choosing (vLLM's and the plugin's "Using X backend." lines)."""
+    return set(_BACKEND_LINE.findall(text))
+
+
+def check_backend(proc: Proc, choice: BackendChoice) -> None:
+    """RuntimeError unless the engine's log shows exactly the expected attention backend: a future vLLM
+    that picks another one must not silently change what runs (and what the tests test)."""
+    found = backends_in_log(proc.log.read_text(errors="replace"))
+    if found != {choice.expected}:
+        raise RuntimeError(
+            f"{proc.name}: expected attention backend {choice.expected} ({choice.reason}), the engine "
+            f"reported {sorted(found) or 'none'}; log {proc.log}"
+        )
+
+
+def engine_cmd(model: Path, port: int, dtype: str | None, kv_config: dict[str, Any] | None,
+               max_model_len: int = 2048, backend: BackendChoice | None = None,
+               extra: list[str] | None = None) -> list[str]:
+    """``api_server`` command line of one engine (``backend``: see :func:`choose_backend`; ``dtype``
+    None leaves vLLM's default)."""
+    backend = backend or choose_backend(model, dtype or "auto")
+    cmd = [sys.executable, "-m", API_SERVER, "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
+    if backend.requested:
+        cmd += ["--attention-backend", backend.requested]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    return cmd + list(extra or [])
+
+
+def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int) -> dict[str, Any]:
+    """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``)."""
+    return {"kv_connector": "DSAConnector", "kv_role": role,
+            "kv_connector_extra_config": {"verify_transfers": verify, "side_channel_port": side_port, **extra}}
+
+
+def proxy_cmd(prefill_url: str, decode_url: str, port: int) -> list[str]:
+    """Command line of :mod:`vllm_dsa_connector.pd_proxy` in front of one prefill and one decode server."""
+    return [sys.executable, "-m", "vllm_dsa_connector.pd_proxy", "--prefill", prefill_url,
+            "--decode", decode_url, "--port", str(port)]
+
+
+class PairUrls(NamedTuple):
+    """Base URLs of a started P/D pair and its proxy."""
+
+    prefill: str
+    decode: str
+    proxy: str
+
+
+def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, Any], *, base_port: int,
+               dtype: str, startup_timeout: float, attention_backend: str = "auto",
+               extra_env: dict[str, dict[str, str]] | None = None, label: str = "demo") -> PairUrls:
+    """Start P (port ``base_port``, core 0), D (``base_port + 1``, core 1) and the proxy (``base_port + 2``);
+    return their URLs once all are healthy and both engines run the expected attention backend.
+
+    ``extra_env`` adds variables per engine (keys ``prefill``, ``decode``).
+    """
+    p_url, d_url, x_url = (f"http://127.0.0.1:{base_port + i}" for i in range(3))
+    ncpu = os.cpu_count() or 1
+    extra_env = extra_env or {}
+    backend = choose_backend(model, dtype, attention_backend)
+    p = c.start("prefill", engine_cmd(model, base_port, dtype, p_cfg, backend=backend),
+                {**engine_env("0"), **extra_env.get("prefill", {})})
+    d = c.start("decode", engine_cmd(model, base_port + 1, dtype, d_cfg, backend=backend),
+                {**engine_env(str(min(1, ncpu - 1))), **extra_env.get("decode", {})})
+    x = c.start("proxy", proxy_cmd(p_url, d_url, base_port + 2))
+    wait_healthy(p_url, [p, d, x], startup_timeout)
+    wait_healthy(d_url, [p, d, x], startup_timeout)
+    wait_healthy(x_url, [x], 60)
+    for proc in (p, d):
+        check_backend(proc, backend)
+    print(f"[{label}] attention backend {backend.expected} on P and D ({backend.reason})", flush=True)
+    return PairUrls(p_url, d_url, x_url)

@@ -1,0 +1,184 @@
+"""Server processes for demos, benches and tests: each in its own process group, killed as a group.
+
+A vLLM ``api_server`` forks an ``EngineCore`` (and workers) that outlive a signal sent to the server
+alone; every process started here therefore leads its own session (``start_new_session``), and
+:meth:`Cluster.stop` signals the whole group (SIGTERM, then SIGKILL after a grace period) and waits
+until no process of the group is left. :func:`cluster` does that for every process on exit, on an
+exception, on Ctrl-C and on SIGTERM. :func:`wait_healthy` polls an HTTP readiness URL and fails with
+the log tails of the processes when one dies or time runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class Proc:
+    """A started process (leader of its own process group) and the file its output goes to."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        """Process id of the leader, which is also the process group id."""
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """Whether the leader still runs (its group may outlive it: see :func:`group_alive`)."""
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 25) -> str:
+        """The last ``n`` lines of the log ("" when it cannot be read)."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` still exists (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal still exists
+        return True
+    return True
+
+
+def kill_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to group ``pgid``; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class Cluster:
+    """Every process a command starts; :meth:`close` stops them all, whole process groups.
+
+    ``grace_s`` is how long a group gets between SIGTERM and SIGKILL; ``kill_wait_s`` how long
+    :meth:`stop` then waits for the group to vanish before it gives up with a warning.
+    """
+
+    workdir: Path
+    grace_s: float = 10.0
+    kill_wait_s: float = 10.0
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        """Start ``cmd`` as the leader of a new session; stdout and stderr go to ``<workdir>/<name>.log``."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as fh:  # the child holds its own copy of the descriptor
+            popen = subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ) if env is None else env, start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        logger.debug("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
+        return proc
+
+    def stop(self, proc: Proc, grace_s: float | None = None) -> None:
+        """SIGTERM the process group of ``proc``, SIGKILL it after ``grace_s``, wait until it is gone."""
+        grace = self.grace_s if grace_s is None else grace_s
+        pgid = proc.pid
+        if group_alive(pgid):
+            kill_group(pgid, signal.SIGTERM)
+            _wait_group(proc, grace)
+        # the group may hold children (engine core, workers) even after the leader exited
+        if group_alive(pgid):
+            kill_group(pgid, signal.SIGKILL)
+            if not _wait_group(proc, self.kill_wait_s):
+                logger.warning("process group %d of %s still exists %.0f s after SIGKILL",
+                               pgid, proc.name, self.kill_wait_s)
+        if proc.popen.poll() is None:
+            proc.popen.wait(1.0)
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def close(self) -> None:
+        """Stop every process still listed, the last started first."""
+        for proc in list(reversed(self.procs)):
+            self.stop(proc)
+
+
+def _wait_group(proc: Proc, timeout_s: float) -> bool:
+    """Reap the leader and wait until its group is empty; True when it is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proc.popen.poll()  # reap the leader, else it stays a zombie member of the group
+        if not group_alive(proc.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+@contextmanager
+def cluster(workdir: Path, grace_s: float = 10.0) -> Iterator[Cluster]:
+    """A :class:`Cluster` whose processes are stopped on exit, exception, Ctrl-C and SIGTERM."""
+    c = Cluster(workdir, grace_s=grace_s)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield c
+    finally:
+        try:
+            c.close()
+        finally:
+            signal.signal(signal.SIGTERM, old)
+
+
+class NotReady(RuntimeError):
+    """A server did not become ready: a process exited, or the timeout passed (message has log tails)."""
+
+
+def _tails(procs: Sequence[Proc], n: int) -> str:
+    return "\n".join(f"--- {p.name} (pid {p.pid}, log {p.log}) last {n} lines:\n{p.tail(n)}" for p in procs)
+
+
+def wait_healthy(url: str, procs: Sequence[Proc], timeout_s: float, *, path: str = "/health",
+                 poll_s: float = 1.0, tail_lines: int = 25, clock: Clock = time.monotonic) -> None:
+    """Poll ``url + path`` until it answers 200.
+
+    Raises :class:`NotReady` naming the URL and showing the log tails as soon as one of ``procs``
+    exits, or when ``timeout_s`` passed (measured with ``clock``).
+    """
+    deadline = clock() + timeout_s
+    while True:
+        for p in procs:
+            if not p.alive():
+                raise NotReady(f"{p.name} exited with code {p.popen.returncode} while waiting for "
+                               f"{url}{path}; log tail:\n{p.tail(tail_lines)}")
+        try:
+            with urllib.request.urlopen(url + path, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if clock() >= deadline:
+            raise NotReady(f"{url}{path} not ready after {timeout_s:.0f} s\n{_tails(procs, tail_lines)}")
+        time.sleep(poll_s)
