@@ -33,17 +33,6 @@ import msgspec
 import pytest
 import zmq
 
-from vllm_dsa_connector.commands.demo import (
-    Proc,
-    check_backend,
-    choose_backend,
-    cluster,
-    engine_cmd,
-    engine_env,
-    metric,
-    scrape,
-    wait_healthy,
-)
 from vllm_dsa_connector.connector.handshake import HandshakeError, request
 from vllm_dsa_connector.connector.messages import (
     Authenticator,
@@ -53,6 +42,14 @@ from vllm_dsa_connector.connector.messages import (
     RegReq,
     ReqRef,
 )
+from vllm_dsa_connector.harness.client import metric, scrape
+from vllm_dsa_connector.harness.engines import (
+    check_backend,
+    choose_backend,
+    engine_cmd,
+    engine_env,
+)
+from vllm_dsa_connector.harness.procs import Proc, cluster, wait_healthy
 
 pytestmark = pytest.mark.slow
 
