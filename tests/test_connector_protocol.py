@@ -10,8 +10,7 @@ import random
 import msgspec
 import pytest
 
-from vllm_dsa_connector.connector.handshake import HandshakeError, SideChannelServer, request
-from vllm_dsa_connector.connector.messages import (
+from vllm_dsa_connector.handoff.messages import (
     Authenticator,
     CancelReq,
     CancelState,
@@ -23,9 +22,10 @@ from vllm_dsa_connector.connector.messages import (
     Reply,
     ReqRef,
 )
-from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, RankPayload, encode
-from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.producer import LeaseState, Producer
+from vllm_dsa_connector.handoff.producer import IllegalTransition, LeaseState, Producer
+from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
+from vllm_dsa_connector.handoff.wire import RankPayload, encode
 from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -104,20 +104,18 @@ def _reg(token: str, deadline: float, blocks: list[int], first: int = 0, **kw) -
 @pytest.fixture
 def producer() -> tuple[Producer, Clock]:
     clock = Clock()
-    return Producer("P", ConnectorOptions(kv_lease_duration=10.0, transfer_timeout_s=5.0), clock), clock
+    return Producer("P", HandoffSettings(lease_s=10.0, transfer_timeout_s=5.0), clock), clock
 
 
 def test_registration_dispatches_the_blocks_of_the_asked_positions(producer) -> None:
     prod, clock = producer
     token = prod.add_lease("p1", [7, 8, 9, 10])
     assert prod.handle_reg(_reg(token, clock.t + 5, [40, 41], first=2)).ok
-    meta = DSAConnectorMetadata()
-    prod.step(meta)
+    meta = prod.step()
     (job,) = meta.push
     assert (job.src_blocks, job.dst_blocks, job.post_deadline) == ([9, 10], [40, 41], clock.t + 5)
     assert prod.lease("p1").state is LeaseState.DISPATCHED
-    again = DSAConnectorMetadata()
-    prod.step(again)
+    again = prod.step()
     assert not again.push  # once
     prod.finished_sending({"p1"})
     assert not prod.pending()
@@ -142,8 +140,7 @@ def test_registration_past_its_post_deadline_is_never_dispatched(producer) -> No
     token = prod.add_lease("p1", [7])
     assert prod.handle_reg(_reg(token, clock.t + 2, [1])).ok
     clock.t += 3  # P's engine was stalled past the deadline D gave
-    meta = DSAConnectorMetadata()
-    prod.step(meta)
+    meta = prod.step()
     assert not meta.push and meta.release == ["p1"]
 
 
@@ -152,8 +149,7 @@ def test_cancel_before_dispatch_is_not_posted_and_a_late_registration_is_refused
     token = prod.add_lease("p1", [7])
     reply = prod.handle_cancel(CancelReq([ReqRef("p1", token)]))
     assert reply.states == {"p1": CancelState.NOT_POSTED}
-    meta = DSAConnectorMetadata()
-    prod.step(meta)
+    meta = prod.step()
     assert meta.release == ["p1"] and not meta.push
     prod.finished_sending({"p1"})
     late = prod.handle_reg(_reg(token, clock.t + 5, [1]))  # a registration overtaken by its cancel
@@ -166,7 +162,7 @@ def test_cancel_after_dispatch_says_posted(producer) -> None:
     prod, clock = producer
     token = prod.add_lease("p1", [7])
     prod.handle_reg(_reg(token, clock.t + 5, [1]))
-    prod.step(DSAConnectorMetadata())
+    prod.step()
     assert prod.handle_cancel(CancelReq([ReqRef("p1", token)])).states == {"p1": CancelState.POSTED}
     prod.finished_sending({"p1"})
     assert prod.handle_cancel(CancelReq([ReqRef("p1", token)])).states == {"p1": CancelState.POSTED}
@@ -178,12 +174,10 @@ def test_lease_expires_without_heartbeats_and_lives_with_them(producer) -> None:
     for _ in range(5):  # heartbeats every 6 s keep a 10 s lease alive for 30 s
         clock.t += 6
         assert prod.handle_heartbeat(HeartbeatReq([ReqRef("p1", token), ReqRef("p1", "forged")])).ok
-        meta = DSAConnectorMetadata()
-        prod.step(meta)
+        meta = prod.step()
         assert not meta.release
     clock.t += 11
-    meta = DSAConnectorMetadata()
-    prod.step(meta)
+    meta = prod.step()
     assert meta.release == ["p1"]
 
 
@@ -284,6 +278,45 @@ def test_a_retried_registration_gets_the_same_answer(producer) -> None:
     assert prod.handle_reg(reg).ok  # D missed the first reply and asked again
     other = _reg(token, clock.t + 5, [3, 4])
     assert "is registered" in prod.handle_reg(other).error  # a different registration is refused
-    meta = DSAConnectorMetadata()
-    prod.step(meta)
+    meta = prod.step()
     assert len(meta.push) == 1
+
+
+# ------------------------------------------------------------------------------------------ state machines
+
+
+def test_lease_transitions_happen_in_one_place_and_illegal_ones_are_refused(producer) -> None:
+    from vllm_dsa_connector.handoff.producer import TRANSITIONS
+
+    prod, clock = producer
+    token = prod.add_lease("p1", [7])
+    assert prod.handle_reg(_reg(token, clock.t + 5, [1])).ok
+    lease = prod.lease("p1")
+    assert lease.state is LeaseState.REGISTERED
+    # a cancel between registration and dispatch: nothing is posted, the next step releases
+    assert prod.handle_cancel(CancelReq([ReqRef("p1", token)])).states == {"p1": CancelState.NOT_POSTED}
+    assert lease.state is LeaseState.CANCELLED
+    assert "is cancelled" in prod.handle_reg(_reg(token, clock.t + 5, [1])).error  # even the same one
+    out = prod.step()
+    assert out.release == ["p1"] and not out.push and lease.state is LeaseState.RELEASED
+    # terminal states have no way out, and the error names the request and both states
+    with pytest.raises(IllegalTransition, match=r"lease of p1: released -> dispatched .*none"):
+        lease.to(LeaseState.DISPATCHED)
+    assert not TRANSITIONS[LeaseState.DISPATCHED]  # a WRITE may be in flight: never cancelled or released
+    prod.add_lease("p2", [8])
+    with pytest.raises(IllegalTransition, match="held -> dispatched"):
+        prod.lease("p2").to(LeaseState.DISPATCHED)  # a dispatch needs a registration first
+
+
+def test_load_transitions_happen_in_one_place_and_illegal_ones_are_refused() -> None:
+    from vllm_dsa_connector.handoff.consumer import TRANSITIONS, Loading, LoadState
+
+    load = Loading("P", ReqRef("p1", "t"), req_id="d1")
+    for state in (LoadState.REGISTERING, LoadState.REGISTERED, LoadState.GIVING_UP, LoadState.FAILED):
+        load.to(state)
+    with pytest.raises(IllegalTransition, match=r"load of d1: failed -> registering .*none"):
+        load.to(LoadState.REGISTERING)
+    queued = Loading("P", ReqRef("p2", "t"), req_id="d2")
+    with pytest.raises(IllegalTransition, match="queued -> registered"):
+        queued.to(LoadState.REGISTERED)  # P cannot accept what was never sent
+    assert TRANSITIONS[LoadState.REGISTERED] == frozenset({LoadState.GIVING_UP})  # never FAILED at once

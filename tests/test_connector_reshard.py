@@ -67,9 +67,9 @@ def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_
         os.environ.pop("UCX_TLS", None)
     else:
         os.environ["UCX_TLS"] = tls
-    from vllm_dsa_connector.connector.metadata import encode
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+    from vllm_dsa_connector.handoff.wire import encode
     from vllm_dsa_connector.layout import allocate_offline
     from vllm_dsa_connector.tiny_models import glm_dsa_config
 
@@ -241,15 +241,10 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
     ``plan_slots``, so every write is gathered into P's staging arena, written once, scattered on D."""
     import torch
 
-    from vllm_dsa_connector.connector.handshake import validate_peer
-    from vllm_dsa_connector.connector.metadata import (
-        DSAConnectorMetadata,
-        PeerInfo,
-        PushJob,
-        RecvJob,
-        decode_payload,
-    )
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.scheduler import plan_slots
+    from vllm_dsa_connector.handoff.side_channel import validate_peer
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob, decode_payload
     from vllm_dsa_connector.transport.bounce import StagingArena
     from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings
 
@@ -301,14 +296,14 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
 
 
 def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
-    from vllm_dsa_connector.connector.handshake import (
+    from vllm_dsa_connector.handoff.messages import Reply
+    from vllm_dsa_connector.handoff.side_channel import (
         HandshakeError,
         SideChannelServer,
         fetch_payloads,
         validate_peer,
     )
-    from vllm_dsa_connector.connector.messages import Reply
-    from vllm_dsa_connector.connector.metadata import decode_payload
+    from vllm_dsa_connector.handoff.wire import decode_payload
 
     case = CASES["pp1_to_pp2"]
     other = {**case["cfg"], "index_topk_freq": 2}  # same model otherwise, different indexer mask
@@ -327,7 +322,8 @@ def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
 def h_corrupt_notice(key: str, blocks: list[int]) -> dict[str, Any]:
     """Arm a receive, then feed it a notice whose checksum cannot match (a fault we cannot cause on a
     real wire: the notice is fabricated, the rest is the worker's real receive path)."""
-    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, Notice, RecvJob
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import Notice, RecvJob
 
     worker = _STATE[key][0]
     me = worker.table.rank

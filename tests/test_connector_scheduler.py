@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsa_connector.connector.messages import ReqRef
-from vllm_dsa_connector.connector.producer import LeaseState
+from vllm_dsa_connector.handoff.messages import ReqRef
+from vllm_dsa_connector.handoff.producer import LeaseState
 
 BLOCK = 16
 
@@ -34,7 +34,7 @@ def _config(model: Path, role: str, extra: dict):
 
 
 def _payload(engine: str) -> bytes:
-    from vllm_dsa_connector.connector.metadata import RankPayload, encode
+    from vllm_dsa_connector.handoff.wire import RankPayload, encode
 
     table = {"rank": 0, "pools": [{"num_blocks": 512}]}
     return encode(RankPayload(engine, 0, 0, 0, f"agent-{engine}", b"", table, [], {"model_dtype": "f32"}))
@@ -50,7 +50,6 @@ def pd(tiny_mla_dir: Path):
     """A P and a D scheduler (real side channels) sharing one injected clock."""
     import vllm.plugins
 
-    from vllm_dsa_connector.connector import consumer as consumer_mod
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
 
@@ -65,10 +64,8 @@ def pd(tiny_mla_dir: Path):
     p.set_local_payloads([_payload("P")])
     d.set_local_payloads([_payload("D")])
     # the page tables are fakes: skip the layout check, keep the real handshake round trip
-    original = consumer_mod.validate_peer
-    consumer_mod.validate_peer = lambda src, dst: _Plan()
+    d.consumer.check_peer = lambda src, dst: _Plan()
     yield p, d, clock
-    consumer_mod.validate_peer = original
     p.shutdown()
     d.shutdown()
 
@@ -180,7 +177,7 @@ def test_give_up_before_dispatch_releases_at_once_and_p_never_writes(pd) -> None
 
 
 def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
-    from vllm_dsa_connector.connector.consumer import SAFETY_MARGIN_S
+    from vllm_dsa_connector.handoff.consumer import SAFETY_MARGIN_S
 
     p, d, clock = pd
     _registered(p, d, clock, "slow", [23, 24], [52, 53])

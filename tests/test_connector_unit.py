@@ -70,7 +70,7 @@ def test_stats_aggregate_across_workers() -> None:
 
 
 def test_notice_and_payload_round_trip() -> None:
-    from vllm_dsa_connector.connector.metadata import (
+    from vllm_dsa_connector.handoff.wire import (
         PROTOCOL_VERSION,
         Notice,
         RankPayload,
@@ -91,8 +91,8 @@ def test_notice_and_payload_round_trip() -> None:
 
 
 def test_side_channel_dead_peer_times_out_fast() -> None:
-    from vllm_dsa_connector.connector.handshake import HandshakeError, SideChannelServer, request
-    from vllm_dsa_connector.connector.messages import HeartbeatReq, MetaReq, Reply, ReqRef
+    from vllm_dsa_connector.handoff.messages import HeartbeatReq, MetaReq, Reply, ReqRef
+    from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
 
     seen = []
     server = SideChannelServer("127.0.0.1", 24990, lambda req: (seen.append(req), Reply(True))[1])
@@ -108,9 +108,10 @@ def test_side_channel_dead_peer_times_out_fast() -> None:
 
 
 def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
-    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, PushJob
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+    from vllm_dsa_connector.handoff.wire import PushJob
 
     worker = DSAConnectorWorker("P-unit", ConnectorOptions(), {}, role="kv_producer")  # a real NIXL agent
     try:
@@ -129,10 +130,10 @@ def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
 
 
 def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
-    from vllm_dsa_connector.connector.metadata import Notice, RankPayload, RecvJob
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.receiving import _Recv
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker, _RemoteEngine
+    from vllm_dsa_connector.handoff.wire import Notice, RankPayload, RecvJob
 
     worker = DSAConnectorWorker("D-unit", ConnectorOptions(), {}, role="kv_consumer")  # a real NIXL agent
     try:

@@ -33,6 +33,7 @@ tells P to cancel what it gave up on.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,24 @@ if TYPE_CHECKING:
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+
+#: The vLLM-free layers (handoff/, transport/, layout/, matching) log to ``logging.getLogger(__name__)``.
+_CORE_LOGGER = "vllm_dsa_connector"
+
+
+def share_vllm_log_output() -> None:
+    """Print the core's log lines where vLLM prints its own: vLLM's handlers and level on the package logger.
+
+    Once per process (vLLM's ``vllm`` logger does not propagate, and without this the core's INFO lines
+    would reach no handler). Nothing happens where vLLM's logging is not configured
+    (``VLLM_CONFIGURE_LOGGING=0``) or the host already gave the package logger handlers.
+    """
+    core, vllm_logger = logging.getLogger(_CORE_LOGGER), logging.getLogger("vllm")
+    if core.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        core.addHandler(handler)
+    core.setLevel(vllm_logger.level)
 
 
 def attention_backends(vllm_config: VllmConfig, layer_names: Iterable[str]) -> list[str]:
@@ -119,6 +138,7 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
         kvc = vllm_config.kv_transfer_config
         assert kvc is not None
         self.opts = ConnectorOptions.from_config(kvc.kv_connector_extra_config)
+        share_vllm_log_output()
         self.engine_id = str(kvc.engine_id)
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:

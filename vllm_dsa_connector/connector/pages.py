@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_dsa_connector.connector.metadata import RankPayload
+from vllm_dsa_connector.handoff.wire import RankPayload
 
 __all__ = ["crc_at", "pair_runs", "pool_tensor"]
 

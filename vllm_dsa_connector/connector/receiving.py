@@ -17,8 +17,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.metadata import Notice, RecvJob, decode_notice
 from vllm_dsa_connector.connector.pages import crc_at, pair_runs
+from vllm_dsa_connector.handoff.wire import Notice, RecvJob, decode_notice
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -27,7 +27,7 @@ _RECV_POLL_S = 0.0002  # receiver progress period while transfers are expected
 
 def _parse(msg: bytes) -> tuple[Notice | None, str]:
     """(notice, path) from a notification: the bounce transport's format or our own."""
-    from vllm_dsa_connector.connector.metadata import NOTICE_PREFIX
+    from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX
     from vllm_dsa_connector.transport.bounce import decode_notif
 
     parsed = decode_notif(msg)

@@ -1,4 +1,5 @@
-"""Scheduler side of DSAConnector: the facade over :mod:`.producer` (P) and :mod:`.consumer` (D).
+"""Scheduler side of DSAConnector: vLLM's scheduler calls mapped onto the core's roles,
+:mod:`vllm_dsa_connector.handoff.producer` (P) and :mod:`vllm_dsa_connector.handoff.consumer` (D).
 
 Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for why push):
 
@@ -20,7 +21,7 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    they WRITE into D's blocks and report ``finished_sending``: P frees the blocks.
 5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
    abort) are decided here, on the scheduler, and reach the workers as ``fail_recv`` only once no WRITE
-   can land any more (the argument is in :mod:`.consumer`).
+   can land any more (the argument is in :mod:`vllm_dsa_connector.handoff.consumer`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.consumer import Consumer, LoadState, parse_remote_params
-from vllm_dsa_connector.connector.handshake import SideChannelServer
-from vllm_dsa_connector.connector.messages import (
+from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
+from vllm_dsa_connector.handoff.messages import (
     Authenticator,
     HeartbeatReq,
     MetaReq,
@@ -41,17 +43,17 @@ from vllm_dsa_connector.connector.messages import (
     Reply,
     Request,
 )
-from vllm_dsa_connector.connector.metadata import (
+from vllm_dsa_connector.handoff.producer import Producer
+from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.side_channel import SideChannelServer
+from vllm_dsa_connector.handoff.wire import (
     TRANSFER_MODE,
-    DSAConnectorMetadata,
     PeerInfo,
     RankPayload,
     RecvJob,
     Slots,
     decode_payload,
 )
-from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.producer import Producer
 from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
 
 if TYPE_CHECKING:
@@ -64,6 +66,13 @@ if TYPE_CHECKING:
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _IDLE_SLEEP_S = 0.001
+
+
+def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
+    """The core's settings from the connector's options."""
+    return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
+                           handshake_timeout_s=options.handshake_timeout_s, heartbeat_s=options.heartbeat_s,
+                           verify_transfers=options.verify_transfers)
 
 
 def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_blocks: list[int],
@@ -112,8 +121,9 @@ class DSAConnectorScheduler:
         self.auth = Authenticator(options.auth_secret or None)
         self._local_payloads: list[bytes] = []
         self._local_sent = False
-        self.producer = Producer(engine_id, options, clock)
-        self.consumer = Consumer(engine_id, options, self.auth, lambda: self.local_payloads,
+        settings = handoff_settings(options)
+        self.producer = Producer(engine_id, settings, clock)
+        self.consumer = Consumer(engine_id, settings, self.auth, lambda: self.local_payloads,
                                  lambda: list(self._local_payloads), clock)
         self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle,
                                         self.auth, clock)
@@ -318,7 +328,10 @@ class DSAConnectorScheduler:
         meta.recv, self._pending_recv = self._pending_recv, []
         self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
-        self.producer.step(meta)
+        dispatch = self.producer.step()
+        meta.peers.extend(dispatch.peers)
+        meta.push.extend(dispatch.push)
+        meta.release.extend(dispatch.release)
         if (meta.is_empty() and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and (self.producer.pending() or self.consumer.loads)):
             # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests

@@ -26,10 +26,13 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.handshake import HandshakeError, validate_peer
-from vllm_dsa_connector.connector.metadata import (
-    DSAConnectorMetadata,
-    DSAHandshakeMetadata,
+from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
+from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.pages import crc_at, pair_runs, pool_tensor
+from vllm_dsa_connector.connector.receiving import ReceiveSide, _Recv
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
+from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_peer
+from vllm_dsa_connector.handoff.wire import (
     Notice,
     PeerInfo,
     PushJob,
@@ -38,10 +41,6 @@ from vllm_dsa_connector.connector.metadata import (
     encode,
     encode_notice,
 )
-from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.pages import crc_at, pair_runs, pool_tensor
-from vllm_dsa_connector.connector.receiving import ReceiveSide, _Recv
-from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 

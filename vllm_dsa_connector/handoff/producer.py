@@ -1,12 +1,14 @@
-"""P side of DSAConnector's scheduler: leases on finished prefills, D's registrations, push dispatch.
+"""The producer (P) role: leases on finished prefills, D's registrations, push dispatch.
 
 One :class:`Lease` per finished prefill whose KV D will take, with an explicit :class:`LeaseState`;
-every transition happens in this module under one lock (the side-channel thread and the engine's
-scheduler thread both call in):
+every state change goes through :meth:`Lease.to`, which refuses a transition not in :data:`TRANSITIONS`
+(naming the request, both states and the allowed ones). All calls hold one lock: the side-channel thread
+and the engine's scheduler thread both call in.
 
     HELD --reg--> REGISTERED --step--> DISPATCHED --workers' finished_sending--> (gone)
       |               |                     \\-- never cancelled: a WRITE may be in flight
-      +---------------+--cancel / expiry / post deadline passed--> RELEASED --finished_sending--> (gone)
+      +--cancel-------+--cancel--> CANCELLED --step--> RELEASED --finished_sending--> (gone)
+      +--expiry / post deadline passed at step--------> RELEASED
 
 Guarantee "no WRITE after D gave up": a registration carries ``post_deadline`` (P's monotonic clock,
 derived by D from its give-up time). P dispatches a registration only before that deadline and never
@@ -21,17 +23,16 @@ registration that arrives after its cancel is refused.
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
-from vllm.logger import init_logger
-
-from vllm_dsa_connector.connector.messages import (
+from vllm_dsa_connector.handoff.messages import (
     CancelReq,
     CancelState,
     HeartbeatReq,
@@ -40,16 +41,10 @@ from vllm_dsa_connector.connector.messages import (
     Reply,
     ReqRef,
 )
-from vllm_dsa_connector.connector.metadata import (
-    DSAConnectorMetadata,
-    PeerInfo,
-    PushJob,
-    RankPayload,
-    decode_payload,
-)
-from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload, max_block_id
 
-logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 65536
 
@@ -57,36 +52,63 @@ _TOMBSTONES = 65536
 class LeaseState(Enum):
     """Where a finished prefill's KV stands on P."""
 
-    HELD = "held"
-    REGISTERED = "registered"
-    DISPATCHED = "dispatched"
-    RELEASED = "released"
+    HELD = "held"  # waiting for D's registration (heartbeats extend the lease)
+    REGISTERED = "registered"  # D named its blocks; dispatched on the next step before the post deadline
+    DISPATCHED = "dispatched"  # handed to the workers: a WRITE may be in flight
+    CANCELLED = "cancelled"  # D gave up before dispatch; released on the next step
+    RELEASED = "released"  # the workers free the blocks (no WRITE was or will be posted)
+
+
+#: Every legal lease transition; anything else is a bug and raises :class:`IllegalTransition`.
+TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
+    LeaseState.HELD: frozenset({LeaseState.REGISTERED, LeaseState.CANCELLED, LeaseState.RELEASED}),
+    LeaseState.REGISTERED: frozenset({LeaseState.DISPATCHED, LeaseState.CANCELLED, LeaseState.RELEASED}),
+    LeaseState.CANCELLED: frozenset({LeaseState.RELEASED}),
+    LeaseState.DISPATCHED: frozenset(),
+    LeaseState.RELEASED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request's state machine was asked for a transition it does not have (a bug, never peer input)."""
 
 
 @dataclass
 class Lease:
     """P's blocks of one finished prefill, kept for D."""
 
+    req_id: str
     blocks: list[int]
     token: str
     deadline: float  # P releases the blocks after this without news from D
     state: LeaseState = LeaseState.HELD
     reg: RegReq | None = None
-    cancelled: bool = False
+
+    def to(self, new: LeaseState) -> None:
+        """The one place a lease changes state."""
+        if new not in TRANSITIONS[self.state]:
+            allowed = ", ".join(s.value for s in TRANSITIONS[self.state]) or "none"
+            raise IllegalTransition(f"lease of {self.req_id}: {self.state.value} -> {new.value} is not a "
+                                    f"transition (from {self.state.value}: {allowed})")
+        self.state = new
 
 
-def max_block_id(payloads: list[RankPayload]) -> int:
-    """Blocks ``0 .. n-1`` exist in every pool of every worker of an engine; returns ``n``."""
-    return min((int(p["num_blocks"]) for pl in payloads for p in pl.page_table.get("pools", [])), default=0)
+@dataclass
+class Dispatch:
+    """What one :meth:`Producer.step` hands the workers: peers they must know, WRITEs, releases."""
+
+    peers: list[PeerInfo] = field(default_factory=list)
+    push: list[PushJob] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
 
 class Producer:
     """All leases of one prefill engine."""
 
-    def __init__(self, engine_id: str, options: ConnectorOptions,
+    def __init__(self, engine_id: str, settings: HandoffSettings,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
-        self.opts = options
+        self.settings = settings
         self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
@@ -99,41 +121,47 @@ class Producer:
     # ------------------------------------------------------------ engine thread
 
     def add_lease(self, req_id: str, blocks: list[int]) -> str:
-        """Keep ``blocks`` of a finished prefill for ``kv_lease_duration``; returns the request's token."""
+        """Keep ``blocks`` of a finished prefill for ``lease_s``; returns the request's token."""
         token = secrets.token_hex(16)
         with self._lock:
-            self._leases[req_id] = Lease(list(blocks), token, self.clock() + self.opts.kv_lease_duration)
+            self._leases[req_id] = Lease(req_id, list(blocks), token, self.clock() + self.settings.lease_s)
         return token
 
-    def step(self, meta: DSAConnectorMetadata) -> None:
+    def step(self) -> Dispatch:
         """Dispatch registrations (before their post deadline) and release ended leases."""
         now = self.clock()
+        out = Dispatch()
         with self._lock:
             for req_id, lease in self._leases.items():
-                if lease.state is LeaseState.REGISTERED and not lease.cancelled and lease.reg is not None:
-                    reg = lease.reg
-                    if now < reg.post_deadline:
-                        self._dispatch(meta, req_id, lease, reg)
+                if lease.state is LeaseState.REGISTERED and lease.reg is not None:
+                    if now < lease.reg.post_deadline:
+                        self._dispatch(out, lease, lease.reg)
                         continue
                     logger.warning("DSAConnector: registration of %s reached its post deadline before "
                                    "dispatch; not writing", req_id)
-                if lease.state in (LeaseState.HELD, LeaseState.REGISTERED) and (
-                        lease.cancelled or now > lease.deadline or lease.state is LeaseState.REGISTERED):
-                    logger.warning("DSAConnector: releasing KV of %s (%s)", req_id,
-                                   "cancelled by D" if lease.cancelled else "deadline passed")
-                    lease.state = LeaseState.RELEASED
-                    meta.release.append(req_id)
+                    self._release(out, lease, "post deadline passed")
+                elif lease.state is LeaseState.CANCELLED:
+                    self._release(out, lease, "cancelled by D")
+                elif lease.state is LeaseState.HELD and now > lease.deadline:
+                    self._release(out, lease, "deadline passed")
+        return out
 
-    def _dispatch(self, meta: DSAConnectorMetadata, req_id: str, lease: Lease, reg: RegReq) -> None:
+    @staticmethod
+    def _release(out: Dispatch, lease: Lease, why: str) -> None:
+        logger.warning("DSAConnector: releasing KV of %s (%s)", lease.req_id, why)
+        lease.to(LeaseState.RELEASED)
+        out.release.append(lease.req_id)
+
+    def _dispatch(self, out: Dispatch, lease: Lease, reg: RegReq) -> None:
         if reg.d_engine not in self._peers_sent:
-            meta.peers.append(PeerInfo(reg.d_engine, self._peers[reg.d_engine]))
+            out.peers.append(PeerInfo(reg.d_engine, self._peers[reg.d_engine]))
             self._peers_sent.add(reg.d_engine)
         src = lease.blocks[reg.first_block : reg.first_block + len(reg.d_blocks)]
-        meta.push.append(PushJob(req_id, reg.d_engine, reg.d_req, src, list(reg.d_blocks), reg.verify,
-                                 reg.slots, post_deadline=reg.post_deadline))
-        lease.state = LeaseState.DISPATCHED
+        out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, src, list(reg.d_blocks), reg.verify,
+                                reg.slots, post_deadline=reg.post_deadline))
+        lease.to(LeaseState.DISPATCHED)
         # the workers report finished_sending within post deadline + write timeout; keep the lease as long
-        lease.deadline = max(lease.deadline, reg.post_deadline + self.opts.transfer_timeout_s)
+        lease.deadline = max(lease.deadline, reg.post_deadline + self.settings.transfer_timeout_s)
 
     def finished_sending(self, req_ids: set[str]) -> None:
         """The workers are done with these requests (WRITE completed/failed, or blocks released)."""
@@ -174,47 +202,51 @@ class Producer:
                 why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
             prev = lease.reg
-            if prev is not None and not lease.cancelled and (prev.d_engine, prev.d_req, prev.first_block,
-                                                              prev.d_blocks) == (reg.d_engine, reg.d_req,
-                                                                                 reg.first_block, reg.d_blocks):
+            if (prev is not None and lease.state in (LeaseState.REGISTERED, LeaseState.DISPATCHED)
+                    and (prev.d_engine, prev.d_req, prev.first_block, prev.d_blocks)
+                    == (reg.d_engine, reg.d_req, reg.first_block, reg.d_blocks)):
                 # D retried a registration whose reply it missed: same answer, nothing changes
-                return Reply(True, clock=now, write_timeout_s=self.opts.transfer_timeout_s)
-            if lease.state is not LeaseState.HELD or lease.cancelled:
-                return Reply(False, error=f"request {reg.p_req} is {lease.state.value}"
-                                          f"{' (cancelled)' if lease.cancelled else ''}", clock=now)
+                return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+            if lease.state is not LeaseState.HELD:
+                return Reply(False, error=f"request {reg.p_req} is {lease.state.value}", clock=now)
             if now >= reg.post_deadline:
                 return Reply(False, error=f"registration of {reg.p_req} arrived after its post deadline "
                                           f"({now - reg.post_deadline:.3f} s late)", clock=now)
             if reg.d_engine not in self._peers:
                 if not reg.d_payloads:
                     return Reply(False, need_payloads=True, error="unknown decode engine", clock=now)
-                try:
-                    payloads = [decode_payload(p) for p in reg.d_payloads]
-                except ValueError as e:
-                    raise MessageError(str(e)) from None
-                if not payloads or any(p.engine_id != reg.d_engine for p in payloads):
-                    raise MessageError(f"payloads of {reg.d_engine!r} name another engine or are empty")
-                self._peers[reg.d_engine] = list(reg.d_payloads)
-                self._peer_blocks[reg.d_engine] = max_block_id(payloads)
-                self._peer_staging[reg.d_engine] = {p.rank: int((p.staging or {}).get("size", 0))
-                                                    for p in payloads}
-            limit = self._peer_blocks[reg.d_engine]
-            bad = [b for b in reg.d_blocks if not 0 <= b < limit]
-            if bad:
-                raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
-            staging = self._peer_staging.get(reg.d_engine, {})
-            for rank, per in reg.slots.items():
-                for off, size in per.values():
-                    if off + size > staging.get(rank, 0):
-                        raise MessageError(f"staging slot [{off}, +{size}) outside D rank {rank}'s arena "
-                                           f"({staging.get(rank, 0)} B)")
-            if reg.first_block + len(reg.d_blocks) > len(lease.blocks):
-                raise MessageError(f"blocks {reg.first_block}..{reg.first_block + len(reg.d_blocks) - 1} "
-                                   f"asked, request {reg.p_req} has {len(lease.blocks)}")
+                self._learn_peer(reg.d_engine, reg.d_payloads)
+            self._check_reg(reg, lease)
             lease.reg = reg
-            lease.state = LeaseState.REGISTERED
+            lease.to(LeaseState.REGISTERED)
             lease.deadline = max(lease.deadline, reg.post_deadline)
-        return Reply(True, clock=now, write_timeout_s=self.opts.transfer_timeout_s)
+        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+
+    def _learn_peer(self, d_engine: str, encoded: list[bytes]) -> None:
+        try:
+            payloads = [decode_payload(p) for p in encoded]
+        except ValueError as e:
+            raise MessageError(str(e)) from None
+        if not payloads or any(p.engine_id != d_engine for p in payloads):
+            raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
+        self._peers[d_engine] = list(encoded)
+        self._peer_blocks[d_engine] = max_block_id(payloads)
+        self._peer_staging[d_engine] = {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads}
+
+    def _check_reg(self, reg: RegReq, lease: Lease) -> None:
+        limit = self._peer_blocks[reg.d_engine]
+        bad = [b for b in reg.d_blocks if not 0 <= b < limit]
+        if bad:
+            raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
+        staging = self._peer_staging.get(reg.d_engine, {})
+        for rank, per in reg.slots.items():
+            for off, size in per.values():
+                if off + size > staging.get(rank, 0):
+                    raise MessageError(f"staging slot [{off}, +{size}) outside D rank {rank}'s arena "
+                                       f"({staging.get(rank, 0)} B)")
+        if reg.first_block + len(reg.d_blocks) > len(lease.blocks):
+            raise MessageError(f"blocks {reg.first_block}..{reg.first_block + len(reg.d_blocks) - 1} "
+                               f"asked, request {reg.p_req} has {len(lease.blocks)}")
 
     def handle_heartbeat(self, hb: HeartbeatReq) -> Reply:
         """Extend the leases D still waits for."""
@@ -223,7 +255,7 @@ class Producer:
             for ref in hb.reqs:
                 lease = self._owned(ref)
                 if lease is not None and lease.state is LeaseState.HELD:
-                    lease.deadline = max(lease.deadline, now + self.opts.kv_lease_duration)
+                    lease.deadline = max(lease.deadline, now + self.settings.lease_s)
         return Reply(True, clock=now)
 
     def handle_cancel(self, cancel: CancelReq) -> Reply:
@@ -244,7 +276,8 @@ class Producer:
                     continue
                 if lease.state is LeaseState.DISPATCHED:
                     states[ref.p_req] = CancelState.POSTED
-                else:
-                    lease.cancelled = True
-                    states[ref.p_req] = CancelState.NOT_POSTED
+                    continue
+                if lease.state in (LeaseState.HELD, LeaseState.REGISTERED):
+                    lease.to(LeaseState.CANCELLED)
+                states[ref.p_req] = CancelState.NOT_POSTED  # CANCELLED / RELEASED: nothing posted, ever
         return Reply(True, clock=now, states=states)

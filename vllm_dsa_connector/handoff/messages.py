@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from vllm_dsa_connector.connector.metadata import PROTOCOL_VERSION, Slots
+from vllm_dsa_connector.handoff.wire import PROTOCOL_VERSION, Slots
 
 #: Largest side-channel message accepted (the ZMQ socket drops bigger ones before they are read).
 MAX_MESSAGE_BYTES = 16 << 20

@@ -1,17 +1,20 @@
-"""D side of DSAConnector's scheduler: handshakes, registrations, give-up, heartbeats, cancels.
+"""The consumer (D) role: handshakes, registrations, give-up, heartbeats, cancels.
 
 Each request that takes its prompt's KV from P is a :class:`Loading` with an explicit
-:class:`LoadState`; transitions happen in this module, on the engine's scheduler thread, from
-:meth:`Consumer.step` (background replies are collected there), :meth:`Consumer.expect` and
+:class:`LoadState`; every state change goes through :meth:`Loading.to`, which refuses a transition not in
+:data:`TRANSITIONS`. All calls come from one thread (the engine's scheduler): :meth:`Consumer.step`
+(background replies are collected there), :meth:`Consumer.register`, :meth:`Consumer.give_up` and
 :meth:`Consumer.finished`:
 
     QUEUED (waiting for the handshake or for blocks; heartbeated)
       -> REGISTERING (blocks allocated, registration sent) -> REGISTERED (P accepted)
-      -> DONE (every notice arrived: the workers report finished_recving)
-    any of these -> GIVING_UP (timeout, refusal, abort) -> FAILED (fail_recv sent to the workers)
+      -> (gone: every notice arrived, the workers report finished_recving)
+    REGISTERING / REGISTERED -> GIVING_UP (timeout, abort) -> FAILED (fail_recv sent to the workers)
+    REGISTERING -> FAILED (P refused the registration: it will never write it)
+    QUEUED -> (gone) when the request will not load (nothing was registered, nothing to wait for)
 
-Guarantee "no WRITE lands in blocks D gave back": D hands its blocks back to vLLM only by reporting the
-request finished, and after a give-up it does so only when no WRITE can still arrive:
+Guarantee "no WRITE lands in blocks D gave back": D hands its blocks back to the engine only by reporting
+the request finished, and after a give-up it does so only when no WRITE can still arrive:
 
 - a registration carries ``post_deadline``, D's give-up time mapped to P's clock with a margin for the
   clock estimate (``ClockEstimate.to_peer_before``): P posts nothing after it (see :mod:`.producer`);
@@ -25,24 +28,17 @@ The residual assumption: monotonic clocks of the two hosts drift less than ``Clo
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import msgspec
-from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.handshake import (
-    HandshakeError,
-    PeerMeta,
-    fetch_payloads,
-    request,
-    validate_peer,
-)
-from vllm_dsa_connector.connector.messages import (
+from vllm_dsa_connector.handoff.messages import (
     Authenticator,
     CancelReq,
     CancelState,
@@ -51,11 +47,21 @@ from vllm_dsa_connector.connector.messages import (
     Reply,
     ReqRef,
 )
-from vllm_dsa_connector.connector.metadata import RankPayload, RecvJob, Slots, encode
-from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.producer import max_block_id
+from vllm_dsa_connector.handoff.producer import IllegalTransition
+from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.side_channel import (
+    HandshakeError,
+    PeerMeta,
+    fetch_payloads,
+    request,
+    validate_peer,
+)
+from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Slots, encode, max_block_id
 
-logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+logger = logging.getLogger(__name__)
+
+#: ``check(src_payloads, dst_payloads) -> plan``: refuses an incompatible peer, plans the transfer
+PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], Any]
 
 SAFETY_MARGIN_S = 1.0
 _RETRY_UNREACHABLE_S = 5.0
@@ -102,6 +108,16 @@ class LoadState(Enum):
     FAILED = "failed"
 
 
+#: Every legal load transition; anything else is a bug and raises :class:`IllegalTransition`.
+TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
+    LoadState.QUEUED: frozenset({LoadState.REGISTERING}),
+    LoadState.REGISTERING: frozenset({LoadState.REGISTERED, LoadState.GIVING_UP, LoadState.FAILED}),
+    LoadState.REGISTERED: frozenset({LoadState.GIVING_UP}),
+    LoadState.GIVING_UP: frozenset({LoadState.FAILED}),
+    LoadState.FAILED: frozenset(),
+}
+
+
 @dataclass
 class Peer:
     """One producer engine, as learnt by the handshake."""
@@ -133,16 +149,26 @@ class Loading:
     reg_body: RegReq | None = None
     cancel: Future | None = None
     slots: list[tuple[int, Any]] = field(default_factory=list)
+    req_id: str = ""
+
+    def to(self, new: LoadState) -> None:
+        """The one place a load changes state."""
+        if new not in TRANSITIONS[self.state]:
+            allowed = ", ".join(s.value for s in TRANSITIONS[self.state]) or "none"
+            raise IllegalTransition(f"load of {self.req_id}: {self.state.value} -> {new.value} is not a "
+                                    f"transition (from {self.state.value}: {allowed})")
+        self.state = new
 
 
 class Consumer:
     """All loads of one decode engine."""
 
-    def __init__(self, engine_id: str, options: ConnectorOptions, auth: Authenticator,
+    def __init__(self, engine_id: str, settings: HandoffSettings, auth: Authenticator,
                  local_payloads: Callable[[], list[RankPayload]], local_encoded: Callable[[], list[bytes]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, check_peer: PeerCheck = validate_peer) -> None:
         self.engine_id = engine_id
-        self.opts = options
+        self.settings = settings
+        self.check_peer = check_peer
         self.auth = auth
         self.clock = clock
         self._local = local_payloads
@@ -156,8 +182,8 @@ class Consumer:
     # ------------------------------------------------------------ handshake
 
     def _handshake(self, peer: Peer) -> tuple[PeerMeta, Any]:
-        meta = fetch_payloads(peer.host, peer.port, self.opts.handshake_timeout_s, self.auth)
-        return meta, validate_peer(meta.payloads, self._local())
+        meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth)
+        return meta, self.check_peer(meta.payloads, self._local())
 
     def peer(self, engine: str, host: str, port: int) -> Peer:
         """The peer (its handshake started on first use, retried after an unreachable spell)."""
@@ -199,7 +225,7 @@ class Consumer:
     def queue(self, req_id: str, rp: RemoteParams) -> None:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile."""
         if req_id not in self.loads:
-            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref)
+            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id)
 
     def forget_queued(self, req_id: str) -> None:
         """A queued request that will not load from P."""
@@ -212,29 +238,29 @@ class Consumer:
         """Blocks are allocated and paired: send the registration; the returned job goes to the workers."""
         assert peer.meta is not None
         now = self.clock()
-        load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref))
-        load.state = LoadState.REGISTERING
-        load.give_up_at = now + self.opts.transfer_timeout_s
+        load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref, req_id=req_id))
+        load.to(LoadState.REGISTERING)
+        load.give_up_at = now + self.settings.transfer_timeout_s
         load.slots = held_slots
         reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_block, dst_blocks,
-                     peer.meta.clock.to_peer_before(load.give_up_at, now), self.opts.verify_transfers, slots)
+                     peer.meta.clock.to_peer_before(load.give_up_at, now), self.settings.verify_transfers, slots)
         load.reg_body = reg
         load.reg = self._regs.submit(self._register, peer, reg)
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
-                       timeout_s=self._release_bound(peer) + 60.0, verify=self.opts.verify_transfers,
+                       timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
                        src_blocks=src_blocks, slots=slots)
 
     def _register(self, peer: Peer, reg: RegReq) -> Reply:
         assert peer.meta is not None
-        reply = request(peer.host, peer.port, reg, self.opts.handshake_timeout_s, self.auth, peer.meta.clock)
+        reply = request(peer.host, peer.port, reg, self.settings.handshake_timeout_s, self.auth, peer.meta.clock)
         if not reply.ok and reply.need_payloads:
             reply = request(peer.host, peer.port, msgspec.structs.replace(reg, d_payloads=self._local_encoded()),
-                            self.opts.handshake_timeout_s, self.auth, peer.meta.clock)
+                            self.settings.handshake_timeout_s, self.auth, peer.meta.clock)
         return reply
 
     def _release_bound(self, peer: Peer | None) -> float:
         write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
-        return self.opts.transfer_timeout_s + max(write, self.opts.transfer_timeout_s) + SAFETY_MARGIN_S
+        return self.settings.transfer_timeout_s + max(write, self.settings.transfer_timeout_s) + SAFETY_MARGIN_S
 
     def give_up(self, req_id: str, reason: str) -> None:
         """Stop waiting for P: cancel there, hand the blocks back once no WRITE can land in them."""
@@ -247,9 +273,10 @@ class Consumer:
             self.cancel(load.engine, [load.ref])
             return
         logger.warning("DSAConnector: giving up on %s: %s", req_id, reason)
-        load.state, load.reason = LoadState.GIVING_UP, reason
+        load.to(LoadState.GIVING_UP)
+        load.reason = reason
         write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
-        load.release_at = load.give_up_at + max(write, self.opts.transfer_timeout_s) + SAFETY_MARGIN_S
+        load.release_at = load.give_up_at + max(write, self.settings.transfer_timeout_s) + SAFETY_MARGIN_S
         load.cancel = self.cancel(load.engine, [load.ref])
 
     def cancel(self, engine: str, refs: list[ReqRef]) -> Future | None:
@@ -257,7 +284,7 @@ class Consumer:
         peer = self.peers.get(engine)
         if peer is None or peer.control is None:
             return None
-        return peer.control.submit(request, peer.host, peer.port, CancelReq(refs), self.opts.handshake_timeout_s,
+        return peer.control.submit(request, peer.host, peer.port, CancelReq(refs), self.settings.handshake_timeout_s,
                                    self.auth)
 
     def finished(self, req_id: str) -> Loading | None:
@@ -274,20 +301,20 @@ class Consumer:
                 except Exception as e:  # noqa: BLE001 - unanswered: P may have it; retry (idempotent on P)
                     peer = self.peers.get(load.engine)
                     if peer is not None and load.reg_body is not None and (
-                            now + self.opts.handshake_timeout_s < load.give_up_at):
+                            now + self.settings.handshake_timeout_s < load.give_up_at):
                         logger.warning("DSAConnector: registration of %s unanswered (%s); retrying", req_id, e)
                         load.reg = self._regs.submit(self._register, peer, load.reg_body)
                     else:
                         self.give_up(req_id, f"registration unanswered: {e}")
                     continue
                 if reply.ok:
-                    load.state = LoadState.REGISTERED
+                    load.to(LoadState.REGISTERED)
                 else:  # P refused: it will never write this registration
                     logger.error("DSAConnector: P refused registration of %s: %s", req_id, reply.error)
                     self._fail(fail, req_id, load, f"P refused the registration: {reply.error}")
                     continue
             if load.state in (LoadState.REGISTERING, LoadState.REGISTERED) and now >= load.give_up_at:
-                self.give_up(req_id, f"no KV after {self.opts.transfer_timeout_s:.1f} s")
+                self.give_up(req_id, f"no KV after {self.settings.transfer_timeout_s:.1f} s")
             if load.state is LoadState.GIVING_UP:
                 if self._cancel_confirmed(load):
                     self._fail(fail, req_id, load, load.reason + " (P confirmed nothing was written)")
@@ -304,11 +331,11 @@ class Consumer:
 
     @staticmethod
     def _fail(fail: dict[str, str], req_id: str, load: Loading, reason: str) -> None:
-        load.state = LoadState.FAILED
+        load.to(LoadState.FAILED)
         fail[req_id] = reason
 
     def _heartbeat(self, now: float) -> None:
-        if now - self._last_hb < self.opts.heartbeat_s:
+        if now - self._last_hb < self.settings.heartbeat_s:
             return
         self._last_hb = now
         by_engine: dict[str, list[ReqRef]] = {}
@@ -322,7 +349,7 @@ class Consumer:
 
     def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> None:
         try:
-            request(peer.host, peer.port, HeartbeatReq(refs), self.opts.handshake_timeout_s, self.auth,
+            request(peer.host, peer.port, HeartbeatReq(refs), self.settings.handshake_timeout_s, self.auth,
                     peer.meta.clock if peer.meta else None)
         except HandshakeError as e:
             logger.warning("DSAConnector heartbeat: %s", e)

@@ -4,7 +4,7 @@ Each engine's scheduler-side connector serves one ROUTER socket (like vLLM's Nix
 are the typed structs of :mod:`.messages` in an (optionally HMAC-authenticated) envelope; every reply is
 a :class:`~.messages.Reply`:
 
-- ``meta``: the engine's worker payloads (:class:`~.metadata.RankPayload`, one per (pp, tp) worker).
+- ``meta``: the engine's worker payloads (:class:`~.wire.RankPayload`, one per (pp, tp) worker).
 - ``reg`` (D -> P): "write request ``p_req`` into my blocks"; P replies at once whether it still holds
   the request's KV (a lease), so D fails fast instead of waiting for a timeout.
 - ``hb`` (D -> P): lease renewal for the listed P requests.
@@ -24,6 +24,7 @@ reshards.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.messages import (
+from vllm_dsa_connector.handoff.messages import (
     MAX_MESSAGE_BYTES,
     Authenticator,
     ClockEstimate,
@@ -45,9 +45,9 @@ from vllm_dsa_connector.connector.messages import (
     decode_reply,
     decode_request,
 )
-from vllm_dsa_connector.connector.metadata import RankPayload, decode_payload
+from vllm_dsa_connector.handoff.wire import RankPayload, decode_payload
 
-logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+logger = logging.getLogger(__name__)
 
 __all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "fetch_payloads", "request", "validate_peer"]
 

@@ -1,0 +1,26 @@
+"""The handful of plain values the handoff protocol runs on (the adapter maps its own options onto them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HandoffSettings:
+    """Timeouts and switches of one engine's producer and consumer.
+
+    The vLLM adapter builds it from ``ConnectorOptions`` (``kv_connector_extra_config``); another
+    adapter fills it from its own configuration. All times are seconds.
+    """
+
+    lease_s: float = 30.0  #: P keeps a finished request's blocks this long without news from D
+    transfer_timeout_s: float = 30.0  #: D gives up on a load after this; P's workers' write timeout
+    handshake_timeout_s: float = 10.0  #: one side-channel request/reply
+    heartbeat_s: float = 5.0  #: D renews P's leases this often
+    verify_transfers: bool = False  #: checksum every transferred run
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"HandoffSettings.{name} must be > 0 seconds, got {value!r}")

@@ -1,0 +1,138 @@
+"""What travels: handshake payloads, the jobs a scheduler hands its workers, completion notices.
+
+msgspec structs (compact, typed, versioned), shared by both roles and free of any serving engine:
+
+- :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
+  registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
+  which serves them on the side channel (:mod:`.side_channel`).
+- :class:`PeerInfo`, :class:`PushJob` (producer), :class:`RecvJob` (consumer): what a scheduler tells its
+  workers (the vLLM adapter carries them in its ``KVConnectorMetadata``).
+- :class:`Notice`: the NIXL notification a sender attaches to its WRITE (or sends alone on failure).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+#: Bump on any incompatible change of the structs below or of the transfer protocol.
+PROTOCOL_VERSION = 2
+TRANSFER_MODE = "push"
+
+
+class RankPayload(msgspec.Struct, frozen=True):
+    """One worker's handshake payload."""
+
+    engine_id: str
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    page_table: dict[str, Any]
+    regions: list[dict[str, Any]]  # transport RegionDesc.to_dict() per pool index
+    compat: dict[str, str]
+    staging: dict[str, Any] | None = None  # receive staging arena (RegionDesc dict) for bounced writes
+    protocol: int = PROTOCOL_VERSION
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    """Every worker payload of one engine (encoded :class:`RankPayload`).
+
+    ``as_source``: the peer writes to us (we are D); otherwise we write to it (we are P).
+    """
+
+    engine_id: str
+    payloads: list[bytes]
+    as_source: bool = False
+
+
+#: dst rank -> src rank -> [offset, size] in the destination rank's staging arena
+Slots = dict[int, dict[int, list[int]]]
+
+
+class PushJob(msgspec.Struct, frozen=True):
+    """P side: write ``src_blocks`` of request ``req_id`` into ``dst_blocks`` of ``dst_engine``."""
+
+    req_id: str
+    dst_engine: str
+    dst_req_id: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    verify: bool = False
+    slots: Slots = {}
+    post_deadline: float = math.inf  # monotonic clock of this host: never post a WRITE after it
+
+
+class RecvJob(msgspec.Struct, frozen=True):
+    """D side: expect notices for ``req_id`` from the listed source ranks, per local rank."""
+
+    req_id: str
+    src_engine: str
+    blocks: list[int]
+    expected: dict[int, list[int]]  # local (dst) rank -> source ranks that write to it
+    timeout_s: float  # safety net only: the scheduler decides when D gives up (fail_recv)
+    verify: bool = False
+    src_blocks: list[int] = []  # the producer's blocks (to recompute bounced runs for the scatter)
+    slots: Slots = {}
+
+
+class Notice(msgspec.Struct, frozen=True):
+    """Completion notice of one (source rank -> destination rank) transfer of one request."""
+
+    req_id: str  # D's request id
+    src_rank: int
+    ok: bool
+    nbytes: int = 0
+    runs: int = 0
+    error: str = ""
+    # verify_transfers: (pool, dst_offset, length, crc32) per run, offsets in the destination region
+    checks: list[tuple[int, int, int, int]] = []
+
+
+NOTICE_PREFIX = b"DSA1:"
+
+_enc = msgspec.msgpack.Encoder()
+_dec_payload = msgspec.msgpack.Decoder(RankPayload)
+_dec_notice = msgspec.msgpack.Decoder(Notice)
+
+
+def encode(obj: Any) -> bytes:
+    """msgpack-encode a struct or plain data."""
+    return _enc.encode(obj)
+
+
+def decode_payload(data: bytes) -> RankPayload:
+    """Decode a :class:`RankPayload`; ``ValueError`` naming the problem on bad input."""
+    try:
+        p = _dec_payload.decode(data)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed DSAConnector handshake payload: {e}") from None
+    if p.protocol != PROTOCOL_VERSION:
+        raise ValueError(
+            f"DSAConnector protocol mismatch: peer speaks {p.protocol}, this side {PROTOCOL_VERSION}"
+        )
+    return p
+
+
+def encode_notice(n: Notice) -> bytes:
+    """A notice as NIXL notification bytes."""
+    return NOTICE_PREFIX + _enc.encode(n)
+
+
+def decode_notice(data: bytes) -> Notice | None:
+    """The notice in a NIXL notification, or None if it is not ours / malformed."""
+    if not data.startswith(NOTICE_PREFIX):
+        return None
+    try:
+        return _dec_notice.decode(data[len(NOTICE_PREFIX) :])
+    except msgspec.DecodeError:
+        return None
+
+
+def max_block_id(payloads: Sequence[RankPayload]) -> int:
+    """Blocks ``0 .. n-1`` exist in every pool of every worker of an engine; returns ``n``."""
+    return min((int(p["num_blocks"]) for pl in payloads for p in pl.page_table.get("pools", [])), default=0)
