@@ -33,8 +33,7 @@ import msgspec
 import pytest
 import zmq
 
-from vllm_dsa_connector.connector.handshake import HandshakeError, request
-from vllm_dsa_connector.connector.messages import (
+from vllm_dsa_connector.handoff.messages import (
     Authenticator,
     CancelReq,
     HeartbeatReq,
@@ -42,6 +41,7 @@ from vllm_dsa_connector.connector.messages import (
     RegReq,
     ReqRef,
 )
+from vllm_dsa_connector.handoff.side_channel import HandshakeError, request
 from vllm_dsa_connector.harness.client import metric, scrape
 from vllm_dsa_connector.harness.engines import (
     check_backend,
