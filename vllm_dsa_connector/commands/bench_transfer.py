@@ -8,8 +8,9 @@ A sender and a receiver process (multiprocessing spawn) each hold a pool of ``2 
 - ``bounce``: gather into the staging arena + one write + receiver scatter,
 - ``auto``: whatever :class:`BounceGate` chooses (``auto_path``).
 
-A time is from the sender's start until the receiver reported completion (data landed and, for bounce,
-scattered) over a pipe; the pipe's latency is in every column alike. After every rep the receiver
+The two processes are :func:`vllm_dsa_connector.harness.pair.run_pair`'s producer and consumer. A time
+is from the sender's start until the receiver reported completion (data landed and, for bounce,
+scattered) over the control channel; its latency is in every column alike. After every rep the receiver
 compares all received bytes with what was sent and the bench fails loudly on a difference.
 UCX_TLS from the environment applies (e.g. ``UCX_TLS=tcp``).
 """
@@ -25,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+from vllm_dsa_connector.harness.pair import ConsumerSide, PairSpec, ProducerSide, SideSpec, run_pair
+
 METHODS = ("contiguous", "scattered", "bounce", "auto")
 
 
@@ -39,10 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
 
 
-def _layout(blocks: int, block_bytes: int, seed: int) -> Any:
+def _layout(blocks: int, block_bytes: int, seed: int) -> tuple[int, Any, Any]:
+    """(pool bytes, the scattered runs after merging, the one contiguous run) of the request."""
     import numpy as np
 
-    from vllm_dsa_connector.transport.runs import Runs
+    from vllm_dsa_connector.transport import Runs
 
     rng = np.random.default_rng(seed)
     pool = 2 * blocks
@@ -54,192 +58,96 @@ def _layout(blocks: int, block_bytes: int, seed: int) -> Any:
     return pool * block_bytes, scattered, contiguous
 
 
-def _pool(nbytes: int, seed: int) -> Any:
-    import torch
+def _time_scatter(side: ConsumerSide, key: str, reps: int) -> float:
+    """On D: median seconds of one scatter of the arena's bytes over ``runs[key]`` into the pool."""
+    from vllm_dsa_connector.transport import scatter
 
-    g = torch.Generator().manual_seed(seed + 1)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-
-
-def _setup(name: str, conn: Any, args: dict[str, Any]) -> Any:
-    import torch
-
-    from vllm_dsa_connector.transport.bounce import StagingArena
-    from vllm_dsa_connector.transport.engine import NixlEngine
-
-    # One intra-op thread per process: with two processes on a small host, torch's second thread waits
-    # for a scheduler tick behind the peer's polling thread (gather/scatter times quantised to ~8 ms).
-    torch.set_num_threads(args["threads"])
-
-    pool_bytes, scattered, contiguous = _layout(args["blocks"], args["block_bytes"], args["seed"])
-    eng = NixlEngine(f"bench-{name}-{os.getpid()}")
-    arena = StagingArena(max(1 << 20, scattered.total_bytes + 4096))
-    return eng, arena, pool_bytes, scattered, contiguous
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        scatter(side.arena.buffer, side.pool, side.runs[key])
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
-def _receiver(conn: Any, args: dict[str, Any]) -> None:
-    import torch
+def _drive(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
+    """On P: every method, interleaved rep by rep, timed from the send to D's DONE; bytes verified."""
+    from vllm_dsa_connector.transport import BounceGate, BounceSender, gather
 
-    from vllm_dsa_connector.transport.bounce import BounceReceiver, gather, scatter
-    from vllm_dsa_connector.transport.runs import Runs
-
-    eng, arena, pool_bytes, scattered, contiguous = _setup("rcv", conn, args)
-    try:
-        expected = _pool(pool_bytes, args["seed"])
-        dst = torch.zeros(pool_bytes, dtype=torch.uint8)
-        region = eng.register(dst)
-        rcv = BounceReceiver(eng, arena, reserve_timeout_s=0.2)
-        conn.send((eng.metadata(), region.desc().to_dict()))
-        eng.add_peer(conn.recv())
-        while True:
-            msg = conn.recv()
-            if msg[0] == "stop":
-                break
-            if msg[0] == "scatter_time":
-                stage = arena.buffer
-                ts = []
-                for _ in range(args["reps"]):
-                    t0 = time.perf_counter()
-                    scatter(stage, dst, scattered)
-                    ts.append(time.perf_counter() - t0)
-                conn.send(statistics.median(ts))
-                continue
-            _, method, tag = msg
-            runs = contiguous if method == "contiguous" else scattered
-            dst.zero_()
-            slots = rcv.expect(tag, dst, [runs], bounce=method in ("bounce", "auto"))
-            conn.send(("ready", slots[0].to_dict() if slots[0] else None))
-            rcv.wait(tag, args["timeout"])
-            conn.send(("done",))
-            got = torch.empty(runs.total_bytes, dtype=torch.uint8)
-            want = torch.empty(runs.total_bytes, dtype=torch.uint8)
-            gather(dst, Runs(runs.dst_offsets, runs.dst_offsets, runs.lengths), got)
-            gather(expected, runs, want)
-            conn.send(("verified", bool(torch.equal(got, want))))
-    except BaseException as e:
-        conn.send(("error", f"receiver: {type(e).__name__}: {e}"))
-        raise
-    finally:
-        eng.close()
-
-
-def _sender(conn: Any, rconn: Any, args: dict[str, Any]) -> None:
-    from vllm_dsa_connector.transport.bounce import BounceSender, gather
-    from vllm_dsa_connector.transport.gate import BounceGate
-
-    eng, arena, pool_bytes, scattered, contiguous = _setup("snd", rconn, args)
-    try:
-        src = _pool(pool_bytes, args["seed"])
-        region = eng.register(src)
-        gate = BounceGate.from_config({})
-        snd = BounceSender(eng, arena, gate)
-        rmeta, rdesc = rconn.recv()
-        peer = eng.add_peer(rmeta)
-        rconn.send(eng.metadata())
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
-        auto_paths: set[str] = set()
-        phases: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}
-        order_rng = random.Random(args["seed"])
-        for rep in range(args["reps"] + 1):  # rep 0 warms up every path
-            # A fresh order every rep: no path always runs right after another (position effects).
-            for method in order_rng.sample(METHODS, len(METHODS)):
-                tag = f"{method}-{rep}".encode()
-                runs = contiguous if method == "contiguous" else scattered
-                rconn.send(("xfer", method, tag))
-                kind, slot = _expect(rconn, "ready")
-                force = {"contiguous": "direct", "scattered": "direct", "bounce": "bounce"}.get(method)
-                t0 = time.perf_counter()
-                send = snd.send(peer, region, rdesc, runs, tag, slot=slot, path=force)
-                t1 = time.perf_counter()
-                snd.wait(send, args["timeout"])
-                t2 = time.perf_counter()
-                _expect(rconn, "done")
-                dt = time.perf_counter() - t0
-                if rep:
-                    phases[method].append((t1 - t0, t2 - t1, t0 + dt - t2))
-                _, ok = _expect(rconn, "verified")
-                if not ok:
-                    raise RuntimeError(f"bench transfer: received bytes differ ({method}, rep {rep})")
-                if method == "bounce" and send.path != "bounce":
-                    raise RuntimeError(f"bench transfer: bounce path fell back: {send.reason}")
-                if rep:
-                    times[method].append(dt)
-                    if method == "auto":
-                        auto_paths.add(send.path)
-        stage = arena.buffer
-        gts = []
-        for _ in range(args["reps"]):
+    _, scattered, contiguous = _layout(args["blocks"], args["block_bytes"], args["seed"])
+    d = side.consumer
+    assert d is not None
+    d.runs("scattered", scattered)
+    d.runs("contiguous", contiguous)
+    gate = BounceGate.from_config({})
+    snd = BounceSender(side.engine, side.arena, gate)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    phases: dict[str, list[tuple[float, float, float]]] = {m: [] for m in METHODS}
+    auto_paths: set[str] = set()
+    order_rng = random.Random(args["seed"])
+    for rep in range(args["reps"] + 1):  # rep 0 warms up every path
+        # A fresh order every rep: no path always runs right after another (position effects).
+        for method in order_rng.sample(METHODS, len(METHODS)):
+            tag = f"{method}-{rep}".encode()
+            key = "contiguous" if method == "contiguous" else "scattered"
+            slot = d.expect(tag, key, bounce=method in ("bounce", "auto"))
+            force = {"contiguous": "direct", "scattered": "direct", "bounce": "bounce"}.get(method)
             t0 = time.perf_counter()
-            gather(src, scattered, stage)
-            gts.append(time.perf_counter() - t0)
-        rconn.send(("scatter_time",))
-        scatter_s = rconn.recv()
-        rconn.send(("stop",))
-        dec = gate.decision(scattered, merged=True)
-        conn.send({
-            **{f"{m}_ms": statistics.median(times[m]) * 1e3 for m in METHODS},
-            "min_ms": {m: round(min(times[m]) * 1e3, 3) for m in METHODS},  # for noisy hosts
-            "auto_path": "/".join(sorted(auto_paths)),
-            # Sender's view, medians in ms: [send() = gather + post, wait for the WRITE, receiver's
-            # completion (incl. scatter) + the pipe's ack].
-            "phases_ms": {m: [round(statistics.median(p[i] for p in phases[m]) * 1e3, 3) for i in range(3)]
-                          for m in METHODS},
-            "gather_ms": statistics.median(gts) * 1e3,
-            "scatter_ms": scatter_s * 1e3,
-            "runs": scattered.num_runs,
-            "total_bytes": scattered.total_bytes,
-            "profile": gate.profile,
-            "gate_reason": dec.reason,
-        })
-    except BaseException as e:
-        conn.send({"error": f"sender: {type(e).__name__}: {e}"})
-        raise
-    finally:
-        eng.close()
-
-
-def _expect(conn: Any, kind: str) -> tuple[Any, ...]:
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(msg[1])
-    if msg[0] != kind:
-        raise RuntimeError(f"bench transfer: expected {kind!r} from the receiver, got {msg!r}")
-    return msg
+            send = snd.send(side.peer, side.region, side.remote_region, scattered if key == "scattered"
+                            else contiguous, tag, slot=slot, path=force)
+            t1 = time.perf_counter()
+            snd.wait(send, args["timeout"])
+            t2 = time.perf_counter()
+            d.done()
+            dt = time.perf_counter() - t0
+            if not d.verified():
+                raise RuntimeError(f"bench transfer: received bytes differ ({method}, rep {rep})")
+            if method == "bounce" and send.path != "bounce":
+                raise RuntimeError(f"bench transfer: bounce path fell back: {send.reason}")
+            if rep:
+                times[method].append(dt)
+                phases[method].append((t1 - t0, t2 - t1, t0 + dt - t2))
+                if method == "auto":
+                    auto_paths.add(send.path)
+    gts = []
+    for _ in range(args["reps"]):
+        t0 = time.perf_counter()
+        gather(side.pool, scattered, side.arena.buffer)
+        gts.append(time.perf_counter() - t0)
+    scatter_s = d.call(_time_scatter, key="scattered", reps=args["reps"])
+    dec = gate.decision(scattered, merged=True)
+    return {
+        **{f"{m}_ms": statistics.median(times[m]) * 1e3 for m in METHODS},
+        "min_ms": {m: round(min(times[m]) * 1e3, 3) for m in METHODS},  # for noisy hosts
+        "auto_path": "/".join(sorted(auto_paths)),
+        # Sender's view, medians in ms: [send() = gather + post, wait for the WRITE, receiver's
+        # completion (incl. scatter) + the pipe's ack].
+        "phases_ms": {m: [round(statistics.median(p[i] for p in phases[m]) * 1e3, 3) for i in range(3)]
+                      for m in METHODS},
+        "gather_ms": statistics.median(gts) * 1e3,
+        "scatter_ms": scatter_s * 1e3,
+        "runs": scattered.num_runs,
+        "total_bytes": scattered.total_bytes,
+        "profile": gate.profile,
+        "gate_reason": dec.reason,
+    }
 
 
 def measure(blocks: int, block_bytes: int, reps: int, seed: int = 0, timeout: float = 60.0,
             threads: int = 1) -> dict[str, Any]:
-    """Run the bench in two fresh processes; returns the result dict (raises on mismatch)."""
-    import multiprocessing as mp
-
+    """Run the bench in two fresh processes (:func:`~vllm_dsa_connector.harness.pair.run_pair`); returns the
+    result dict (raises on a byte mismatch or a failed side)."""
     if blocks < 1 or block_bytes < 1 or reps < 1:
         raise ValueError("--blocks, --block-bytes and --reps must be >= 1")
-    args = {"blocks": blocks, "block_bytes": block_bytes, "reps": reps, "seed": seed, "timeout": timeout,
-            "threads": threads}
-    ctx = mp.get_context("spawn")
-    main_end, snd_end = ctx.Pipe()
-    s2r_a, s2r_b = ctx.Pipe()
-    rcv = ctx.Process(target=_receiver, args=(s2r_b, args), daemon=True)
-    snd = ctx.Process(target=_sender, args=(snd_end, s2r_a, args), daemon=True)
-    rcv.start()
-    snd.start()
-    try:
-        deadline = time.monotonic() + timeout + 30 + reps * 4 * len(METHODS) * 2
-        while not main_end.poll(0.5):
-            if not snd.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"bench transfer: sender ended (exit code {snd.exitcode}) or timed out")
-        out = main_end.recv()
-        if "error" in out:
-            raise RuntimeError(out["error"])
-        out.update(blocks=blocks, block_bytes=block_bytes, reps=reps,
-                   ucx_tls=os.environ.get("UCX_TLS", "default"))
-        return out
-    finally:
-        for p in (snd, rcv):
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    pool_bytes, scattered, _ = _layout(blocks, block_bytes, seed)
+    # One intra-op thread per process: with two processes on a small host, torch's second thread waits
+    # for a scheduler tick behind the peer's polling thread (gather/scatter times quantised to ~8 ms).
+    side = SideSpec(pool_bytes=pool_bytes, arena_bytes=max(1 << 20, scattered.total_bytes + 4096), threads=threads)
+    spec = PairSpec(producer=side, consumer=side, seed=seed + 1, transfer_timeout_s=timeout)
+    args = {"blocks": blocks, "block_bytes": block_bytes, "reps": reps, "seed": seed, "timeout": timeout}
+    out: dict[str, Any] = run_pair(spec, _drive, args, timeout_s=timeout + 30 + reps * 4 * len(METHODS) * 2)
+    out.update(blocks=blocks, block_bytes=block_bytes, reps=reps, ucx_tls=os.environ.get("UCX_TLS", "default"))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,386 @@
+"""Two-process transfer runs: a producer (P) and a consumer (D) process with real NIXL agents.
+
+:func:`run_pair` spawns both (``multiprocessing`` spawn), each with a NIXL engine, a registered pool on
+its device and a staging arena; D answers on a control channel (a pipe between P and D, nothing relayed
+through the parent) with ONE message protocol, :class:`Kind`::
+
+    D -> P  HELLO(meta, region, ipc)        D's agent metadata, pool descriptor, CUDA IPC export or None
+    P -> D  HELLO(meta)                     P's agent metadata (both sides then know each other)
+    P -> D  RUNS(key, src, dst, len)        a request layout, named; D answers OK
+    P -> D  EXPECT(tag, key, bounce)        D zeroes its pool, arms its BounceReceiver, answers
+            READY(slot), waits for the data, answers DONE(t: D's time.perf_counter() at completion),
+            then compares the landed bytes with P's and answers VERIFIED(ok)
+    P -> D  CALL(fn, kwargs)                D runs ``fn(consumer_side, **kwargs)``, answers RESULT(value)
+    P -> D  STOP                            D closes its engine and exits
+    D -> P  ERROR(text)                     instead of any answer: D failed (P raises RemoteError)
+
+P runs the caller's ``driver(producer_side, args)`` (a module-level function: spawn pickles it by name);
+``producer_side.consumer`` is D behind the protocol (:class:`RemoteConsumer`). The driver's return value
+is :func:`run_pair`'s. P's pool holds seeded bytes (:func:`fill`); D regenerates them to verify, so P and
+D must be on the same device type. No vLLM imports here (the H200 scripts run without vLLM).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class Kind(Enum):
+    """Message kinds of the control channel (see the module docstring)."""
+
+    HELLO = "hello"
+    RUNS = "runs"
+    OK = "ok"
+    EXPECT = "expect"
+    READY = "ready"
+    DONE = "done"
+    VERIFIED = "verified"
+    CALL = "call"
+    RESULT = "result"
+    STOP = "stop"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One message: its kind and named fields."""
+
+    kind: Kind
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+class RemoteError(RuntimeError):
+    """The other process reported a failure (the text carries its traceback)."""
+
+
+class ProtocolError(RuntimeError):
+    """A message of another kind than expected arrived, or the channel closed."""
+
+
+class Channel:
+    """One end of the control channel; ``hot`` spins on ``poll`` instead of sleeping in ``recv``."""
+
+    def __init__(self, conn: Any, side: str, hot: bool = False) -> None:
+        self.conn = conn
+        self.side = side
+        self.hot = hot
+
+    def send(self, kind: Kind, **body: Any) -> None:
+        """Send one message."""
+        self.conn.send(Msg(kind, body))
+
+    def recv(self, *expect: Kind, timeout_s: float | None = None) -> Msg:
+        """The next message; :class:`RemoteError` for ERROR, :class:`ProtocolError` for a kind not in
+        ``expect`` (any kind when empty), a closed channel or ``timeout_s`` without a message."""
+        try:
+            if self.hot:
+                deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+                while not self.conn.poll():
+                    if deadline is not None and time.perf_counter() > deadline:
+                        raise ProtocolError(f"{self.side}: no message in {timeout_s} s")
+            elif timeout_s is not None and not self.conn.poll(timeout_s):
+                raise ProtocolError(f"{self.side}: no message in {timeout_s} s")
+            msg = self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise ProtocolError(f"{self.side}: the other process closed the channel ({e!r})") from e
+        if msg.kind is Kind.ERROR:
+            raise RemoteError(msg.body["text"])
+        if expect and msg.kind not in expect:
+            raise ProtocolError(f"{self.side}: expected {[k.value for k in expect]}, got {msg.kind.value} "
+                                f"{ {k: v for k, v in msg.body.items() if k in ('key', 'tag')} }")
+        return msg
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """One process's resources: device, pool and arena sizes in bytes, engine options.
+
+    ``threads``: torch intra-op threads (1 on small CPU hosts: a second thread waits behind the peer's
+    polling one; None leaves torch's default). ``ipc``: D exports its pool for CUDA IPC (CUDA only).
+    """
+
+    device: str = "cpu"
+    pool_bytes: int = 1 << 20
+    arena_bytes: int = 1 << 20
+    threads: int | None = 1
+    telemetry: bool = False
+    ipc: bool = False
+    reserve_timeout_s: float = 0.2
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """A two-process run: both sides, P's data seed, D's wait per transfer, the children's extra
+    environment (e.g. ``UCX_TLS``; applied before NIXL starts) and whether both spin on the channel."""
+
+    producer: SideSpec
+    consumer: SideSpec
+    seed: int = 0
+    transfer_timeout_s: float = 120.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    hot: bool = False
+
+
+def fill(nbytes: int, device: str, seed: int) -> Any:
+    """``nbytes`` seeded random bytes on ``device`` (uint8; the same on every device of one type)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(-(-nbytes // 8), dtype=torch.int64, device=device)
+    out.random_(generator=g)
+    return out.view(torch.uint8)[:nbytes]
+
+
+def sync(device: str) -> None:
+    """Wait for ``device``'s queued work (no-op on the CPU)."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Side:
+    """What one process holds: its engine, registered pool, staging arena and spec."""
+
+    spec: SideSpec
+    engine: Any
+    pool: Any
+    region: Any
+    arena: Any
+
+    @classmethod
+    def open(cls, name: str, spec: SideSpec, pool: Any) -> Side:
+        """Make the engine, register ``pool`` (allocated on ``spec.device``), allocate the arena."""
+        from vllm_dsa_connector.transport import NixlEngine, StagingArena
+
+        engine = NixlEngine(f"{name}-{os.getpid()}", telemetry=spec.telemetry)
+        region = engine.register(pool)
+        return cls(spec, engine, pool, region, StagingArena(spec.arena_bytes, device=spec.device))
+
+
+def _prepare(spec: SideSpec, env: Mapping[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(spec.device)
+
+
+# -- consumer (D) ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConsumerSide(Side):
+    """D's process: :class:`Side` plus its receiver and the layouts P registered (``runs[key]``)."""
+
+    receiver: Any = None
+    runs: dict[str, Any] = field(default_factory=dict)
+    expected: Any = None  # P's pool, regenerated from the seed (for verification)
+    _want: tuple[str, Any] | None = None
+
+    def verify(self, key: str) -> bool:
+        """Whether the bytes at ``runs[key]``'s destinations equal P's bytes at its sources."""
+        import torch
+
+        from vllm_dsa_connector.transport import Runs, gather
+
+        runs = self.runs[key].merged()
+        if self._want is None or self._want[0] != key:
+            self._want = None  # free the previous layout's copy first
+            want = torch.empty(runs.total_bytes, dtype=torch.uint8, device=self.spec.device)
+            gather(self.expected, runs, want)
+            self._want = (key, want)
+        got = torch.empty(runs.total_bytes, dtype=torch.uint8, device=self.spec.device)
+        gather(self.pool, Runs(runs.dst_offsets, runs.dst_offsets, runs.lengths), got)
+        return bool(torch.equal(got, self._want[1]))
+
+
+def serve_consumer(conn: Any, spec: PairSpec) -> None:
+    """D's process: open its side, shake hands, answer P's messages until STOP (or P goes away)."""
+    ch = Channel(conn, "consumer", spec.hot)
+    side: ConsumerSide | None = None
+    try:
+        _prepare(spec.consumer, spec.env)
+        import torch
+
+        from vllm_dsa_connector.transport import BounceReceiver, Runs, export_region
+
+        c = spec.consumer
+        pool = torch.zeros(c.pool_bytes, dtype=torch.uint8, device=c.device)
+        base = Side.open("consumer", c, pool)
+        side = ConsumerSide(c, base.engine, pool, base.region, base.arena,
+                            receiver=BounceReceiver(base.engine, base.arena, reserve_timeout_s=c.reserve_timeout_s))
+        ipc = export_region(pool).to_dict() if c.ipc and c.device.startswith("cuda") else None
+        ch.send(Kind.HELLO, meta=side.engine.metadata(), region=side.region.desc().to_dict(), ipc=ipc)
+        side.engine.add_peer(ch.recv(Kind.HELLO).body["meta"])
+        while True:
+            try:
+                msg = ch.recv()
+            except ProtocolError:  # P went away: nothing left to serve
+                break
+            b = msg.body
+            if msg.kind is Kind.STOP:
+                break
+            if msg.kind is Kind.RUNS:
+                side.runs[b["key"]] = Runs(b["src"], b["dst"], b["len"])
+                if side.expected is None:
+                    side.expected = fill(spec.producer.pool_bytes, c.device, spec.seed)
+                ch.send(Kind.OK)
+            elif msg.kind is Kind.EXPECT:
+                pool.zero_()
+                sync(c.device)
+                (slot,) = side.receiver.expect(b["tag"], pool, [side.runs[b["key"]]], bounce=b["bounce"])
+                ch.send(Kind.READY, slot=slot.to_dict() if slot is not None else None)
+                side.receiver.wait(b["tag"], spec.transfer_timeout_s)
+                ch.send(Kind.DONE, t=time.perf_counter())  # CLOCK_MONOTONIC: comparable across processes
+                ch.send(Kind.VERIFIED, ok=side.verify(b["key"]))
+            elif msg.kind is Kind.CALL:
+                ch.send(Kind.RESULT, value=b["fn"](side, **b["kwargs"]))
+            else:
+                raise ProtocolError(f"consumer: unexpected {msg.kind.value} from the producer")
+    except BaseException as e:
+        try:
+            ch.send(Kind.ERROR, text=f"consumer: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        except (OSError, ValueError):
+            pass
+        raise
+    finally:
+        if side is not None:
+            side.engine.close()
+
+
+# -- producer (P) ---------------------------------------------------------------------------------------
+
+
+class RemoteConsumer:
+    """D as P's driver sees it: one method per request of the protocol."""
+
+    def __init__(self, ch: Channel) -> None:
+        self.ch = ch
+
+    def runs(self, key: str, runs: Any) -> None:
+        """Register a layout on D under ``key`` (its destinations, for EXPECT and verification)."""
+        self.ch.send(Kind.RUNS, key=key, src=runs.src_offsets, dst=runs.dst_offsets, len=runs.lengths)
+        self.ch.recv(Kind.OK)
+
+    def expect(self, tag: bytes, key: str, bounce: bool) -> dict[str, Any] | None:
+        """Arm D for ``tag`` with layout ``key``; returns D's staging slot (None: write directly)."""
+        self.ch.send(Kind.EXPECT, tag=tag, key=key, bounce=bounce)
+        slot: dict[str, Any] | None = self.ch.recv(Kind.READY).body["slot"]
+        return slot
+
+    def done(self) -> float:
+        """Wait until D saw the transfer complete; D's ``time.perf_counter()`` at that moment."""
+        t: float = self.ch.recv(Kind.DONE).body["t"]
+        return t
+
+    def verified(self) -> bool:
+        """D's byte-for-byte verdict on the last transfer."""
+        ok: bool = self.ch.recv(Kind.VERIFIED).body["ok"]
+        return ok
+
+    def submit(self, fn: Callable[..., Any], **kwargs: Any) -> None:
+        """Run module-level ``fn(consumer_side, **kwargs)`` on D; collect with :meth:`result`."""
+        self.ch.send(Kind.CALL, fn=fn, kwargs=kwargs)
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The value of the last :meth:`submit`."""
+        return self.ch.recv(Kind.RESULT, timeout_s=timeout_s).body["value"]
+
+    def call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """:meth:`submit` and :meth:`result`."""
+        self.submit(fn, **kwargs)
+        return self.result()
+
+    def stop(self) -> None:
+        """Tell D to close and exit."""
+        self.ch.send(Kind.STOP)
+
+
+@dataclass
+class ProducerSide(Side):
+    """P's process: :class:`Side` plus D's agent name, pool descriptor, IPC export and D itself."""
+
+    peer: str = ""
+    remote_region: dict[str, Any] = field(default_factory=dict)
+    remote_ipc: dict[str, Any] | None = None
+    consumer: RemoteConsumer | None = None
+    pair: PairSpec | None = None
+
+
+Driver = Callable[[ProducerSide, Any], Any]
+
+
+def _producer_main(result_conn: Any, conn: Any, spec: PairSpec, driver: Driver, args: Any) -> None:
+    side = None
+    try:
+        _prepare(spec.producer, spec.env)
+        ch = Channel(conn, "producer", spec.hot)
+        p = spec.producer
+        base = Side.open("producer", p, fill(p.pool_bytes, p.device, spec.seed))
+        side = ProducerSide(p, base.engine, base.pool, base.region, base.arena, pair=spec)
+        hello = ch.recv(Kind.HELLO).body
+        side.peer = side.engine.add_peer(hello["meta"])
+        side.remote_region, side.remote_ipc = hello["region"], hello["ipc"]
+        ch.send(Kind.HELLO, meta=side.engine.metadata())
+        side.consumer = RemoteConsumer(ch)
+        out = driver(side, args)
+        side.consumer.stop()
+        result_conn.send(("ok", out))
+    except BaseException as e:
+        result_conn.send(("err", f"producer: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if side is not None:
+            side.engine.close()
+
+
+def run_pair(spec: PairSpec, driver: Driver, args: Any = None, timeout_s: float = 600.0) -> Any:
+    """Run ``driver(producer_side, args)`` in P against D (both fresh spawned processes); its result.
+
+    Raises ``RuntimeError`` with the failing side's traceback when P or D failed, when P exited without
+    a result, or after ``timeout_s``; both processes are gone when this returns or raises.
+    """
+    ctx = mp.get_context("spawn")
+    result_end, result_child = ctx.Pipe(duplex=False)
+    p_end, d_end = ctx.Pipe()
+    consumer = ctx.Process(target=serve_consumer, args=(d_end, spec), daemon=True, name="pair-consumer")
+    producer = ctx.Process(target=_producer_main, args=(result_child, p_end, spec, driver, args), daemon=True,
+                           name="pair-producer")
+    consumer.start()
+    producer.start()
+    for end in (result_child, p_end, d_end):  # the children hold them now: EOF reaches the other side
+        end.close()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not result_end.poll(0.2):
+            if not producer.is_alive():
+                if result_end.poll(0.5):
+                    break
+                raise RuntimeError(f"pair: the producer exited with code {producer.exitcode} without a result")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pair: no result after {timeout_s:.0f} s (consumer alive: {consumer.is_alive()})")
+        status, value = result_end.recv()
+        if status != "ok":
+            raise RuntimeError(f"pair run failed: {value}")
+        return value
+    finally:
+        for proc in (producer, consumer):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        result_end.close()
