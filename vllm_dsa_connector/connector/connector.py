@@ -34,6 +34,7 @@ tells P to cancel what it gave up on.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -78,19 +79,27 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 _CORE_LOGGER = "vllm_dsa_connector"
 
 
-def share_vllm_log_output() -> None:
-    """Print the core's log lines where vLLM prints its own: vLLM's handlers and level on the package logger.
+class _ToVllmLog(logging.Handler):
+    """Hands the core's records to vLLM's ``vllm`` logger, so they go wherever vLLM's own lines go (with
+    vLLM's format and level), even when vLLM configures or reconfigures its logging later."""
 
-    Once per process (vLLM's ``vllm`` logger does not propagate, and without this the core's INFO lines
-    would reach no handler). Nothing happens where vLLM's logging is not configured
-    (``VLLM_CONFIGURE_LOGGING=0``) or the host already gave the package logger handlers.
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def share_vllm_log_output() -> None:
+    """Print the core's log lines where vLLM prints its own (once per process).
+
+    vLLM's ``vllm`` logger does not propagate: without this, the core's INFO lines would reach no handler
+    in a vLLM process. The package logger gets a forwarding handler and vLLM's level (``VLLM_LOGGING_LEVEL``).
     """
-    core, vllm_logger = logging.getLogger(_CORE_LOGGER), logging.getLogger("vllm")
-    if core.handlers or not vllm_logger.handlers:
+    core = logging.getLogger(_CORE_LOGGER)
+    if any(isinstance(h, _ToVllmLog) for h in core.handlers):
         return
-    for handler in vllm_logger.handlers:
-        core.addHandler(handler)
-    core.setLevel(vllm_logger.level)
+    core.addHandler(_ToVllmLog())
+    if core.level == logging.NOTSET:
+        vllm_level = logging.getLogger("vllm").level
+        core.setLevel(vllm_level or os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
 
 
 def attention_backends(vllm_config: VllmConfig, layer_names: Iterable[str]) -> list[str]:
