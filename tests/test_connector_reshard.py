@@ -239,14 +239,12 @@ def _close(*sides: list) -> None:
 def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str, path: str) -> None:
     """``path="bounce"``: the gate is forced to bounce and D's slots are planned by the scheduler's
     ``plan_slots``, so every write is gathered into P's staging arena, written once, scattered on D."""
-    import torch
-
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.scheduler import plan_slots
     from vllm_dsa_connector.handoff.side_channel import validate_peer
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob, decode_payload
-    from vllm_dsa_connector.transport.bounce import StagingArena
     from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings
+    from vllm_dsa_connector.transport.slots import SlotAllocator
 
     case = CASES[name]
     tag = f"{name}-{tls}-{path}"
@@ -259,8 +257,7 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         expected = {d.rank: list(plan.senders_for(d.rank)) for d in dst}
         slots: dict = {}
         if path == "bounce":
-            arenas = {d.rank: StagingArena(0, buffer=torch.empty(d.staging["size"], dtype=torch.uint8,
-                                                                 device="meta")) for d in dst}
+            arenas = {d.rank: SlotAllocator(d.staging["size"]) for d in dst}  # bookkeeping only, no tensor
             gate = BounceGate(BounceSettings.from_config(BOUNCE, environ={}))
             slots, _ = plan_slots(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
             assert sum(len(v) for v in slots.values()) == sum(len(v) for v in expected.values()), slots
@@ -323,13 +320,16 @@ def h_corrupt_notice(key: str, blocks: list[int]) -> dict[str, Any]:
     """Arm a receive, then feed it a notice whose checksum cannot match (a fault we cannot cause on a
     real wire: the notice is fabricated, the rest is the worker's real receive path)."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import Notice, RecvJob
+    from vllm_dsa_connector.handoff.wire import Notice, RecvJob, encode
+    from vllm_dsa_connector.transport.notices import encode_notif
 
     worker = _STATE[key][0]
     me = worker.table.rank
     worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("bad-req", "P-x", blocks, {me: [7]}, 30.0, True)]))
     region = worker.regions[0]
-    worker._apply(worker._recvs["bad-req"], Notice("bad-req", 7, True, 4096, 1, checks=[(0, 0, 4096, 12345)]))
+    bad = Notice("bad-req", 7, True, 4096, 1, checks=[(0, 0, 4096, 12345)])
+    with worker._lock:  # as the worker's own progress thread does
+        worker.receiver.handle(None, encode_notif("direct", 7, encode(bad)))  # None: not from a NIXL agent
     done = worker.get_transfer_results()
     return {"done": done, "error_blocks": worker.get_block_ids_with_load_errors(),
             "mismatches": worker.stats.data["checksum_mismatches"], "region": region.size}

@@ -130,20 +130,39 @@ def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
 
 
 def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
+    """The worker's receive path is the transport's Receiver: fed real notifications (as NIXL hands them
+    over: agent name + bytes), it applies a notice only from the agent of the source rank it names."""
+    from types import SimpleNamespace
+
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.options import ConnectorOptions
-    from vllm_dsa_connector.connector.receiving import _Recv
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker, _RemoteEngine
-    from vllm_dsa_connector.handoff.wire import Notice, RankPayload, RecvJob
+    from vllm_dsa_connector.handoff.wire import Notice, RankPayload, RecvJob, encode
+    from vllm_dsa_connector.transport.notices import encode_notif
+    from vllm_dsa_connector.transport.receiver import WriterState
+
+    def feed(agent: str, n: Notice) -> bool:
+        with worker._lock:  # as the worker's own progress thread does
+            return worker.receiver.handle(agent, encode_notif("direct", n.src_rank, encode(n)))
 
     worker = DSAConnectorWorker("D-unit", ConnectorOptions(), {}, role="kv_consumer")  # a real NIXL agent
     try:
+        worker.table = SimpleNamespace(rank=0)  # no KV caches registered: only the rank is read
         worker.remotes["P"] = _RemoteEngine([RankPayload("P", 0, 0, 0, "agent-p0", b"", {}, [], {})], {})
-        state = _Recv(RecvJob("d1", "P", [3], {0: [0]}, 30.0), {0}, time.monotonic() + 30, time.monotonic())
-        worker._apply(state, Notice("d1", 0, True, 10, 1), "direct", "agent-evil")  # a forged notice
-        assert state.pending == {0}
-        worker._apply(state, Notice("d1", 0, True, -5, 1), "direct", "agent-p0")  # malformed
-        assert state.pending == {0}
-        worker._apply(state, Notice("d1", 0, True, 10, 1), "direct", "agent-p0")
-        assert state.pending == set() and not state.error
+        worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("d1", "P", [3], {0: [0]}, 30.0)]))
+        rcv = worker.receiver
+        assert feed("agent-evil", Notice("d1", 0, True, 10, 1))  # a forged notice: ignored
+        assert rcv.writer_states(b"d1") == {0: WriterState.EXPECTED}
+        feed("agent-p0", Notice("d1", 0, True, -5, 1))  # malformed: ignored
+        assert rcv.writer_states(b"d1") == {0: WriterState.EXPECTED}
+        feed("agent-p0", Notice("d1", 1, True, 10, 1))  # names another rank: ignored
+        assert rcv.writer_states(b"d1") == {0: WriterState.EXPECTED}
+        feed("agent-p0", Notice("d1", 0, True, 10, 1))
+        assert rcv.writer_states(b"d1") == {0: WriterState.LANDED}
+        assert worker.get_transfer_results() == (set(), {"d1"}, set())  # loaded, not failed
+        # A failure notice fails the load; an early notice waits for its RecvJob.
+        feed("agent-p0", Notice("d2", 0, False, error="P lost its blocks"))
+        worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("d2", "P", [4], {0: [0]}, 30.0)]))
+        assert worker.get_transfer_results() == (set(), {"d2"}, {"d2"})
     finally:
         worker.shutdown()

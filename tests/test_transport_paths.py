@@ -83,7 +83,7 @@ def test_plan_pieces_splits_runs_keeping_alignment() -> None:
 
 
 def test_runs_table_splits_only_skewed_runs() -> None:
-    from vllm_dsa_connector.transport.copy import _runs_table
+    from vllm_dsa_connector.transport.kernels import _runs_table
 
     lens = np.full(10, 1 << 20, np.int64)
     table, per_run = _runs_table(np.arange(10) << 20, np.arange(10) << 20, lens, 1 << 16)
@@ -119,8 +119,10 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 from vllm_dsa_connector.transport import copy as C
+from vllm_dsa_connector.transport import kernels as K
+from vllm_dsa_connector.transport import launches as LA
 from vllm_dsa_connector.transport.runs import Runs
-assert C.triton_available(), C._KERNEL_ERROR
+assert C.triton_available(), K._KERNEL_ERROR
 rng = np.random.default_rng(0)
 for unit, off, skew in ((1, 3, False), (8, 0, False), (16, 0, True), (256, 0, False)):
     n = 40
@@ -137,7 +139,7 @@ for unit, off, skew in ((1, 3, False), (8, 0, False), (16, 0, True), (256, 0, Fa
     s = torch.randint(0, 256, (size,), dtype=torch.uint8)
     d = torch.zeros(size, dtype=torch.uint8)
     cfg = C.CopyConfig(piece_bytes=1024, block_bytes=64, num_warps=1)
-    C._launch_triton(s, d, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg)
+    K._launch_triton(s, d, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg)
     ref = torch.zeros(size, dtype=torch.uint8)
     C._copy_index(s, ref, runs.src_offsets, runs.dst_offsets, runs.lengths)
     assert torch.equal(d, ref), (unit, off, skew)
@@ -159,8 +161,10 @@ import gc, os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 from vllm_dsa_connector.transport import copy as C
+from vllm_dsa_connector.transport import kernels as K
+from vllm_dsa_connector.transport import launches as LA
 from vllm_dsa_connector.transport.runs import Runs
-assert C.triton_available(), C._KERNEL_ERROR
+assert C.triton_available(), K._KERNEL_ERROR
 rng = np.random.default_rng(1)
 n = 30
 lens = rng.integers(1, 40, n) * 16
@@ -176,24 +180,24 @@ d1, d2 = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uin
 ref = torch.zeros(size, dtype=torch.uint8)
 C._copy_index(s, ref, runs.src_offsets, runs.dst_offsets, runs.lengths)
 cfg = C.CopyConfig(piece_bytes=1024, block_bytes=64, num_warps=1)
-C._copy_planned(runs, s, d1, cfg)
+LA._copy_planned(runs, s, d1, cfg)
 assert torch.equal(d1, ref)
 d1.zero_()
-C._copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
+LA._copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
 assert torch.equal(d1, ref)
 st = C.plan_stats()
 assert st["plans"] == 1 and st["plan_hits"] == 1, st
-C._copy_planned(runs, s, d2, cfg)  # another destination: its own plan
+LA._copy_planned(runs, s, d2, cfg)  # another destination: its own plan
 assert C.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
 try:
-    C._copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
+    LA._copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
     raise SystemExit("no bounds check")
 except ValueError:
     pass
-assert len(C._PLANS) == 1
+assert len(LA._PLANS) == 1
 del runs
 gc.collect()
-assert len(C._PLANS) == 0  # plans go with their runs
+assert len(LA._PLANS) == 0  # plans go with their runs
 print("ok")
 """
 
@@ -369,12 +373,12 @@ def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptur
         h1, h2 = b"\x01" * 64, b"\x02" * 64
         assert rcv.handle("p", encode_event_notif(0, h1, b"r"))  # launched, not done
         assert rcv.handle("p", encode_event_notif(1, h2, b"r"))
-        assert rcv._finish() == []
+        assert rcv.completed() == []
         events[h1].fired = True
-        assert rcv._finish() == []  # writer 1's copy still running
+        assert rcv.completed() == []  # writer 1's copy still running
         events[h2].fired = True
         with caplog.at_level("WARNING"):
-            assert rcv._finish() == [b"r"]
+            assert rcv.completed() == [b"r"]
             # The senders' "copy done" notifications come after: dropped without a warning.
             rcv.handle("p", encode_notif("ipc", 0, b"r"))
             rcv.handle("p", encode_notif("ipc", 1, b"r"))
@@ -382,28 +386,28 @@ def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptur
         # An event that cannot be opened: the writer completes on the notification after the copy.
         rcv.expect(b"s", dst, [a], bounce=False)
         rcv.handle("p", encode_event_notif(0, b"\x03" * 64, b"s"))
-        assert rcv._finish() == []
+        assert rcv.completed() == []
         rcv.handle("p", encode_notif("ipc", 0, b"s"))
-        assert rcv._finish() == [b"s"]
+        assert rcv.completed() == [b"s"]
         # An event that fails when queried: the same fallback.
         events[h1].fired, events[h1].broken = False, True
         rcv.expect(b"t", dst, [a], bounce=False)
         rcv.handle("p", encode_event_notif(0, h1, b"t"))
-        assert rcv._finish() == [] and rcv._finish() == []
+        assert rcv.completed() == [] and rcv.completed() == []
         rcv.handle("p", encode_notif("ipc", 0, b"t"))
-        assert rcv._finish() == [b"t"]
+        assert rcv.completed() == [b"t"]
         # "Copy done" before the event notification, and both before expect(): complete, no wait.
         events[h2].fired = False
         rcv.handle("p", encode_notif("ipc", 0, b"u"))
         rcv.handle("p", encode_event_notif(0, h2, b"u"))
         rcv.expect(b"u", dst, [a], bounce=False)
-        assert rcv._finish() == [b"u"]
+        assert rcv.completed() == [b"u"]
         # Event notification early, "copy done" later: the event no longer matters once it came.
         rcv.handle("p", encode_event_notif(0, h2, b"v"))
         rcv.expect(b"v", dst, [a], bounce=False)
-        assert rcv._finish() == []
+        assert rcv.completed() == []
         rcv.handle("p", encode_notif("ipc", 0, b"v"))
-        assert rcv._finish() == [b"v"]
+        assert rcv.completed() == [b"v"]
     finally:
         eng.close()
 
@@ -478,19 +482,19 @@ def test_receiver_scatters_each_chunk_and_completes_after_the_last() -> None:
         arena.buffer[slot.offset : slot.offset + runs.total_bytes] = packed
         chunks = plan_chunks(runs.merged(), 3)
         assert rcv.handle("w", encode_chunk_notif(0, 2, len(chunks), b"p"))  # out of order is fine
-        assert rcv._finish() == []
+        assert rcv.completed() == []
         rcv.handle("w", encode_chunk_notif(0, 0, len(chunks), b"p"))
         rcv.handle("w", encode_chunk_notif(0, 0, len(chunks), b"p"))  # repeated: ignored
-        assert rcv._finish() == []
+        assert rcv.completed() == []
         rcv.handle("w", encode_chunk_notif(0, 1, len(chunks), b"p"))
-        assert rcv._finish() == [b"p"] and arena.free_bytes == arena.size
+        assert rcv.completed() == [b"p"] and arena.free_bytes == arena.size
         m = runs.merged()
         for so, do, n in zip(m.staging_offsets(), m.dst_offsets, m.lengths, strict=True):
             assert torch.equal(dst[do : do + n], packed[so : so + n])
         # Chunk notifications that arrive before expect() wait for it.
         rcv.handle("w", encode_chunk_notif(0, 0, 1, b"q"))
         rcv.expect(b"q", dst, [runs])
-        assert rcv._finish() == [b"q"]
+        assert rcv.completed() == [b"q"]
     finally:
         eng.close()
 

@@ -278,17 +278,17 @@ def test_receiver_completes_only_after_every_writer_and_scatter() -> None:
         payload = torch.arange(1024, dtype=torch.int32).view(torch.uint8)[:1024].clone()
         arena.buffer[slots[0].offset: slots[0].offset + 1024] = payload  # "writer 0's data landed"
         assert rcv.handle("w0", encode_notif("bounce", 0, b"t"))
-        assert rcv._finish() == [] and b"t" in rcv.pending  # writer 1 still missing
+        assert rcv.completed() == [] and b"t" in rcv.pending  # writer 1 still missing
         assert torch.equal(dst[3 * 512: 4 * 512], payload[:512])  # scattered on arrival
         assert torch.equal(dst[0:512], payload[512:])
         rcv.handle("w1", encode_notif("direct", 1, b"t"))
-        assert rcv._finish() == [b"t"] and arena.free_bytes == arena.size
+        assert rcv.completed() == [b"t"] and arena.free_bytes == arena.size
         # A late duplicate is dropped, an early notification waits for its expect().
         rcv.handle("w1", encode_notif("direct", 1, b"t"))
         assert not rcv._early
         rcv.handle("w0", encode_notif("direct", 0, b"u"))
         rcv.expect(b"u", dst, [w1], bounce=False)
-        assert rcv._finish() == [b"u"]
+        assert rcv.completed() == [b"u"]
         assert not rcv.handle("x", b"foreign") and rcv.other == [("x", b"foreign")]
         # Cancel quarantines the staging region: a late writer cannot corrupt a later request.
         rcv.expect(b"v", dst, [w0])

@@ -7,18 +7,42 @@ For every destination rank and every (role, global layer) it holds, exactly one 
 - INDEXED (head-sharded) views need equal TP sizes (head slicing is not implemented: a clear error).
 Per-layer fragments are then merged into ``Segment``s where they are contiguous on BOTH sides (in vLLM's
 block-outermost DSA layout one request block is usually one run), and ``expand_runs`` turns segments and
-block ids into byte runs, merged again across consecutive blocks.
+block ids into byte runs, merged again across consecutive blocks (the merge rule itself lives in
+``transport.runs``: one implementation for planner and transport).
+
+:class:`PeerPlan` is what a connector keeps per peer: both sides' decoded page tables and the plan, built
+once at the handshake; ``PeerPlan.runs(src_rank, dst_rank, src_blocks, dst_blocks)`` answers every
+per-request question (scheduler slot planning, the sender's WRITE, the receiver's scatter) without
+parsing a table again.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from vllm_dsa_connector.layout.model import LayerEntry, MapperKind, PageTable, PoolView
+from vllm_dsa_connector.transport.runs import Runs, merge_adjacent, merge_runs
+
+__all__ = [
+    "BlockPairing",
+    "PairingError",
+    "PeerPlan",
+    "PlanError",
+    "PoolRuns",
+    "Segment",
+    "TransferPlan",
+    "assert_exactly_once",
+    "check_compatible",
+    "elected_sender",
+    "expand_runs",
+    "merge_adjacent",
+    "pair_blocks_by_position",
+    "plan_transfer",
+]
 
 
 class PlanError(ValueError):
@@ -212,15 +236,6 @@ class PoolRuns:
         return int(self.lengths.sum())
 
 
-def merge_adjacent(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Merge consecutive runs contiguous on both sides (vectorised; input order is kept)."""
-    if src.size <= 1:
-        return src, dst, length
-    cont = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    return src[starts], dst[starts], np.add.reduceat(length, starts)
-
-
 def expand_runs(
     segments: Sequence[Segment],
     src_table: PageTable,
@@ -251,6 +266,66 @@ def expand_runs(
         src, dst, length = merge_adjacent(src, dst, length)
         out.append(PoolRuns(sp, dp, src, dst, length))
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class PeerPlan:
+    """One producer/consumer pairing, decided once at the handshake (frozen).
+
+    ``src_tables`` are the producer's (P) decoded page tables, ``dst_tables`` the consumer's (D), both by
+    rank; ``plan`` the exactly-once transfer plan between them. :meth:`runs` is the one place per-request
+    byte runs come from (sender, receiver and scheduler compute the same runs in the same order).
+    """
+
+    src_tables: tuple[PageTable, ...]
+    dst_tables: tuple[PageTable, ...]
+    plan: TransferPlan
+    _src: dict[int, PageTable] = field(init=False, repr=False)
+    _dst: dict[int, PageTable] = field(init=False, repr=False)
+    _pairs: dict[tuple[int, int], tuple[Segment, ...]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_src", {t.rank: t for t in self.src_tables})
+        object.__setattr__(self, "_dst", {t.rank: t for t in self.dst_tables})
+        pairs: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+        for s in self.plan.segments:
+            pairs[(s.src_rank, s.dst_rank)].append(s)
+        object.__setattr__(self, "_pairs", {k: tuple(v) for k, v in pairs.items()})
+
+    @classmethod
+    def build(cls, src_tables: Sequence[PageTable], dst_tables: Sequence[PageTable]) -> PeerPlan:
+        """Plan ``src -> dst`` (:func:`plan_transfer`; raises :class:`PlanError` naming what differs)."""
+        src = tuple(sorted(src_tables, key=lambda t: t.rank))
+        dst = tuple(sorted(dst_tables, key=lambda t: t.rank))
+        return cls(src, dst, plan_transfer(src, dst))
+
+    def senders_for(self, dst_rank: int) -> tuple[int, ...]:
+        """Source ranks that write into a destination rank."""
+        return self.plan.senders_for(dst_rank)
+
+    def for_pair(self, src_rank: int, dst_rank: int) -> tuple[Segment, ...]:
+        """Segments from one source rank to one destination rank."""
+        return self._pairs.get((src_rank, dst_rank), ())
+
+    def runs(self, src_rank: int, dst_rank: int, src_blocks: Sequence[int] | np.ndarray,
+             dst_blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, Runs]]:
+        """``[(src_pool, dst_pool, Runs)]`` source rank ``src_rank`` writes to ``dst_rank`` for these blocks.
+
+        Runs are merged with sorting (``transport.merge_runs``): blocks listed out of order (vLLM's free
+        list hands them out in reverse) and layer-outermost layouts still collapse into long runs. Empty
+        when the pair exchanges nothing. Raises :class:`PlanError` for an unknown rank or a block id out of
+        range.
+        """
+        segs = self.for_pair(src_rank, dst_rank)
+        if not segs:
+            return []
+        src, dst = self._src.get(src_rank), self._dst.get(dst_rank)
+        if src is None or dst is None:  # segments exist only between known ranks
+            raise PlanError(f"no page table for sender rank {src_rank} or receiver rank {dst_rank}")
+        pool_runs = expand_runs(segs, src, dst, np.asarray(src_blocks, np.int64),
+                                np.asarray(dst_blocks, np.int64))
+        return [(pr.src_pool, pr.dst_pool, merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths))
+                for pr in pool_runs]
 
 
 class PairingError(ValueError):

@@ -1,66 +1,48 @@
-"""Receive side of a DSAConnector worker (D): expectations, notices, bounce scatter, checksums.
+"""Receive side of a DSAConnector worker (D): the transport's one receiver, with the connector's notices.
 
 Mixed into :class:`~.worker.DSAConnectorWorker` (it shares the worker's NIXL agent, lock, regions and
-stats). A ``RecvJob`` lists the source ranks expected per local rank; ``finished_recving`` when all
-notices arrived; ``failed_recving`` too when one reports a failure. Give-ups are the scheduler's decision
-(``fail_recv``); the job's own timeout is only a safety net. A notice is applied only when it comes from
-the NIXL agent of the source rank it names. A checksum mismatch reports the request's blocks through
-``get_block_ids_with_load_errors`` (vLLM's block-level path), so ``kv_load_failure_policy`` decides.
+stats). The receiving itself is :class:`vllm_dsa_connector.transport.receiver.Receiver` (the one tested by
+the transport tests): a ``RecvJob`` arms it with the source ranks expected by this rank (writers), each
+with the NIXL agent its notifications must come from and, when the scheduler gave it a staging slot, the
+runs to scatter (from the peer's plan, built once at the handshake). Every source rank's notification is
+``dsa1:<path><rank>:<Notice>`` whatever the path; this module supplies the receiver's hooks: the tag is a
+:class:`~vllm_dsa_connector.handoff.wire.Notice` keyed by D's request id (:meth:`ReceiveSide.split`),
+a malformed or failed notice is ignored or fails its writer (:meth:`ReceiveSide.admit`), and with
+``verify_transfers`` the landed bytes are checksummed (:meth:`ReceiveSide.landed`; a mismatch makes the
+request CORRUPT: its blocks go through ``get_block_ids_with_load_errors``, vLLM's block-level path, so
+``kv_load_failure_policy`` decides). ``finished_recving`` when the request settles; ``failed_recving`` too
+when it FAILED or TIMED_OUT. Give-ups are the scheduler's decision (``fail_recv`` cancels); the job's own
+timeout is only a safety net.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.pages import crc_at, pair_runs
-from vllm_dsa_connector.handoff.wire import Notice, RecvJob, decode_notice
+from vllm_dsa_connector.connector.pages import crc_at
+from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX, Notice, RecvJob, decode_notice
+from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
 _RECV_POLL_S = 0.0002  # receiver progress period while transfers are expected
 
 
-def _parse(msg: bytes) -> tuple[Notice | None, str]:
-    """(notice, path) from a notification: the bounce transport's format or our own."""
-    from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX
-    from vllm_dsa_connector.transport.bounce import decode_notif
-
-    parsed = decode_notif(msg)
-    if parsed is not None:
-        path, _writer, tag = parsed
-        return decode_notice(NOTICE_PREFIX + tag), path
-    return decode_notice(msg), "direct"
-
-
-@dataclass
-class _Recv:
-    job: RecvJob
-    pending: set[int]
-    deadline: float  # safety net; the scheduler decides give-ups (fail_recv)
-    started: float
-    error: str = ""
-    mismatch: bool = False
-
-
 class ReceiveSide:
-    """D-side methods of the worker (state lives on the worker: ``_recvs``, ``_early``, ``_notifs``...)."""
+    """D-side methods of the worker and the hooks of its :class:`Receiver` (``self.receiver``)."""
 
     _lock: threading.RLock
     nixl: Any
     stats: Any
     table: Any
-    payload: Any
     regions: list[Any]
     remotes: dict[str, Any]
     recv_arena: Any
-    _recvs: dict[str, _Recv]
-    _early: dict[str, list[tuple[float, Notice, str, str]]]
-    _notifs: list[tuple[str, bytes]]
+    receiver: Receiver
     _progress_stop: threading.Event
     _progress_wake: threading.Event
     _recv_reported: Any
@@ -68,124 +50,124 @@ class ReceiveSide:
     _failed_recving: set[str]
     _error_blocks: set[int]
 
+    # ---------------------------------------------------------------- the receiver's hooks
+
+    def split(self, tag: bytes) -> tuple[bytes, Any] | None:
+        """A notification's tag is an encoded :class:`Notice`: keyed by D's request id."""
+        n = decode_notice(NOTICE_PREFIX + tag)
+        return (n.req_id.encode(), n) if n is not None else None
+
+    def admit(self, job: RecvJob, writer: int, n: Notice) -> tuple[Verdict, str]:
+        """Ignore a notice naming another rank or with negative counts; fail the writer on a failure notice."""
+        if n.src_rank != writer:
+            return Verdict.IGNORE, f"notice names rank {n.src_rank}, notification rank {writer}"
+        if n.nbytes < 0 or n.runs < 0:
+            return Verdict.IGNORE, f"malformed notice from rank {n.src_rank}"
+        if not n.ok:
+            return Verdict.FAIL, n.error or "sender reported a failure"
+        return Verdict.ACCEPT, ""
+
+    def landed(self, job: RecvJob, writer: int, n: Notice) -> bool:
+        """Count the bytes; with ``verify`` check every run's CRC32 (``False``: corrupt)."""
+        self.stats.add("recv_bytes", n.nbytes)
+        self.stats.add("recv_runs", n.runs)
+        if not job.verify:
+            return True
+        ok = True
+        if not n.checks and n.nbytes:
+            ok = False
+            logger.error("DSAConnector: %s: sender sent no checksums", n.req_id)
+        for pool, off, length, crc in n.checks:
+            region = self.regions[pool] if 0 <= pool < len(self.regions) else None
+            if region is None or off < 0 or off + length > region.size:
+                ok = False
+                continue
+            self.stats.add("checksummed_runs")
+            if crc_at(region.addr + off, length) != crc:
+                ok = False
+        if not ok:
+            self.stats.add("checksum_mismatches")
+            logger.error("DSAConnector: checksum mismatch in %s from rank %d", n.req_id, n.src_rank)
+        return ok
+
+    # ---------------------------------------------------------------- arming and polling
+
     def _receiver_progress(self) -> None:
         """While receives are expected, progress NIXL every ``_RECV_POLL_S``: a WRITE into this worker
         completes only when the TARGET progresses too (measured, 9.9 MB over CMA: 9.4 ms when D polled
         every 10 ms, 1.3 ms every 2 ms), and the engine polls only between its steps. Idle otherwise."""
         while not self._progress_stop.is_set():
-            if not self._recvs:
+            if not self.receiver.pending:
                 self._progress_wake.wait(0.05)
                 self._progress_wake.clear()
                 continue
             with self._lock:
                 try:
-                    self._notifs.extend(self.nixl.poll_notifications())
+                    self.receiver.pump()
                 except Exception as e:  # noqa: BLE001 - keep the engine alive; the main thread polls too
                     logger.warning("DSAConnector receiver progress: %s", e)
             time.sleep(_RECV_POLL_S)
-
-    def _expect(self, job: RecvJob) -> None:
-        me = self.table.rank
-        now = time.monotonic()
-        state = _Recv(job, set(job.expected.get(me, ())), now + job.timeout_s, now)
-        self._recvs[job.req_id] = state
-        for _, notice, path, agent in self._early.pop(job.req_id, ()):
-            self._apply(state, notice, path, agent)
-
-    def _scatter(self, job: RecvJob, src_rank: int) -> None:
-        """Unpack a bounced write: recompute the writer's runs and scatter its staging slot."""
-        from vllm_dsa_connector.transport.bounce import scatter
-
-        slot = job.slots.get(self.table.rank, {}).get(src_rank)
-        remote = self.remotes.get(job.src_engine)
-        if slot is None or remote is None or remote.plan is None or self.recv_arena is None:
-            raise RuntimeError(f"bounced write from rank {src_rank} without a staging slot / peer plan")
-        src = next(p for p in remote.payloads if p.rank == src_rank)
-        parts = pair_runs(remote.plan, src, self.payload, job.src_blocks, job.blocks)
-        if len(parts) != 1 or parts[0][2].total_bytes != int(slot[1]):
-            raise RuntimeError(f"bounced write from rank {src_rank} does not match the expected runs")
-        _, dp, runs = parts[0]
-        off, size = int(slot[0]), int(slot[1])
-        scatter(self.recv_arena.buffer[off : off + size], self.regions[dp].tensor, runs)
 
     def _source_agent(self, engine: str, rank: int) -> str | None:
         remote = self.remotes.get(engine)
         return next((p.agent_name for p in remote.payloads if p.rank == rank), None) if remote else None
 
-    def _apply(self, state: _Recv, n: Notice, path: str = "direct", agent: str | None = None) -> None:
-        if n.src_rank not in state.pending:
-            logger.warning("DSAConnector: unexpected notice for %s from rank %d", n.req_id, n.src_rank)
-            return
-        expected = self._source_agent(state.job.src_engine, n.src_rank)
-        if agent is not None and agent != expected:
-            logger.warning("DSAConnector: notice for %s claims rank %d of %s but comes from agent %r; ignored",
-                           n.req_id, n.src_rank, state.job.src_engine, agent)
-            return
-        if n.nbytes < 0 or n.runs < 0:
-            logger.warning("DSAConnector: malformed notice for %s from rank %d; ignored", n.req_id, n.src_rank)
-            return
-        state.pending.discard(n.src_rank)
-        if not n.ok:
-            state.error = n.error or "sender reported a failure"
-            return
-        if path == "bounce":
-            try:
-                self._scatter(state.job, n.src_rank)
-            except Exception as e:  # noqa: BLE001 - a bad bounce is a failed load, never a crash
-                state.error = f"scatter of rank {n.src_rank}'s bounced write failed: {e}"
-                return
-        self.stats.add("recv_bytes", n.nbytes)
-        self.stats.add("recv_runs", n.runs)
-        if state.job.verify:
-            if not n.checks and n.nbytes:
-                state.mismatch = True
-                logger.error("DSAConnector: %s: sender sent no checksums", n.req_id)
-            for pool, off, length, crc in n.checks:
-                region = self.regions[pool] if 0 <= pool < len(self.regions) else None
-                if region is None or off < 0 or off + length > region.size:
-                    state.mismatch = True
-                    continue
-                self.stats.add("checksummed_runs")
-                if crc_at(region.addr + off, length) != crc:
-                    state.mismatch = True
-            if state.mismatch:
-                self.stats.add("checksum_mismatches")
-                logger.error("DSAConnector: checksum mismatch in %s from rank %d", n.req_id, n.src_rank)
+    def _writer(self, job: RecvJob, src_rank: int) -> WriterSpec:
+        """What this rank expects from ``src_rank``: its agent and, with a staging slot, where to scatter."""
+        me = self.table.rank
+        peer = self._source_agent(job.src_engine, src_rank) or ""  # "": an unknown engine's notices never match
+        slot = job.slots.get(me, {}).get(src_rank)
+        if slot is None:
+            return WriterSpec(peer=peer)
+        where = (int(slot[0]), int(slot[1]))
+        remote = self.remotes.get(job.src_engine)
+        if remote is None or remote.plan is None or self.recv_arena is None:
+            return WriterSpec(peer=peer, slot=where, error=f"bounced write from rank {src_rank} without a "
+                                                             "staging slot / peer plan")
+        try:
+            parts = remote.plan.runs(src_rank, me, job.src_blocks, job.blocks)
+        except Exception as e:  # noqa: BLE001 - a bounced write then fails this writer
+            return WriterSpec(peer=peer, slot=where, error=f"runs of rank {src_rank}: {e}")
+        if len(parts) != 1 or parts[0][2].total_bytes != where[1]:
+            return WriterSpec(peer=peer, slot=where,
+                              error=f"bounced write from rank {src_rank} does not match the expected runs")
+        _, dp, runs = parts[0]
+        return WriterSpec(peer=peer, dst=self.regions[dp].tensor, runs=runs, slot=where)
+
+    def _expect(self, job: RecvJob) -> None:
+        writers = {int(r): self._writer(job, int(r)) for r in job.expected.get(self.table.rank, ())}
+        key = job.req_id.encode()
+        if key in self.receiver.pending:
+            logger.warning("DSAConnector: %s expected twice; the first expectation is replaced", job.req_id)
+            self.receiver.cancel(key)
+        self.receiver.arm(key, writers, timeout_s=job.timeout_s, context=job)
+
+    def _cancel_recv(self, req_id: str) -> None:
+        self.receiver.cancel(req_id.encode())
 
     def _poll_recvs(self) -> None:
-        now = time.monotonic()
-        msgs, self._notifs = self._notifs + self.nixl.poll_notifications(), []
-        for agent, msg in msgs:
-            n, path = _parse(msg)
-            if n is None:
-                continue
-            state = self._recvs.get(n.req_id)
-            if state is None:
-                if len(self._early) < 65536:
-                    self._early[n.req_id].append((now, n, path, agent))
-                continue
-            self._apply(state, n, path, agent)
-        for req_id in [r for r, v in self._early.items() if v and now - v[0][0] > 600]:
-            del self._early[req_id]
-        for req_id, state in list(self._recvs.items()):
-            if state.pending and now < state.deadline:
-                continue
-            del self._recvs[req_id]
+        self.receiver.pump()
+        if self.receiver.other:  # notifications not of the transport's format: not ours
+            logger.debug("DSAConnector: %d foreign notifications dropped", len(self.receiver.other))
+            self.receiver.other.clear()
+        for r in self.receiver.collect():
+            job: RecvJob = r.context
+            req_id = job.req_id
             if not self._recv_reported.add(req_id):
                 continue
             self._done_recving.add(req_id)
-            if state.pending:
+            if r.state is RecvState.TIMED_OUT:
                 logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",
-                             req_id, state.job.timeout_s, sorted(state.pending))
+                             req_id, job.timeout_s, list(r.missing))
                 self.stats.add("recv_timeout")
                 self._failed_recving.add(req_id)
-            elif state.error:
-                logger.error("DSAConnector: load of %s failed: %s", req_id, state.error)
+            elif r.state is RecvState.FAILED:
+                logger.error("DSAConnector: load of %s failed: %s", req_id, r.reason)
                 self.stats.add("recv_failed")
                 self._failed_recving.add(req_id)
-            elif state.mismatch:
+            elif r.state is RecvState.CORRUPT:
                 self.stats.add("recv_failed")
-                self._error_blocks.update(state.job.blocks)
+                self._error_blocks.update(job.blocks)
             else:
                 self.stats.add("recv_ok")
-                self.stats.observe("recv_wait_s", now - state.started)
+                self.stats.observe("recv_wait_s", r.waited_s)

@@ -35,14 +35,7 @@ from vllm.logger import init_logger
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
-from vllm_dsa_connector.handoff.messages import (
-    Authenticator,
-    HeartbeatReq,
-    MetaReq,
-    RegReq,
-    Reply,
-    Request,
-)
+from vllm_dsa_connector.handoff.messages import Authenticator, Reply, Request
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
@@ -54,7 +47,8 @@ from vllm_dsa_connector.handoff.wire import (
     Slots,
     decode_payload,
 )
-from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
+from vllm_dsa_connector.matching import PairingError, PeerPlan, pair_blocks_by_position
+from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,25 +69,25 @@ def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
                            verify_transfers=options.verify_transfers)
 
 
-def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_blocks: list[int],
-               dst_blocks: list[int], gate: Any, arenas: dict[int, Any]) -> tuple[Slots, list[tuple[int, Any]]]:
+def plan_slots(plan: PeerPlan, src: list[RankPayload], dst: list[RankPayload], src_blocks: list[int],
+               dst_blocks: list[int], gate: Any,
+               arenas: dict[int, SlotAllocator]) -> tuple[Slots, list[tuple[int, Reservation]]]:
     """Staging slots for one request: per (destination rank, source rank) pair the gate wants bounced.
 
-    ``arenas`` maps a destination rank to an allocator over its staging arena (a ``StagingArena`` on a
-    ``meta`` buffer: bookkeeping only, the bytes live in D's worker). Returns the slots and the
-    reservations to free once the transfer is over. A pair gets no slot (= direct WRITE) when its runs do
-    not fit one write, the gate prefers direct, or the arena has no room right now.
+    ``plan`` is the peer's plan from the handshake (its runs are computed from tables decoded once);
+    ``arenas`` maps a destination rank to the torch-free allocator of its staging arena (the bytes live in
+    D's worker). Returns the slots and the reservations to free once the transfer is over. A pair gets no
+    slot (= direct WRITE) when its runs do not fit one write, the gate prefers direct, or the arena has no
+    room right now.
     """
-    from vllm_dsa_connector.connector.pages import pair_runs
-
     slots: Slots = {}
-    held: list[tuple[int, Any]] = []
+    held: list[tuple[int, Reservation]] = []
     for d in dst:
         arena = arenas.get(d.rank)
         if arena is None or d.staging is None:
             continue
         for s in src:
-            parts = pair_runs(plan, s, d, src_blocks, dst_blocks)
+            parts = plan.runs(s.rank, d.rank, src_blocks, dst_blocks)
             if len(parts) != 1 or parts[0][2].total_bytes == 0 or gate.decide(parts[0][2], merged=True) != "bounce":
                 continue
             res = arena.reserve(parts[0][2].total_bytes, 0.0)
@@ -102,7 +96,6 @@ def plan_slots(plan: Any, src: list[RankPayload], dst: list[RankPayload], src_bl
             slots.setdefault(d.rank, {})[s.rank] = [res.offset, parts[0][2].total_bytes]
             held.append((d.rank, res))
     return slots, held
-
 
 
 class DSAConnectorScheduler:
@@ -133,7 +126,7 @@ class DSAConnectorScheduler:
         self._fail: dict[str, str] = {}
         self._sources_sent: set[str] = set()
         self._new_sources: list[PeerInfo] = []
-        self._arenas: dict[int, Any] | None = None
+        self._arenas: dict[int, SlotAllocator] | None = None
         self._gate: Any = None
 
     # ---------------------------------------------------------------- handshake data
@@ -150,16 +143,7 @@ class DSAConnectorScheduler:
     # ---------------------------------------------------------------- side channel (its own thread)
 
     def _handle(self, req: Request) -> Reply:
-        if isinstance(req, MetaReq):
-            if not self._local_payloads:
-                return Reply(False, error="workers have not registered their KV caches yet", clock=self.clock())
-            return Reply(True, clock=self.clock(), engine_id=self.engine_id, payloads=self._local_payloads,
-                         write_timeout_s=self.opts.transfer_timeout_s)
-        if isinstance(req, RegReq):
-            return self.producer.handle_reg(req)
-        if isinstance(req, HeartbeatReq):
-            return self.producer.handle_heartbeat(req)
-        return self.producer.handle_cancel(req)
+        return self.producer.handle(req, self._local_payloads)
 
     # ---------------------------------------------------------------- D side
 
@@ -249,19 +233,12 @@ class DSAConnectorScheduler:
         if settings is None or settings.mode == "never":
             return False
         if self._arenas is None:
-            import torch
-
-            from vllm_dsa_connector.transport.bounce import StagingArena
             from vllm_dsa_connector.transport.gate import BounceGate
 
             local = self.local_payloads
             device = local[0].page_table["pools"][0].get("device", "cpu") if local else "cpu"
             self._gate = BounceGate(settings, device=device)
-            self._arenas = {
-                p.rank: StagingArena(0, buffer=torch.empty(int(p.staging["size"]), dtype=torch.uint8,
-                                                           device="meta"))
-                for p in local if p.staging
-            }
+            self._arenas = {p.rank: SlotAllocator(int(p.staging["size"])) for p in local if p.staging}
         return bool(self._arenas)
 
     def _free_slots(self, held: list[tuple[int, Any]], failed: bool) -> None:

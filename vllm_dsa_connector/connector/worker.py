@@ -2,16 +2,18 @@
 
 The worker knows its KV cache only as a :class:`~vllm_dsa_connector.layout.PageTable` (pools + per-role
 views, MLA latent AND indexer K), so the indexer pages, for which vLLM's per-layer hooks never fire, move
-with everything else: a transfer is the plan's byte runs (``matching.expand_runs``: merged where
-contiguous on both sides), not a per-layer loop.
+with everything else: a transfer is the byte runs of the peer's plan (``matching.PeerPlan.runs``, built
+once when the worker learns the peer: merged where contiguous on both sides), not a per-layer loop.
 
-P (sender): a ``PushJob`` becomes, per destination rank this rank feeds in the plan, the NIXL WRITEs of
-the merged runs (posted together, polled from the engine's steps; never after the job's post deadline),
-then a :class:`~.metadata.Notice` (bytes, runs, and with ``verify_transfers`` a CRC32 per run) once they
-are DONE. ``finished_sending`` is reported once, when every WRITE of the request completed, failed or was
-aborted; a failure notice goes only when no part of that destination's WRITE is in flight any more.
+P (sender): a ``PushJob`` becomes, per destination rank this rank feeds in the plan, one post of the
+transport (``transport.transports``: :class:`DirectTransport`, or :class:`BounceTransport` when bouncing is
+allowed; called the same way, polled from the engine's steps; never after the job's post deadline) whose
+tag is a :class:`~vllm_dsa_connector.handoff.wire.Notice` (bytes, runs, and with ``verify_transfers`` a
+CRC32 per run): D gets it once the data landed. ``finished_sending`` is reported once, when every WRITE of
+the request completed, failed or was aborted; a failure notice goes only when no part of that
+destination's post is in flight any more.
 
-D (receiver): :mod:`.receiving` (mixed in).
+D (receiver): :mod:`.receiving` (mixed in; the transport's one :class:`Receiver`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +29,8 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.pages import crc_at, pair_runs, pool_tensor
-from vllm_dsa_connector.connector.receiving import ReceiveSide, _Recv
+from vllm_dsa_connector.connector.pages import crc_at, pool_tensor
+from vllm_dsa_connector.connector.receiving import ReceiveSide
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_peer
 from vllm_dsa_connector.handoff.wire import (
@@ -39,7 +40,14 @@ from vllm_dsa_connector.handoff.wire import (
     RankPayload,
     decode_payload,
     encode,
-    encode_notice,
+)
+from vllm_dsa_connector.transport.receiver import Receiver
+from vllm_dsa_connector.transport.transports import (
+    BounceTransport,
+    DirectTransport,
+    Post,
+    PostState,
+    Transport,
 )
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
@@ -47,20 +55,14 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 _SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
 
 
-def _transfer(x: Any) -> Any:
-    """The NIXL transfer of a direct ``Transfer`` or of a bounce ``Send``."""
-    return getattr(x, "transfer", x)
-
-
 @dataclass
 class _Group:
-    """The WRITEs of one request to one destination rank; the notice goes once all of them are DONE."""
+    """The post of one request to one destination rank (the transport notifies D once it is DONE; a
+    failure notice goes once no part of it is in flight any more)."""
 
     agent: str
     rank: int
-    xfers: list[Any]
-    notice: bytes  # b"" when it rides on a bounced write
-    error: str = ""  # a part failed: the failure notice goes once no part is in flight any more
+    post: Post
 
 
 @dataclass
@@ -92,7 +94,7 @@ class _Reported:
 class _RemoteEngine:
     payloads: list[RankPayload]
     agents: dict[int, str]  # rank -> NIXL agent name
-    plan: Any = None
+    plan: Any = None  # matching.PeerPlan (decoded page tables of both sides + transfer plan), once
     error: str = ""
 
 
@@ -117,10 +119,10 @@ class DSAConnectorWorker(ReceiveSide):
         self.local: list[RankPayload] = []
         self.remotes: dict[str, _RemoteEngine] = {}
         self.stats = DSAKVConnectorStats()
+        self.transport: Transport = DirectTransport(self.nixl, options.transfer_timeout_s)
+        self.receiver = Receiver(self.nixl, hooks=self)  # the transport's one receiver (D)
         self._sends: dict[str, _Send] = {}
         self._done_sending: set[str] = set()
-        self._recvs: dict[str, _Recv] = {}
-        self._early: dict[str, list[tuple[float, Notice, str, str]]] = defaultdict(list)
         self._sent_reported = _Reported()
         self._recv_reported = _Reported()
         self._done_recving: set[str] = set()
@@ -128,7 +130,6 @@ class DSAConnectorWorker(ReceiveSide):
         self._error_blocks: set[int] = set()
         # NIXL agents are not thread-safe: every NIXL call below holds this lock.
         self._lock = threading.RLock()
-        self._notifs: list[tuple[str, bytes]] = []
         self._progress_stop = threading.Event()
         self._progress_wake = threading.Event()
         self._progress_thread: threading.Thread | None = None
@@ -142,16 +143,18 @@ class DSAConnectorWorker(ReceiveSide):
         staging = None
         settings = self.opts.bounce
         if settings is not None and settings.mode != "never":
-            from vllm_dsa_connector.transport.bounce import BounceSender, StagingArena
             from vllm_dsa_connector.transport.gate import BounceGate
+            from vllm_dsa_connector.transport.sender import BounceSender
+            from vllm_dsa_connector.transport.staging import StagingArena
 
             device = table.pools[0].device if table.pools else "cpu"
             if self.role in ("kv_producer", "kv_both"):
                 self.sender = BounceSender(self.nixl, StagingArena(settings.arena_bytes, device=device),
                                            BounceGate(settings, device=device))
+                self.transport = BounceTransport(self.sender, self.opts.transfer_timeout_s)
             if self.role in ("kv_consumer", "kv_both"):
                 self.recv_arena = StagingArena(settings.arena_bytes, device=device)
-                staging = self.nixl.register(self.recv_arena.buffer).desc().to_dict()
+                staging = self.receiver.attach(self.recv_arena).desc().to_dict()
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
             self._prefault([r.tensor for r in self.regions] + ([self.recv_arena.buffer] if self.recv_arena else []))
         self.payload = RankPayload(
@@ -224,8 +227,7 @@ class DSAConnectorWorker(ReceiveSide):
         for recv in meta.recv:
             self._expect(recv)
         for req_id, reason in meta.fail_recv.items():
-            self._recvs.pop(req_id, None)
-            self._early.pop(req_id, None)
+            self._cancel_recv(req_id)
             if not self._recv_reported.add(req_id):
                 continue  # it completed meanwhile: already reported
             logger.error("DSAConnector: load of %s failed: %s", req_id, reason)
@@ -260,24 +262,18 @@ class DSAConnectorWorker(ReceiveSide):
                 continue
             agent = remote.agents[dst.rank]
             try:
-                parts = pair_runs(remote.plan, me, dst, job.src_blocks, job.dst_blocks)
+                parts = remote.plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks)
                 if parts:
                     self._write(job, send, dst, agent, parts)
             except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
                 logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
                              dst.rank, e)
                 send.failed = True
-                group = next((g for g in send.groups if g.rank == dst.rank), None)
-                if group is not None and group.xfers:
-                    group.error = str(e)  # notified once its posted parts are over
-                else:
-                    if group is not None:
-                        send.groups.remove(group)
-                    self._notify_failure(agent, job.dst_req_id, str(e))
+                self._notify_failure(agent, job.dst_req_id, str(e))
 
     def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, parts: list[Any]) -> None:
-        """One WRITE per (source pool, destination pool), bounced when the gate says so and D gave a
-        staging slot; the notice rides on the last WRITE."""
+        """Post one writer's parts (one per (source pool, destination pool)) through the transport: bounced
+        when D gave this pair a staging slot and the gate agrees, else direct; D gets the notice either way."""
         me = self.table.rank
         checks: list[tuple[int, int, int, int]] = []
         nbytes = sum(r.total_bytes for _, _, r in parts)
@@ -289,27 +285,17 @@ class DSAConnectorWorker(ReceiveSide):
                               for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True))
         notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
         slot = job.slots.get(dst.rank, {}).get(me)
-        if self.sender is not None and len(parts) == 1 and dst.staging is not None:
-            from vllm_dsa_connector.transport.bounce import StagingSlot
-            from vllm_dsa_connector.transport.engine import RegionDesc
+        staging = None
+        if slot and dst.staging is not None:
+            from vllm_dsa_connector.transport.regions import RegionDesc
+            from vllm_dsa_connector.transport.sends import StagingSlot
 
-            sp, dp, runs = parts[0]
-            st = StagingSlot(RegionDesc.from_dict(dst.staging), int(slot[0]), int(slot[1])) if slot else None
-            snd = self.sender.send(agent, self.regions[sp], dst.regions[dp], runs, encode(notice), slot=st,
-                                   writer=me)
-            if snd.path == "bounce":
-                self.stats.add("bounce_bytes", nbytes)
-            send.groups.append(_Group(agent, dst.rank, [snd], b""))
-        else:
-            # The notice is sent on its own once the WRITE is DONE (NIXL's DONE means the data landed):
-            # a notification riding on the WRITE makes its completion wait for the TARGET to progress
-            # (measured: 9.9 MB with the target polling every 20 ms, 1.1 ms bare vs 7.8 ms with a
-            # notification), and a decode engine polls only between its steps. Every part is posted at
-            # once and polled from the engine's steps: a multi-part WRITE never blocks a step.
-            group = _Group(agent, dst.rank, [], encode_notice(notice))
-            send.groups.append(group)
-            for sp, dp, runs in parts:  # a part that fails to post leaves the posted ones tracked
-                group.xfers.append(self.nixl.write(agent, self.regions[sp], dst.regions[dp], runs))
+            staging = StagingSlot(RegionDesc.from_dict(dst.staging), int(slot[0]), int(slot[1]))
+        post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts],
+                                   writer=me, tag=encode(notice), slot=staging)
+        if post.path == "bounce":
+            self.stats.add("bounce_bytes", nbytes)
+        send.groups.append(_Group(agent, dst.rank, post))
         self.stats.add("send_bytes", nbytes)
         self.stats.add("send_runs", nruns)
 
@@ -323,8 +309,8 @@ class DSAConnectorWorker(ReceiveSide):
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
         try:
-            self.nixl.send_notification(agent, encode_notice(Notice(d_req, self.table.rank, False,
-                                                                    error=error[:500])))
+            self.transport.notify(agent, self.table.rank, encode(Notice(d_req, self.table.rank, False,
+                                                                        error=error[:500])))
         except Exception as e:  # noqa: BLE001 - D times out instead
             logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
 
@@ -338,40 +324,19 @@ class DSAConnectorWorker(ReceiveSide):
         return out
 
     def _poll_sends(self) -> None:
-        from vllm_dsa_connector.transport.engine import TransferError
-
-        now = time.perf_counter()
         for req_id, send in list(self._sends.items()):
             for group in list(send.groups):
-                remaining = []
-                for xfer in group.xfers:
-                    t = _transfer(xfer)
-                    if self.nixl.state(t) == "PROC" and now - t.started < self.opts.transfer_timeout_s:
-                        remaining.append(xfer)
-                        continue
-                    try:  # DONE, ERR or past the write timeout (then released, i.e. aborted)
-                        if t is xfer:
-                            st = self.nixl.wait(xfer, self.opts.transfer_timeout_s)
-                        else:  # a bounce Send: waiting also frees (or quarantines) its staging space
-                            st = self.sender.wait(xfer, self.opts.transfer_timeout_s)
-                        self.stats.observe("transfer_s", st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds)
-                        if st.desc_count >= 0:
-                            self.stats.add("send_descriptors", st.desc_count)
-                    except TransferError as e:
-                        logger.error("DSAConnector: %s", e)
-                        group.error = group.error or str(e)
-                        send.failed = True
-                group.xfers = remaining
-                if remaining:
+                if not self.transport.progress(group.post):
                     continue
                 send.groups.remove(group)
-                if group.error:  # every part is over (done, failed or aborted): D may give up now
-                    self._notify_failure(group.agent, send.dst_req, group.error)
-                elif group.notice:
-                    try:
-                        self.nixl.send_notification(group.agent, group.notice)
-                    except Exception as e:  # noqa: BLE001 - D gives up after its timeout instead
-                        logger.warning("DSAConnector: completion notice for %s not sent: %s", send.dst_req, e)
+                for st in group.post.stats:
+                    self.stats.observe("transfer_s", st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds)
+                    if st.desc_count >= 0:
+                        self.stats.add("send_descriptors", st.desc_count)
+                if group.post.state is PostState.FAILED:  # every part is over: D may give up now
+                    logger.error("DSAConnector: %s", group.post.error)
+                    send.failed = True
+                    self._notify_failure(group.agent, send.dst_req, group.post.error)
             if not send.groups:
                 del self._sends[req_id]
                 self.stats.add("send_failed" if send.failed else "send_ok")

@@ -200,13 +200,14 @@ def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator |
 
 
 def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any:
-    """Refuse corrupting mismatches (naming them) and return the transfer plan ``src -> dst``.
+    """Refuse corrupting mismatches (naming them) and return the :class:`~vllm_dsa_connector.matching.PeerPlan`
+    ``src -> dst`` (both sides' page tables, decoded once here, and the transfer plan).
 
     ``src`` are the producer's (P) payloads, ``dst`` the consumer's (D). PP and TP reshards are planned,
     not refused.
     """
     from vllm_dsa_connector.layout import PageTable
-    from vllm_dsa_connector.matching import PlanError, plan_transfer
+    from vllm_dsa_connector.matching import PeerPlan, PlanError
 
     if not src or not dst:
         raise HandshakeError("DSAConnector handshake: a side published no worker payloads")
@@ -225,7 +226,7 @@ def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any
     except ValueError as e:
         raise HandshakeError(f"DSAConnector handshake: {e}") from None
     try:
-        return plan_transfer(src_tables, dst_tables)
+        return PeerPlan.build(src_tables, dst_tables)
     except PlanError as e:
         raise HandshakeError(
             f"DSAConnector refuses peer {a.engine_id} -> {b.engine_id}: {e}"

@@ -12,11 +12,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from vllm_dsa_connector.transport.regions import (
+    PreparedList,
+    Region,
+    RegionDesc,
+    Transfer,
+    TransferError,
+    TransferStats,
+)
 from vllm_dsa_connector.transport.runs import Runs
 
 logger = logging.getLogger(__name__)
@@ -30,112 +37,6 @@ __all__ = [
     "TransferError",
     "TransferStats",
 ]
-
-
-class TransferError(RuntimeError):
-    """A transfer failed, timed out, or its peer is unknown/gone. ``peer`` and ``transfer`` name it."""
-
-    def __init__(
-        self, message: str, *, peer: str | None = None, transfer: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.peer = peer
-        self.transfer = transfer
-
-
-@dataclass(frozen=True)
-class RegionDesc:
-    """A registered region as a peer sees it; ``to_dict``/``from_dict`` for msgspec/JSON handshakes."""
-
-    agent: str
-    addr: int
-    size: int
-    mem: str  # "DRAM" | "VRAM"
-    dev: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (ints and strings only)."""
-        return {
-            "agent": self.agent,
-            "addr": self.addr,
-            "size": self.size,
-            "mem": self.mem,
-            "dev": self.dev,
-        }
-
-    @classmethod
-    def from_dict(cls, d: RegionDesc | dict[str, Any]) -> RegionDesc:
-        """Inverse of :meth:`to_dict` (a ``RegionDesc`` passes through)."""
-        if isinstance(d, RegionDesc):
-            return d
-        try:
-            return cls(
-                str(d["agent"]), int(d["addr"]), int(d["size"]), str(d["mem"]), int(d.get("dev", 0))
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"invalid region description {d!r}: {e}") from None
-
-
-@dataclass(eq=False)
-class Region:
-    """A local registered tensor (kept alive here while registered)."""
-
-    tensor: Any
-    addr: int
-    size: int
-    mem: str
-    dev: int
-    agent: str
-    _reg: Any = field(default=None, repr=False)
-
-    def desc(self) -> RegionDesc:
-        """What to send to peers."""
-        return RegionDesc(self.agent, self.addr, self.size, self.mem, self.dev)
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    """Completion record; ``desc_count`` etc. only with ``telemetry=True`` (else -1)."""
-
-    num_runs: int
-    total_bytes: int
-    seconds: float
-    desc_count: int = -1
-    post_us: int = -1
-    xfer_us: int = -1
-
-
-@dataclass(eq=False)
-class Transfer:
-    """An in-flight WRITE returned by :meth:`NixlEngine.write`; pass it to :meth:`NixlEngine.wait`."""
-
-    name: str
-    peer: str
-    num_runs: int
-    total_bytes: int
-    started: float
-    _xfer: Any = field(default=None, repr=False)
-    _dlists: tuple[Any, ...] = field(default=(), repr=False)
-    stats: TransferStats | None = None
-
-
-@dataclass(eq=False)
-class PreparedList:
-    """A descriptor list prepared once (``prep_xfer_dlist``); transfers pick entries by index.
-
-    ``offsets``/``lengths`` are the entries (relative to the region); NIXL merges entries picked in a
-    row that are contiguous on both sides, as it does for vLLM's per-block lists.
-    """
-
-    agent: str  # "NIXL_INIT_AGENT" for local lists, else the peer's name
-    offsets: np.ndarray
-    lengths: np.ndarray
-    _handle: Any = field(default=None, repr=False)
-
-    @property
-    def size(self) -> int:
-        """Number of entries."""
-        return int(self.lengths.size)
 
 
 def _state(agent: Any, xfer: Any) -> str:

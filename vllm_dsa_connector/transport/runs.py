@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Chunk", "Runs", "merge_runs", "plan_chunks", "runs_from_blocks"]
+__all__ = ["Chunk", "Runs", "merge_adjacent", "merge_runs", "plan_chunks", "runs_from_blocks"]
 
 
 def _as_i64(name: str, values: object) -> np.ndarray:
@@ -138,21 +138,26 @@ def merge_runs(
         src, dst, lens = src[keep], dst[keep], lens[keep]
     if src.size == 0:
         return Runs.empty()
-    src, dst, lens = _merge_linear(src, dst, lens)
+    src, dst, lens = merge_adjacent(src, dst, lens)
     if sort and src.size > 1 and np.any(src[1:] < src[:-1]):
         order = np.argsort(src, kind="stable")
-        src, dst, lens = _merge_linear(src[order], dst[order], lens[order])
+        src, dst, lens = merge_adjacent(src[order], dst[order], lens[order])
     out = Runs(src, dst, lens)
     object.__setattr__(out, "_merged", out)  # already merged: ``out.merged()`` costs nothing
     return out
 
 
-def _merge_linear(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Merge each run into its predecessor when it continues it on both sides (given order)."""
-    # One implementation of the merge rule for planning and transport alike.
-    from vllm_dsa_connector.matching import merge_adjacent
+def merge_adjacent(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Merge each run into its predecessor when it continues it on BOTH sides (given order; vectorised).
 
-    return merge_adjacent(src, dst, lens)
+    The one implementation of the merge rule: the planner (``matching.expand_runs``) and the transport
+    (:func:`merge_runs`) both use it. Returns ``(src, dst, length)`` arrays.
+    """
+    if src.size <= 1:
+        return src, dst, length
+    cont = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return src[starts], dst[starts], np.add.reduceat(length, starts)
 
 
 def runs_from_blocks(

@@ -1,0 +1,182 @@
+"""One interface for the sending side, two implementations: :class:`DirectTransport`, :class:`BounceTransport`.
+
+A caller describes one writer's part of a request as ``parts``: ``[(local Region, remote region, Runs)]``
+(one per pool pair), and calls every transport the same way::
+
+    post = transport.post(peer, parts, writer=rank, tag=tag, slot=slot_or_None)
+    while not transport.progress(post): ...      # from the engine's loop; never raises
+    post.state, post.error, post.stats           # DONE or FAILED, why, the WRITEs' TransferStats
+
+The receiver (:class:`~.receiver.Receiver`) learns of the writer through ONE ``dsa1:`` notification
+carrying ``tag``, whatever the path: the direct transport sends ``dsa1:d<writer>:<tag>`` on its own once
+every WRITE is DONE (NIXL's DONE means the data landed; a notification riding on the WRITE would make its
+completion wait for the TARGET to progress), the bounce transport's one WRITE into the receiver's staging
+slot carries ``dsa1:b<writer>:<tag>``. A failure is never notified by the transport: the caller decides what
+its failure notice says (:meth:`Transport.notify`) once :meth:`progress` reports FAILED, i.e. once no part
+of the post is in flight any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from vllm_dsa_connector.transport.engine import NixlEngine
+from vllm_dsa_connector.transport.notices import encode_notif
+from vllm_dsa_connector.transport.regions import (
+    Region,
+    RegionDesc,
+    Transfer,
+    TransferError,
+    TransferStats,
+)
+from vllm_dsa_connector.transport.runs import Runs
+from vllm_dsa_connector.transport.sender import BounceSender
+from vllm_dsa_connector.transport.sends import Send, StagingSlot
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BounceTransport", "DirectTransport", "Part", "Post", "PostState", "Transport"]
+
+Part = tuple[Region, "RegionDesc | dict[str, Any]", Runs]
+
+
+class PostState(Enum):
+    """Where one writer's post stands."""
+
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Post:
+    """One writer's part of a request, posted: the handle every transport returns.
+
+    ``path`` is what was used (``"direct"`` / ``"bounce"``, or the bounce sender's fallback); ``stats`` the
+    completed WRITEs; ``error`` why it FAILED (the first failure).
+    """
+
+    peer: str
+    writer: int
+    tag: bytes
+    path: str
+    state: PostState = PostState.IN_FLIGHT
+    error: str = ""
+    stats: list[TransferStats] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    _inflight: list[Transfer | Send] = field(default_factory=list, repr=False)
+    _notify: bool = field(default=False, repr=False)  # send dsa1:d<writer>:<tag> once all parts are DONE
+
+
+class Transport(Protocol):
+    """What a connector calls to move one writer's part of a request (see the module docstring)."""
+
+    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
+             slot: StagingSlot | None = None) -> Post:
+        """Post every part; never raises (a failure to post is ``post.error``, the posted parts stay tracked)."""
+
+    def progress(self, post: Post) -> bool:
+        """Drive the post; ``True`` once it is over (``post.state`` DONE or FAILED). Never raises."""
+
+    def notify(self, peer: str, writer: int, tag: bytes) -> None:
+        """A notification ``dsa1:d<writer>:<tag>`` on its own (e.g. the caller's failure notice)."""
+
+
+def _transfer(x: Transfer | Send) -> Transfer:
+    return x.transfer if isinstance(x, Send) else x
+
+
+class DirectTransport:
+    """Every part as its own NIXL WRITE of the merged runs; one notification once all are DONE.
+
+    ``timeout_s``: a WRITE still in flight after it is aborted (released) and the post FAILED.
+    """
+
+    path = "direct"
+
+    def __init__(self, engine: NixlEngine, timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.clock = clock
+
+    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
+             slot: StagingSlot | None = None) -> Post:
+        """Post every part at once (a multi-part post never blocks a step)."""
+        post = Post(peer, writer, tag, self.path, _notify=True)
+        for src, dst, runs in parts:  # a part that fails to post leaves the posted ones tracked
+            try:
+                post._inflight.append(self.engine.write(peer, src, dst, runs))
+            except Exception as e:  # noqa: BLE001 - a failed post is a failed transfer, never a crash
+                post.error = str(e)
+                break
+        return post
+
+    def progress(self, post: Post) -> bool:
+        """Complete the WRITEs that are DONE, ERR or past the timeout; notify once all are DONE."""
+        if post.state is not PostState.IN_FLIGHT:
+            return True
+        now = self.clock()
+        remaining = []
+        for x in post._inflight:
+            t = _transfer(x)
+            if self.engine.state(t) == "PROC" and now - t.started < self.timeout_s:
+                remaining.append(x)
+                continue
+            try:  # DONE, ERR or past the write timeout (then released, i.e. aborted)
+                post.stats.append(self._wait(x))
+            except TransferError as e:
+                post.error = post.error or str(e)
+        post._inflight = remaining
+        if remaining:
+            return False
+        post.state = PostState.FAILED if post.error else PostState.DONE
+        if post.state is PostState.DONE and post._notify:
+            try:
+                self.notify(post.peer, post.writer, post.tag)
+            except Exception as e:  # noqa: BLE001 - the receiver gives up after its timeout instead
+                logger.warning("transport: completion notification to %r not sent: %s", post.peer, e)
+        return True
+
+    def _wait(self, x: Transfer | Send) -> TransferStats:
+        return self.engine.wait(_transfer(x), self.timeout_s)
+
+    def notify(self, peer: str, writer: int, tag: bytes) -> None:
+        """``dsa1:d<writer>:<tag>`` on its own."""
+        self.engine.send_notification(peer, encode_notif("direct", writer, tag))
+
+
+class BounceTransport(DirectTransport):
+    """Gather into the local arena, one WRITE into the receiver's staging slot, scatter there.
+
+    A post with one part and a slot goes through :class:`BounceSender` (its gate may still choose a direct
+    WRITE, or fall back to one when the local arena stays full; the notification then rides on that
+    WRITE). Anything else (several pool pairs, no slot) is a :class:`DirectTransport` post.
+    """
+
+    def __init__(self, sender: BounceSender, timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(sender.engine, timeout_s, clock)
+        self.sender = sender
+
+    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
+             slot: StagingSlot | None = None) -> Post:
+        """Bounce a one-part post with a slot; post anything else directly."""
+        if slot is None or len(parts) != 1:
+            return super().post(peer, parts, writer=writer, tag=tag)
+        src, dst, runs = parts[0]
+        try:
+            send = self.sender.send(peer, src, dst, runs, tag, slot=slot, writer=writer)
+        except Exception as e:  # noqa: BLE001 - the sender released its staging: nothing in flight
+            return Post(peer, writer, tag, "bounce", error=str(e))
+        return Post(peer, writer, tag, send.path, _inflight=[send])
+
+    def _wait(self, x: Transfer | Send) -> TransferStats:
+        if isinstance(x, Send):  # waiting also frees (or quarantines) its staging space
+            return self.sender.wait(x, self.timeout_s)
+        return self.engine.wait(x, self.timeout_s)
