@@ -16,7 +16,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("vllm_dsa_connector.commands.inspect", "print the KV page tables of a model"),
     "demo": ("vllm_dsa_connector.commands.demo", "run a prefill/decode pair with DSAConnector"),
-    "make-model": ("vllm_dsa_connector.commands.make_model", "make a tiny random test model"),
+    "make-model": ("vllm_dsa_connector.commands.make_model", "make a tiny random test model (mla or dsa)"),
+    "options": ("vllm_dsa_connector.commands.options", "list every option: key, environment variable, default"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("vllm_dsa_connector.commands.bench_transfer", "NIXL scattered vs bounce vs gate"),

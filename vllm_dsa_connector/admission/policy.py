@@ -1,125 +1,31 @@
-"""Admission options, the in-flight ledger and the admission decision (no vLLM scheduler imports)."""
+"""The in-flight ledger and the admission decision (no vLLM scheduler imports; options in :mod:`.options`)."""
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.options import (
-    Option,
-    OptionError,
-    parse_choice,
-    parse_float,
-    parse_int,
+from vllm_dsa_connector.admission.options import (
+    ADMISSION_OPTION_KEYS,
+    OPT_BUDGET_TOKENS,
+    POLICIES,
+    AdmissionConfig,
 )
+
+__all__ = [
+    "ADMISSION_OPTION_KEYS",
+    "OPT_BUDGET_TOKENS",
+    "POLICIES",
+    "AdmissionConfig",
+    "AdmissionLedger",
+    "AdmissionStepStats",
+]
 
 # Under "vllm." so records go through vLLM's configured handler (a bare package name has none).
 logger = init_logger("vllm.plugins." + __name__)
-
-POLICIES: tuple[str, ...] = ("passthrough", "budget")
-
-OPT_POLICY = Option(
-    "admission",
-    partial(parse_choice, choices=POLICIES),
-    "passthrough",
-    env="VLLM_DSA_ADMISSION",
-    doc="admission policy for remote-KV requests: passthrough (default) or budget",
-)
-OPT_BUDGET_TOKENS = Option(
-    "admission_budget_tokens",
-    partial(parse_int, minimum=1),
-    None,
-    env="VLLM_DSA_ADMISSION_BUDGET_TOKENS",
-    doc="budget policy: tokens of remote KV allowed in flight (rounded up to whole blocks)",
-)
-OPT_TIMEOUT_S = Option(
-    "admission_timeout_s",
-    partial(parse_float, minimum=0.001),
-    60.0,
-    env="VLLM_DSA_ADMISSION_TIMEOUT_S",
-    doc="budget policy: a transfer in flight longer than this stops counting against the budget",
-)
-OPT_LOG_INTERVAL_S = Option(
-    "admission_log_interval_s",
-    partial(parse_float, minimum=0.0),
-    10.0,
-    env="VLLM_DSA_ADMISSION_LOG_INTERVAL_S",
-    doc="seconds between INFO lines of admission counts (0 disables them)",
-)
-_OPTIONS = (OPT_POLICY, OPT_BUDGET_TOKENS, OPT_TIMEOUT_S, OPT_LOG_INTERVAL_S)
-
-#: Keys of ``kv_connector_extra_config`` read by the admission hook (the connector accepts them as known).
-ADMISSION_OPTION_KEYS: frozenset[str] = frozenset(o.key for o in _OPTIONS)
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """The validated admission options."""
-
-    policy: str = "passthrough"
-    budget_tokens: int | None = None
-    timeout_s: float = 60.0
-    log_interval_s: float = 10.0
-
-    @classmethod
-    def from_extra_config(
-        cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
-    ) -> AdmissionConfig:
-        """Read the admission keys of ``kv_connector_extra_config`` (other keys are ignored here).
-
-        Raises:
-            OptionError: a value is invalid, or ``budget`` is chosen without a budget.
-        """
-        extra = extra or {}
-        environ = os.environ if environ is None else environ
-        typos = sorted(
-            k for k in extra if k.startswith("admission") and k not in ADMISSION_OPTION_KEYS
-        )
-        if typos:
-            raise OptionError(
-                f"{typos[0]}: unknown admission option; known: {', '.join(sorted(ADMISSION_OPTION_KEYS))}"
-            )
-        policy = OPT_POLICY.resolve(extra, environ)
-        budget = OPT_BUDGET_TOKENS.resolve(extra, environ)
-        timeout_s = OPT_TIMEOUT_S.resolve(extra, environ)
-        log_interval_s = OPT_LOG_INTERVAL_S.resolve(extra, environ)
-        if policy == "budget" and budget is None:
-            raise OptionError(
-                f"{OPT_BUDGET_TOKENS.key}: required when admission is 'budget' "
-                f"(tokens of remote KV allowed in flight, e.g. 65536)"
-            )
-        return cls(policy, budget, timeout_s, log_interval_s)
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> AdmissionConfig:
-        """The admission options of a ``VllmConfig`` (defaults when it has no KV transfer config).
-
-        The keys are read where users put them: the top-level ``kv_connector_extra_config`` and, under
-        vLLM's MultiConnector, each child's (e.g. next to DSAConnector's options); the same key with two
-        different values is an error.
-        """
-        from vllm_dsa_connector.connector.compose import admission_keys
-
-        kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-        if kv_transfer_config is None:
-            return cls.from_extra_config(None)
-        try:
-            extra = admission_keys(kv_transfer_config)
-        except ValueError as e:
-            raise OptionError(str(e)) from None
-        return cls.from_extra_config(extra)
-
-    def budget_blocks(self, block_size: int) -> int | None:
-        """The budget in whole KV blocks (``None`` for pass-through)."""
-        if self.policy != "budget" or self.budget_tokens is None:
-            return None
-        return -(-self.budget_tokens // block_size)
 
 
 @dataclass(frozen=True)

@@ -1,111 +1,100 @@
 """DSAConnector options: ``kv_connector_extra_config`` keys, validated once at start-up.
 
-Explicit config > ``VLLM_DSA_*`` environment variable > default (see :mod:`vllm_dsa_connector.options`).
-Keys owned by other parts are accepted and validated by their owners: the bounce gate's ``bounce_*``
-keys (:data:`vllm_dsa_connector.transport.gate.BOUNCE_OPTION_KEYS`) and the admission keys
-(:data:`vllm_dsa_connector.admission.ADMISSION_OPTION_KEYS`). Any other key is refused with the list of
-known keys, so a typo never silently falls back to a default.
+Declared once with :func:`vllm_dsa_connector.options.option`; explicit config > ``VLLM_DSA_*``
+environment variable > default. The bounce gate's ``bounce_*`` keys are a nested group
+(:class:`~vllm_dsa_connector.transport.gate_options.BounceSettings`, validated here too); the admission
+keys (:data:`~vllm_dsa_connector.admission.options.ADMISSION_OPTION_KEYS`) are accepted and validated by
+the admission scheduler, which reads them wherever MultiConnector puts them. Any other key is refused
+with the list of known keys, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from vllm_dsa_connector.admission.options import ADMISSION_OPTION_KEYS
 from vllm_dsa_connector.options import (
-    Option,
     OptionError,
-    check_unknown,
+    group,
+    option,
+    option_keys,
     parse_bool,
     parse_choice,
     parse_float,
     parse_int,
+    resolve_options,
 )
+from vllm_dsa_connector.transport.gate_options import BounceSettings
 
 __all__ = ["ConnectorOptions", "OptionError", "known_keys"]
 
-
-def _port(key: str, value: Any) -> int:
-    return parse_int(key, value, minimum=0, maximum=65535)
+WHERE = "DSAConnector kv_connector_extra_config"
 
 
 def _secret(key: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise OptionError(f"{key} must be a string, got {type(value).__name__}")
+        raise OptionError(f"{key}: must be a string, got {type(value).__name__}")
     if value and len(value) < 16:
-        raise OptionError(f"{key} must be at least 16 characters (got {len(value)})")
+        raise OptionError(f"{key}: must be at least 16 characters (got {len(value)})")
     return value
 
 
-def _pos(key: str, value: Any) -> float:
-    return parse_float(key, value, minimum=0.01, maximum=86400.0)
-
-
-_OPTIONS: tuple[Option[Any], ...] = (
-    Option("side_channel_host", lambda k, v: str(v), "127.0.0.1", "VLLM_DSA_SIDE_CHANNEL_HOST",
-           "address the ZMQ side channel binds to and advertises"),
-    Option("side_channel_port", _port, 0, "VLLM_DSA_SIDE_CHANNEL_PORT",
-           "side channel port (0: a free port; the proxy carries it in kv_transfer_params)"),
-    Option("kv_lease_duration", _pos, 30.0, "VLLM_DSA_KV_LEASE_DURATION",
-           "P keeps a finished request's blocks this long without a registration/heartbeat (s)"),
-    Option("transfer_timeout_s", _pos, 30.0, "VLLM_DSA_TRANSFER_TIMEOUT_S",
-           "D gives up on a transfer (load failure, kv_load_failure_policy applies) after this (s)"),
-    Option("handshake_timeout_s", _pos, 10.0, "VLLM_DSA_HANDSHAKE_TIMEOUT_S",
-           "side-channel request timeout (s)"),
-    Option("verify_transfers", parse_bool, False, "VLLM_DSA_VERIFY_TRANSFERS",
-           "checksum every transferred run on both sides; a mismatch is a load failure"),
-    Option("nixl_backend", lambda k, v: parse_choice(k, v, ("UCX",)), "UCX", "VLLM_DSA_NIXL_BACKEND",
-           "NIXL backend"),
-    Option("heartbeat_interval_s", _pos, 0.0, "VLLM_DSA_HEARTBEAT_INTERVAL_S",
-           "D renews P's lease this often (s; 0: kv_lease_duration / 6)"),
-    Option("nixl_progress_thread", parse_bool, False, "VLLM_DSA_NIXL_PROGRESS_THREAD",
-           "run NIXL's progress thread (busy-polls a core) instead of progressing from the engine's steps"),
-    Option("auth_secret", _secret, "", "VLLM_DSA_AUTH_SECRET",
-           "shared secret: every side-channel message is HMAC-authenticated with replay protection "
-           "(both engines need the same one; empty: off, and a non-loopback side channel warns)"),
-    Option("prefault_kv_cache", parse_bool, True, "VLLM_DSA_PREFAULT_KV_CACHE",
-           "receiver: touch every page of the CPU KV pools and staging arena at start-up, so WRITEs never "
-           "pay first-touch page faults (9.9 MB into fresh pages: 8.0 ms vs 1.05 ms)"),
-)
-
-
-def _foreign_keys() -> set[str]:
-    """Keys validated by other modules (bounce gate, admission); absent modules contribute none."""
-    keys: set[str] = set()
-    for module, attr in (
-        ("vllm_dsa_connector.transport.gate", "BOUNCE_OPTION_KEYS"),
-        ("vllm_dsa_connector.admission", "ADMISSION_OPTION_KEYS"),
-    ):
-        try:
-            keys |= set(getattr(importlib.import_module(module), attr))
-        except (ImportError, AttributeError):
-            continue
-    return keys
-
-
-def known_keys() -> set[str]:
-    """Every key ``kv_connector_extra_config`` may hold for DSAConnector."""
-    return {o.key for o in _OPTIONS} | _foreign_keys()
+_port = partial(parse_int, minimum=0, maximum=65535)
+_seconds = partial(parse_float, minimum=0.01, maximum=86400.0)
 
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """Resolved DSAConnector options (see the table in this module)."""
+    """Resolved DSAConnector options (``bounce``: the gate's settings; ``None`` only when built by hand)."""
 
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0
-    kv_lease_duration: float = 30.0
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 10.0
-    verify_transfers: bool = False
-    nixl_backend: str = "UCX"
-    heartbeat_interval_s: float = 0.0
-    nixl_progress_thread: bool = False
-    prefault_kv_cache: bool = True
-    auth_secret: str = ""
-    bounce: Any = None  # transport.gate.BounceSettings (None: transport absent or never bounce)
+    side_channel_host: str = option(
+        "side_channel_host", lambda k, v: str(v), "127.0.0.1",
+        doc="address the ZMQ side channel binds to and advertises",
+    )
+    side_channel_port: int = option(
+        "side_channel_port", _port, 0,
+        doc="side channel port (0: a free port; the proxy carries it in kv_transfer_params)",
+    )
+    kv_lease_duration: float = option(
+        "kv_lease_duration", _seconds, 30.0,
+        doc="P keeps a finished request's blocks this long without a registration/heartbeat (s)",
+    )
+    transfer_timeout_s: float = option(
+        "transfer_timeout_s", _seconds, 30.0,
+        doc="D gives up on a transfer (load failure, kv_load_failure_policy applies) after this (s)",
+    )
+    handshake_timeout_s: float = option(
+        "handshake_timeout_s", _seconds, 10.0, doc="side-channel request timeout (s)",
+    )
+    verify_transfers: bool = option(
+        "verify_transfers", parse_bool, False,
+        doc="checksum every transferred run on both sides; a mismatch is a load failure",
+    )
+    nixl_backend: str = option(
+        "nixl_backend", partial(parse_choice, choices=("UCX",)), "UCX", doc="NIXL backend",
+    )
+    heartbeat_interval_s: float = option(
+        "heartbeat_interval_s", partial(parse_float, minimum=0.0, maximum=86400.0), 0.0,
+        doc="D renews P's lease this often (s; 0: kv_lease_duration / 6)",
+    )
+    nixl_progress_thread: bool = option(
+        "nixl_progress_thread", parse_bool, False,
+        doc="run NIXL's progress thread (busy-polls a core) instead of progressing from the engine's steps",
+    )
+    prefault_kv_cache: bool = option(
+        "prefault_kv_cache", parse_bool, True,
+        doc="receiver: touch every page of the CPU KV pools and staging arena at start-up, so WRITEs never "
+        "pay first-touch page faults",
+    )
+    auth_secret: str = option(
+        "auth_secret", _secret, "", secret=True,
+        doc="shared secret (at least 16 characters, the same on P and D): every side-channel message is "
+        "HMAC-authenticated with replay protection (empty: off, and a non-loopback side channel warns)",
+    )
+    bounce: BounceSettings | None = group(BounceSettings)
 
     @property
     def heartbeat_s(self) -> float:
@@ -116,15 +105,10 @@ class ConnectorOptions:
     def from_config(
         cls, config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
     ) -> ConnectorOptions:
-        """Validate ``kv_connector_extra_config`` (unknown keys refused; owners' keys checked too)."""
-        config = dict(config or {})
-        check_unknown(config, known_keys(), "DSAConnector kv_connector_extra_config")
-        values = {o.key: o.resolve(config, environ) for o in _OPTIONS}
-        # Validate the keys owned by other parts now, so a bad value fails at start-up.
-        try:
-            from vllm_dsa_connector.transport.gate import BounceSettings
-        except ImportError:
-            pass
-        else:
-            values["bounce"] = BounceSettings.from_config(config, environ)
-        return cls(**values)
+        """Validate ``kv_connector_extra_config`` (unknown keys refused; the gate's keys checked too)."""
+        return resolve_options(cls, config, environ, where=WHERE, also_known=ADMISSION_OPTION_KEYS)
+
+
+def known_keys() -> set[str]:
+    """Every key ``kv_connector_extra_config`` may hold for DSAConnector."""
+    return set(option_keys(ConnectorOptions) | ADMISSION_OPTION_KEYS)

@@ -1,6 +1,6 @@
 """Route DSA (sparse attention) models to the CPU reference backends on vLLM's CPU platform.
 
-``register_cpu_dsa`` is a plugin step (``vllm_dsa_connector.plugin``). On any platform other than
+``register_cpu_dsa`` is a step of the plugin's table (``plugin.STEPS``). On any platform other than
 CPU it does nothing. On CPU, unless ``VLLM_DSA_DISABLE_RUNTIME_FIXES=1``, it applies these guarded
 runtime patches once per process (logged once):
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm_dsa_connector.plugin import runtime_fixes_disabled
+from vllm_dsa_connector.options import runtime_fixes_disabled
 
 _LOCK = threading.Lock()
 _APPLIED = False

@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from vllm_dsa_connector.options import runtime_fixes_disabled
+
 __all__ = ["FixReport", "apply_runtime_fixes", "revert_runtime_fixes"]
 
 _LOCK = threading.Lock()
@@ -67,7 +69,6 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from vllm_dsa_connector.fixes import mtp_token_map as fix
-    from vllm_dsa_connector.plugin import runtime_fixes_disabled
 
     version = getattr(vllm, "__version__", "unknown")
     with _LOCK:

@@ -1,0 +1,56 @@
+"""Every ``vllm-dsa`` command listed in the CLI has its module, and ``--help`` works, run as a user would."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_dsa_connector.cli import BENCHES, COMMANDS, build_parser
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vllm_dsa_connector.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("table", [COMMANDS, BENCHES], ids=["commands", "benches"])
+def test_every_listed_command_has_its_module(table: dict[str, tuple[str, str]]) -> None:
+    missing = {name: mod for name, (mod, _) in table.items() if importlib.util.find_spec(mod) is None}
+    assert not missing, f"CLI lists commands whose module does not exist: {missing}"
+    for mod, _ in table.values():
+        module = importlib.import_module(mod)
+        assert callable(module.add_arguments) and callable(module.run), mod
+
+
+def test_help_of_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` of every command and bench (one parser, as ``main`` builds it), and the top level for real."""
+    top = _cli("--help")
+    assert top.returncode == 0, top.stderr[-2000:]
+    parser = build_parser()
+    argvs = [[name] for name in COMMANDS] + [["bench", name] for name in BENCHES]
+    for argv in argvs:
+        assert argv[-1] in top.stdout or argv[0] == "bench", argv
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args([*argv, "--help"])
+        assert done.value.code == 0, argv
+        assert f"usage: vllm-dsa {' '.join(argv)}" in capsys.readouterr().out, argv
+
+
+def test_make_model_writes_a_loadable_model(tmp_path) -> None:
+    """``make-model --kind mla`` writes a config vLLM's layout reader takes (``inspect`` prints its pools)."""
+    out = _cli("make-model", "--kind", "mla", "--num-layers", "1", "--out", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = out.stdout.strip().splitlines()[-1]
+    assert path == str(tmp_path / "m")
+    assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / ".complete").exists()
+    again = _cli("make-model", "--kind", "mla", "--num-layers", "1", "--out", str(tmp_path / "m"))
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == path  # reused, not rewritten
+    info = _cli("inspect", path, "--json")
+    assert info.returncode == 0, info.stderr[-2000:]
+    assert json.loads(info.stdout)["stages"][0]["layers"] == [0]
+    bad = _cli("make-model", "--num-layers", "0")
+    assert bad.returncode == 2 and "--num-layers" in bad.stdout

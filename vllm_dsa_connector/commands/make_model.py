@@ -1,0 +1,41 @@
+"""``vllm-dsa make-model``: write a tiny random test model (made locally and deterministically).
+
+``--kind mla``: a DeepSeek-V2-architecture MLA model; ``--kind dsa``: a GLM-MoE-DSA model with the
+indexer (IndexCache masking by ``--index-topk-freq``). Both carry the DeepSeek tokenizer and a chat
+template, and vLLM's CPU build runs them (DSA through the plugin's CPU backends). Without ``--out`` the
+model goes where the demo and tests look for it (``$VLLM_DSA_MODEL_DIR`` or ``~/.cache/vllm-dsa-connector``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's arguments."""
+    p.add_argument("--kind", choices=("mla", "dsa"), default="mla", help="model family (default mla)")
+    p.add_argument("--out", type=Path, default=None, help="directory to write (default: the shared cache)")
+    p.add_argument("--num-layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--index-topk-freq", type=int, default=2,
+                   help="dsa: a layer computes its own top-k every N layers, the others reuse it (default 2)")
+    p.add_argument("--index-topk", type=int, default=16, help="dsa: tokens each query attends to (default 16)")
+    p.add_argument("--force", action="store_true", help="rewrite a complete existing model")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make the model and print its directory."""
+    if args.num_layers < 1:
+        print(f"vllm-dsa make-model: --num-layers must be >= 1, got {args.num_layers}")
+        return 2
+    if args.kind == "dsa":
+        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+
+        path = make_tiny_glm_dsa(args.out, num_layers=args.num_layers, index_topk_freq=args.index_topk_freq,
+                                 index_topk=args.index_topk, force=args.force)
+    else:
+        from vllm_dsa_connector.tiny_models import make_tiny_mla
+
+        path = make_tiny_mla(args.out, num_layers=args.num_layers, force=args.force)
+    print(path)
+    return 0
