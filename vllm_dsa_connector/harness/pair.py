@@ -149,9 +149,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Side:
-    """What one process holds: its engine, registered pool, staging arena and spec."""
+    """What one process holds: its spec, engine, registered pool and staging arena."""
 
     spec: SideSpec
     engine: Any
@@ -159,14 +159,13 @@ class Side:
     region: Any
     arena: Any
 
-    @classmethod
-    def open(cls, name: str, spec: SideSpec, pool: Any) -> Side:
-        """Make the engine, register ``pool`` (allocated on ``spec.device``), allocate the arena."""
-        from vllm_dsa_connector.transport import NixlEngine, StagingArena
 
-        engine = NixlEngine(f"{name}-{os.getpid()}", telemetry=spec.telemetry)
-        region = engine.register(pool)
-        return cls(spec, engine, pool, region, StagingArena(spec.arena_bytes, device=spec.device))
+def _open(name: str, spec: SideSpec, pool: Any) -> tuple[Any, Any, Any]:
+    """(engine, registered ``pool``'s region, arena) of one process."""
+    from vllm_dsa_connector.transport import NixlEngine, StagingArena
+
+    engine = NixlEngine(f"{name}-{os.getpid()}", telemetry=spec.telemetry)
+    return engine, engine.register(pool), StagingArena(spec.arena_bytes, device=spec.device)
 
 
 def _prepare(spec: SideSpec, env: Mapping[str, str]) -> None:
@@ -182,14 +181,15 @@ def _prepare(spec: SideSpec, env: Mapping[str, str]) -> None:
 # -- consumer (D) ---------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConsumerSide(Side):
-    """D's process: :class:`Side` plus its receiver and the layouts P registered (``runs[key]``)."""
+    """D's process: :class:`Side` plus its receiver, P's bytes regenerated from the seed (``expected``) and
+    the layouts P registered (``runs[key]``)."""
 
     receiver: Any = None
+    expected: Any = None
     runs: dict[str, Any] = field(default_factory=dict)
-    expected: Any = None  # P's pool, regenerated from the seed (for verification)
-    _want: tuple[str, Any] | None = None
+    _want: dict[str, Any] = field(default_factory=dict)  # P's bytes of the last verified layout
 
     def verify(self, key: str) -> bool:
         """Whether the bytes at ``runs[key]``'s destinations equal P's bytes at its sources."""
@@ -198,14 +198,14 @@ class ConsumerSide(Side):
         from vllm_dsa_connector.transport import Runs, gather
 
         runs = self.runs[key].merged()
-        if self._want is None or self._want[0] != key:
-            self._want = None  # free the previous layout's copy first
+        if key not in self._want:
+            self._want.clear()  # free the previous layout's copy first
             want = torch.empty(runs.total_bytes, dtype=torch.uint8, device=self.spec.device)
             gather(self.expected, runs, want)
-            self._want = (key, want)
+            self._want[key] = want
         got = torch.empty(runs.total_bytes, dtype=torch.uint8, device=self.spec.device)
         gather(self.pool, Runs(runs.dst_offsets, runs.dst_offsets, runs.lengths), got)
-        return bool(torch.equal(got, self._want[1]))
+        return bool(torch.equal(got, self._want[key]))
 
 
 def serve_consumer(conn: Any, spec: PairSpec) -> None:
@@ -220,9 +220,10 @@ def serve_consumer(conn: Any, spec: PairSpec) -> None:
 
         c = spec.consumer
         pool = torch.zeros(c.pool_bytes, dtype=torch.uint8, device=c.device)
-        base = Side.open("consumer", c, pool)
-        side = ConsumerSide(c, base.engine, pool, base.region, base.arena,
-                            receiver=BounceReceiver(base.engine, base.arena, reserve_timeout_s=c.reserve_timeout_s))
+        engine, region, arena = _open("consumer", c, pool)
+        side = ConsumerSide(c, engine, pool, region, arena,
+                            receiver=BounceReceiver(engine, arena, reserve_timeout_s=c.reserve_timeout_s),
+                            expected=fill(spec.producer.pool_bytes, c.device, spec.seed))
         ipc = export_region(pool).to_dict() if c.ipc and c.device.startswith("cuda") else None
         ch.send(Kind.HELLO, meta=side.engine.metadata(), region=side.region.desc().to_dict(), ipc=ipc)
         side.engine.add_peer(ch.recv(Kind.HELLO).body["meta"])
@@ -236,8 +237,6 @@ def serve_consumer(conn: Any, spec: PairSpec) -> None:
                 break
             if msg.kind is Kind.RUNS:
                 side.runs[b["key"]] = Runs(b["src"], b["dst"], b["len"])
-                if side.expected is None:
-                    side.expected = fill(spec.producer.pool_bytes, c.device, spec.seed)
                 ch.send(Kind.OK)
             elif msg.kind is Kind.EXPECT:
                 pool.zero_()
@@ -310,7 +309,7 @@ class RemoteConsumer:
         self.ch.send(Kind.STOP)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProducerSide(Side):
     """P's process: :class:`Side` plus D's agent name, pool descriptor, IPC export and D itself."""
 
@@ -325,27 +324,27 @@ Driver = Callable[[ProducerSide, Any], Any]
 
 
 def _producer_main(result_conn: Any, conn: Any, spec: PairSpec, driver: Driver, args: Any) -> None:
-    side = None
+    engine = None
     try:
         _prepare(spec.producer, spec.env)
         ch = Channel(conn, "producer", spec.hot)
         p = spec.producer
-        base = Side.open("producer", p, fill(p.pool_bytes, p.device, spec.seed))
-        side = ProducerSide(p, base.engine, base.pool, base.region, base.arena, pair=spec)
+        pool = fill(p.pool_bytes, p.device, spec.seed)
+        engine, region, arena = _open("producer", p, pool)
         hello = ch.recv(Kind.HELLO).body
-        side.peer = side.engine.add_peer(hello["meta"])
-        side.remote_region, side.remote_ipc = hello["region"], hello["ipc"]
-        ch.send(Kind.HELLO, meta=side.engine.metadata())
-        side.consumer = RemoteConsumer(ch)
-        out = driver(side, args)
-        side.consumer.stop()
+        peer = engine.add_peer(hello["meta"])
+        ch.send(Kind.HELLO, meta=engine.metadata())
+        consumer = RemoteConsumer(ch)
+        out = driver(ProducerSide(p, engine, pool, region, arena, peer=peer, remote_region=hello["region"],
+                                  remote_ipc=hello["ipc"], consumer=consumer, pair=spec), args)
+        consumer.stop()
         result_conn.send(("ok", out))
     except BaseException as e:
         result_conn.send(("err", f"producer: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
     finally:
-        if side is not None:
-            side.engine.close()
+        if engine is not None:
+            engine.close()
 
 
 def run_pair(spec: PairSpec, driver: Driver, args: Any = None, timeout_s: float = 600.0) -> Any:
