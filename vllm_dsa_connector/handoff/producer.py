@@ -37,9 +37,11 @@ from vllm_dsa_connector.handoff.messages import (
     CancelState,
     HeartbeatReq,
     MessageError,
+    MetaReq,
     RegReq,
     Reply,
     ReqRef,
+    Request,
 )
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload, max_block_id
@@ -186,6 +188,20 @@ class Producer:
             self._ended.popitem(last=False)
 
     # ------------------------------------------------------------ side-channel thread
+
+    def handle(self, req: Request, payloads: list[bytes]) -> Reply:
+        """Answer one side-channel request; ``payloads`` are this engine's encoded worker payloads (the
+        handshake's answer; empty while the workers have not registered their KV caches)."""
+        if isinstance(req, MetaReq):
+            if not payloads:
+                return Reply(False, error="workers have not registered their KV caches yet", clock=self.clock())
+            return Reply(True, clock=self.clock(), engine_id=self.engine_id, payloads=list(payloads),
+                         write_timeout_s=self.settings.transfer_timeout_s)
+        if isinstance(req, RegReq):
+            return self.handle_reg(req)
+        if isinstance(req, HeartbeatReq):
+            return self.handle_heartbeat(req)
+        return self.handle_cancel(req)
 
     def _owned(self, ref: ReqRef | RegReq) -> Lease | None:
         lease = self._leases.get(ref.p_req)
