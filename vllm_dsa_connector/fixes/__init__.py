@@ -69,6 +69,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from vllm_dsa_connector.fixes import mtp_token_map as fix
+    from vllm_dsa_connector.fixes import pp_intermediate
 
     version = getattr(vllm, "__version__", "unknown")
     with _LOCK:
@@ -80,6 +81,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
             )
             return (FixReport(fix.FIX_NAME, "disabled", version, "env"),)
         _install_guards(version)
+        pp_intermediate.apply(version)  # cpu-pp-intermediate-tensors: logs and reports on its own
         if fix.is_installed(CommonAttentionMetadata):
             return (FixReport(fix.FIX_NAME, "already-applied", version, ""),)
         result = fix.probe(CommonAttentionMetadata)

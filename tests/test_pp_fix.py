@@ -1,0 +1,296 @@
+"""Issue 21 item 2: pipeline parallelism on vLLM CPU (runtime fix ``cpu-pp-intermediate-tensors``
+and ``patches/0002-*.patch``).
+
+Fast checks drive vLLM's real ``CPUModelRunner.sync_and_gather_intermediate_tensors`` on a
+runner left as the CPU worker leaves it after a skipped warm-up (no receive buffer): stock vLLM
+asserts, the runtime fix and the patched copy of vLLM's file do not.
+
+The ``slow`` checks start real engines (one model load per layout, each in its own process,
+float32, ``enforce_eager``, a few greedy tokens): ``pipeline_parallel_size=2`` gives the same
+tokens as ``pipeline_parallel_size=1`` on the tiny MLA model and the tiny masked-indexer DSA
+model, and fails with vLLM's original ``AssertionError`` when ``VLLM_DSA_DISABLE_RUNTIME_FIXES=1``.
+Run them under the engine lock: ``flock /tmp/vllm-dsa-engine.lock pytest -m slow tests/test_pp_fix.py``.
+
+This file is also the engine script: ``python tests/test_pp_fix.py MODEL PP`` prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCH = next((ROOT / "patches").glob("0002-*.patch"))
+RUNNER_FILE = "vllm/v1/worker/cpu_model_runner.py"
+MAX_TOKENS = 6
+# Prompt token ids (no tokenizer is loaded). 40 tokens: longer than the DSA model's
+# index_topk=16, so its indexer selects a strict subset of the context.
+PROMPTS = (list(range(1000, 1040)), list(range(5000, 5040, 2)) + list(range(7000, 7020)))
+ENGINE_TIMEOUT_S = 900
+ORIGINAL_ERROR = "assert self.intermediate_tensors is not None"
+
+
+def _runner_cls() -> type:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    return CPUModelRunner
+
+
+@pytest.fixture
+def stock_runner(monkeypatch: pytest.MonkeyPatch):
+    """vLLM's CPUModelRunner without the fix; the process-wide fix state is restored afterwards."""
+    from vllm_dsa_connector.fixes import pp_intermediate as fix
+
+    monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
+    cls = _runner_cls()
+    was_installed = fix.uninstall(cls)
+    yield cls
+    fix.uninstall(cls)
+    if was_installed:
+        fix.install(cls)
+
+
+def _stage_runner(cls: type) -> Any:
+    """A runner of stage 1 whose warm-up was skipped: vLLM's class, no receive buffer yet."""
+    from vllm.sequence import IntermediateTensors
+
+    class StageModel:
+        def make_empty_intermediate_tensors(self, batch_size, dtype, device):
+            return IntermediateTensors(
+                {
+                    k: torch.zeros(batch_size, 6, dtype=dtype, device=device)
+                    for k in ("hidden_states", "residual")
+                }
+            )
+
+    runner = object.__new__(cls)
+    runner.intermediate_tensors = None
+    runner.model = StageModel()
+    runner.max_num_tokens = 16
+    runner.model_config = types.SimpleNamespace(dtype=torch.float32)
+    runner.device = torch.device("cpu")
+    return runner
+
+
+def _receive(runner: Any, rows: int) -> tuple[Any, Any]:
+    from vllm.sequence import IntermediateTensors
+
+    sent = IntermediateTensors({k: torch.randn(rows, 6) for k in ("hidden_states", "residual")})
+    return sent, runner.sync_and_gather_intermediate_tensors(rows, sent, True)
+
+
+def test_stock_runner_asserts_and_fix_allocates_once(stock_runner: type) -> None:
+    from vllm_dsa_connector.fixes import pp_intermediate as fix
+
+    with pytest.raises(AssertionError):
+        _receive(_stage_runner(stock_runner), 5)
+    assert fix.probe(stock_runner).buggy
+
+    report = fix.apply("test")
+    assert report.status == "applied", report
+    assert fix.is_installed(stock_runner) and not fix.probe(stock_runner).buggy
+    assert fix.apply("test").status == "already-applied"
+
+    runner = _stage_runner(stock_runner)
+    for rows in (5, 16, 2):  # later steps reuse the buffer allocated by the first
+        sent, got = _receive(runner, rows)
+        for key in ("hidden_states", "residual"):
+            torch.testing.assert_close(got[key], sent[key])
+    buffer = runner.intermediate_tensors["hidden_states"]
+    assert buffer.shape == (16, 6)
+    _receive(runner, 3)
+    assert runner.intermediate_tensors["hidden_states"] is buffer
+
+    assert fix.uninstall(stock_runner) and fix.probe(stock_runner).buggy  # vLLM's method again
+
+
+def test_env_disables_the_fix(stock_runner: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_dsa_connector import fixes
+    from vllm_dsa_connector.fixes import pp_intermediate as fix
+
+    monkeypatch.setenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", "1")
+    assert all(r.status == "disabled" for r in fixes.apply_runtime_fixes())
+    assert not fix.is_installed(stock_runner)
+
+
+def test_register_applies_the_fix(stock_runner: type) -> None:
+    from vllm_dsa_connector import fixes
+    from vllm_dsa_connector.fixes import pp_intermediate as fix
+
+    fixes.apply_runtime_fixes()
+    assert fix.is_installed(stock_runner)
+
+
+def _patched_runner_cls(dest: Path) -> type:
+    """Apply the patch to a copy of the installed vLLM's file; load the patched CPUModelRunner."""
+    import vllm
+
+    src = Path(vllm.__file__).resolve().parents[1] / RUNNER_FILE
+    (dest / RUNNER_FILE).parent.mkdir(parents=True)
+    shutil.copy2(src, dest / RUNNER_FILE)
+    check = subprocess.run(
+        ["git", "apply", "--check", "-v", str(PATCH)], cwd=dest, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    subprocess.run(["git", "apply", str(PATCH)], cwd=dest, check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("vllm_dsa_patched_cpu_runner", dest / RUNNER_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module.CPUModelRunner
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_patch_applies_and_fixes_a_copy_of_vllm(stock_runner: type, tmp_path: Path) -> None:
+    from vllm_dsa_connector.fixes import pp_intermediate as fix
+
+    patched = _patched_runner_cls(tmp_path)
+    result = fix.probe(patched)
+    assert not result.buggy, result.detail  # a patched vLLM is left alone by apply()
+    sent, got = _receive(_stage_runner(patched), 4)
+    torch.testing.assert_close(got["residual"], sent["residual"])
+
+
+# --------------------------------------------------------------------------- real engines
+
+
+def _engine_run(model: Path, pp: int, *, fixes_off: bool = False) -> dict[str, Any]:
+    """Start one engine in a fresh process; its JSON result (tokens, start time) or its failure."""
+    env = dict(os.environ)
+    env.pop("VLLM_DSA_DISABLE_RUNTIME_FIXES", None)
+    if fixes_off:
+        env["VLLM_DSA_DISABLE_RUNTIME_FIXES"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # One OpenMP thread per stage on its own core; pp=1 uses one thread too (same numerics).
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(pp))
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), str(model), str(pp)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        start_new_session=True,  # its own process group: workers are killed with it
+    )
+    try:
+        out, _ = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, 9)  # EngineCore / worker children that outlived the script
+        except ProcessLookupError:
+            pass
+    lines = [x for x in out.splitlines() if x.startswith("PPFIX ")]
+    result = json.loads(lines[-1][len("PPFIX ") :]) if lines else {}
+    result.update(rc=proc.returncode, wall_s=round(time.monotonic() - start, 1), log=out)
+    return result
+
+
+_RUNS: dict[tuple[str, int, bool], dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="module")
+def engine_run():
+    """Runs each (model, pp, fixes_off) layout once for the whole module."""
+
+    def run(model: Path, pp: int, fixes_off: bool = False) -> dict[str, Any]:
+        key = (str(model), pp, fixes_off)
+        if key not in _RUNS:
+            _RUNS[key] = _engine_run(model, pp, fixes_off=fixes_off)
+            r = _RUNS[key]
+            print(
+                f"[pp-fix] {Path(model).name} pp={pp} fixes_off={fixes_off}: rc={r['rc']} "
+                f"wall {r['wall_s']} s, engine start {r.get('start_s')} s, tokens {r.get('tokens')}"
+            )
+        return _RUNS[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_dsa_dir() -> Path:
+    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+
+    return make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
+
+
+def _assert_same_tokens(pp1: dict[str, Any], pp2: dict[str, Any]) -> None:
+    assert pp1["rc"] == 0, pp1["log"][-4000:]
+    assert pp2["rc"] == 0, pp2["log"][-4000:]
+    assert ORIGINAL_ERROR not in pp2["log"]
+    # the fix's log line (every process logs it once, the stage-1 worker too)
+    assert "cpu-pp-intermediate-tensors" in pp2["log"]
+    assert len(pp1["tokens"]) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in pp1["tokens"])
+    assert pp2["tokens"] == pp1["tokens"]
+
+
+@pytest.mark.slow
+def test_mla_pp2_equals_pp1(engine_run, tiny_mla_dir: Path) -> None:
+    _assert_same_tokens(engine_run(tiny_mla_dir, 1), engine_run(tiny_mla_dir, 2))
+
+
+@pytest.mark.slow
+def test_mla_pp2_without_fix_fails_with_the_original_assertion(
+    engine_run, tiny_mla_dir: Path
+) -> None:
+    off = engine_run(tiny_mla_dir, 2, fixes_off=True)
+    assert off["rc"] != 0 and "tokens" not in off, off["log"][-3000:]
+    assert ORIGINAL_ERROR in off["log"], off["log"][-4000:]
+    assert "sync_and_gather_intermediate_tensors" in off["log"]
+
+
+@pytest.mark.slow
+def test_dsa_pp2_equals_pp1(engine_run, tiny_dsa_dir: Path) -> None:
+    _assert_same_tokens(engine_run(tiny_dsa_dir, 1), engine_run(tiny_dsa_dir, 2))
+
+
+# --------------------------------------------------------------------------- engine script
+
+
+def main() -> None:
+    """``MODEL PP``: one engine, greedy tokens of :data:`PROMPTS`, one ``PPFIX {json}`` line."""
+    model, pp = sys.argv[1], int(sys.argv[2])
+    from vllm import LLM, SamplingParams
+
+    start = time.monotonic()
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp" if pp > 1 else None,
+    )
+    start_s = time.monotonic() - start
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    print(
+        "PPFIX " + json.dumps({"pp": pp, "start_s": round(start_s, 1), "tokens": tokens}),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

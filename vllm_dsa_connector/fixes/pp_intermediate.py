@@ -1,0 +1,247 @@
+"""Runtime fix: pipeline parallelism on vLLM CPU (no receive buffer on stages after the first).
+
+vLLM 0.32's ``GPUModelRunner`` allocates ``intermediate_tensors`` (the buffer into which a
+pipeline stage other than the first copies the previous stage's hidden states and residual)
+only inside ``_dummy_run``, i.e. during the warm-up/profile run. On GPU that run always
+happens. The CPU worker skips it: ``CPUModelRunner.warming_up_model`` returns at once for
+``CompilationMode.NONE`` (``enforce_eager=True``) and ``CPUWorker._should_warm_up_model`` is
+false with ``VLLM_CPU_CI_ENV`` or with eager mode plus an explicit KV cache size. The first
+``execute_model`` of stage 1 then calls ``sync_and_gather_intermediate_tensors``, which
+asserts ``self.intermediate_tensors is not None``: ``pipeline_parallel_size>=2`` fails on CPU
+for every model.
+
+``patches/0002-*.patch`` is the upstream fix (``CPUModelRunner`` allocates the buffer on first
+use); this module installs the equivalent at run time, on ``CPUModelRunner`` only (the GPU
+runner is untouched): ``sync_and_gather_intermediate_tensors`` allocates the buffer with the
+model's own ``make_empty_intermediate_tensors`` (``max_num_tokens`` rows, the model dtype,
+the runner's device; the sizes ``_dummy_run`` uses) when it is still ``None``, then runs
+vLLM's method. A runner whose buffer exists (a warm-up ran) is not changed.
+
+The probe drives vLLM's own ``sync_and_gather_intermediate_tensors`` on a ``CPUModelRunner``
+instance made without ``__init__`` (no config, no model load; a 4-wide stand-in model) with
+the buffer unset, as after a skipped warm-up: vLLM with the bug raises ``AssertionError``; a
+fixed vLLM returns the copied tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import torch
+
+FIX_NAME = "cpu-pp-intermediate-tensors"
+METHOD = "sync_and_gather_intermediate_tensors"
+# What the fixed method reads on the runner besides vLLM's own method.
+REQUIRED_ATTRS: tuple[str, ...] = ("model", "max_num_tokens", "model_config", "device")
+_MARK_ATTR = "_vllm_dsa_fix"
+_PROBE_WIDTH = 4
+_PROBE_ROWS = 8
+
+__all__ = [
+    "FIX_NAME",
+    "apply",
+    "METHOD",
+    "ProbeResult",
+    "install",
+    "is_installed",
+    "probe",
+    "runner_class",
+    "supported",
+    "uninstall",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """What the behaviour probe saw on the installed ``CPUModelRunner``."""
+
+    buggy: bool
+    detail: str
+
+
+def runner_class() -> type | None:
+    """vLLM's ``CPUModelRunner`` when this process runs on vLLM's CPU platform, else None.
+
+    On other platforms the class is not imported (the GPU runner always runs the warm-up
+    that allocates the buffer).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:
+        return None
+    return CPUModelRunner
+
+
+def supported(cls: type) -> bool:
+    """Whether ``cls`` has the method this fix wraps."""
+    return callable(getattr(cls, METHOD, None))
+
+
+def is_installed(cls: type) -> bool:
+    """Whether this fix is installed on ``cls`` (directly, not inherited)."""
+    return getattr(cls.__dict__.get(METHOD), _MARK_ATTR, None) == FIX_NAME
+
+
+class _ProbeModel:
+    """Stand-in for a PP model: the two-tensor stage interface of vLLM's decoder models."""
+
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> Any:
+        from vllm.sequence import IntermediateTensors
+
+        return IntermediateTensors(
+            {
+                name: torch.zeros((batch_size, _PROBE_WIDTH), dtype=dtype, device=device)
+                for name in ("hidden_states", "residual")
+            }
+        )
+
+
+def _probe_runner(cls: type) -> Any:
+    """A ``cls`` instance without ``__init__``: a stage-1 runner whose warm-up was skipped."""
+    runner: Any = object.__new__(cls)
+    runner.intermediate_tensors = None
+    runner.model = _ProbeModel()
+    runner.max_num_tokens = _PROBE_ROWS
+    runner.model_config = types.SimpleNamespace(dtype=torch.float32)
+    runner.device = torch.device("cpu")
+    return runner
+
+
+def probe(cls: type) -> ProbeResult:
+    """Receive 3 rows of a previous stage on a runner that skipped the warm-up."""
+    from vllm.sequence import IntermediateTensors
+
+    received = IntermediateTensors(
+        {
+            "hidden_states": torch.arange(12, dtype=torch.float32).reshape(3, _PROBE_WIDTH),
+            "residual": -torch.arange(12, dtype=torch.float32).reshape(3, _PROBE_WIDTH),
+        }
+    )
+    runner = _probe_runner(cls)
+    try:
+        out = getattr(runner, METHOD)(3, received, True)
+    except AssertionError:
+        return ProbeResult(
+            True,
+            f"{cls.__name__}.{METHOD} raised AssertionError with no receive buffer "
+            "(the buffer is allocated only by the warm-up dummy run)",
+        )
+    ok = all(torch.equal(out[name], received[name]) for name in ("hidden_states", "residual"))
+    if not ok:
+        return ProbeResult(True, f"{cls.__name__}.{METHOD} returned other values than received")
+    return ProbeResult(False, f"{cls.__name__}.{METHOD} works without a warm-up run")
+
+
+_ORIGINAL: dict[type, tuple[bool, Any]] = {}
+
+
+def install(cls: type) -> bool:
+    """Install the fix on ``cls``. False if it was already installed."""
+    if is_installed(cls):
+        return False
+    had_own = METHOD in cls.__dict__
+    original = getattr(cls, METHOD)
+
+    def sync_and_gather_intermediate_tensors(
+        self: Any, num_tokens: int, intermediate_tensors: Any, sync_self: bool
+    ) -> Any:
+        """vLLM's method, after allocating the receive buffer if no warm-up did."""
+        if getattr(self, "intermediate_tensors", None) is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens,
+                dtype=self.model_config.dtype,
+                device=self.device,
+            )
+        return original(self, num_tokens, intermediate_tensors, sync_self)
+
+    setattr(sync_and_gather_intermediate_tensors, _MARK_ATTR, FIX_NAME)
+    _ORIGINAL[cls] = (had_own, cls.__dict__.get(METHOD))
+    setattr(cls, METHOD, sync_and_gather_intermediate_tensors)
+    return True
+
+
+def uninstall(cls: type) -> bool:
+    """Remove the fix from ``cls`` (for tests). False if it was not installed."""
+    if not is_installed(cls):
+        return False
+    had_own, own = _ORIGINAL.pop(cls, (False, None))
+    if had_own:
+        setattr(cls, METHOD, own)
+    else:
+        delattr(cls, METHOD)
+    return True
+
+
+def apply(version: str) -> Any:
+    """Probe, install and re-probe on this process's ``CPUModelRunner``; log the outcome once.
+
+    Called by :func:`vllm_dsa_connector.fixes.apply_runtime_fixes` (which holds its lock and has
+    already checked ``VLLM_DSA_DISABLE_RUNTIME_FIXES``). Returns a
+    :class:`~vllm_dsa_connector.fixes.FixReport`; ``"not-needed"`` off vLLM's CPU platform.
+    """
+    from vllm_dsa_connector.fixes import FixReport, _log_once
+
+    cls = runner_class()
+    if cls is None:
+        return FixReport(FIX_NAME, "not-needed", version, "not vLLM's CPU platform")
+    if is_installed(cls):
+        return FixReport(FIX_NAME, "already-applied", version, "")
+    if not supported(cls):
+        _log_once(
+            FIX_NAME,
+            "warning",
+            "vllm-dsa-connector: vLLM %s's %s has no %s; fix %s not applied",
+            version,
+            cls.__name__,
+            METHOD,
+            FIX_NAME,
+        )
+        return FixReport(FIX_NAME, "unsupported", version, f"no {METHOD}")
+    before = probe(cls)
+    if not before.buggy:
+        _log_once(
+            FIX_NAME,
+            "debug",
+            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
+            version,
+            FIX_NAME,
+            before.detail,
+        )
+        return FixReport(FIX_NAME, "not-needed", version, before.detail)
+    install(cls)
+    after = probe(cls)
+    if after.buggy:
+        uninstall(cls)
+        _log_once(
+            FIX_NAME,
+            "warning",
+            "vllm-dsa-connector: fix %s did not give vLLM %s's CPU "
+            "runner a pipeline receive buffer (before: %s; after: %s); removed it again. "
+            "pipeline_parallel_size>1 fails on CPU: apply patches/0002-*.patch.",
+            FIX_NAME,
+            version,
+            before.detail,
+            after.detail,
+        )
+        return FixReport(FIX_NAME, "failed", version, after.detail)
+    _log_once(
+        FIX_NAME,
+        "info",
+        "vllm-dsa-connector: applied runtime fix %s to vLLM %s: "
+        "CPUModelRunner allocates the pipeline-stage receive buffer on first use, so "
+        "pipeline_parallel_size>1 runs without a warm-up (probe: %s; after the fix: %s). "
+        "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.",
+        FIX_NAME,
+        version,
+        before.detail,
+        after.detail,
+    )
+    return FixReport(FIX_NAME, "applied", version, before.detail)
