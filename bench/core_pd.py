@@ -1,0 +1,349 @@
+"""The transfer core end to end, without vLLM: a producer and a consumer process push KV through NIXL.
+
+What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.handoff`, the planner
+``matching.PeerPlan``, :mod:`vllm_dsa_connector.transport`), with nothing from vLLM imported:
+
+- P and D each allocate KV pools with torch, laid out as vLLM lays out a GLM-5.2-shaped model's KV cache
+  (the page table built offline by :mod:`vllm_dsa_connector.layout` from ``examples/glm5_2_shape.json``:
+  78 MLA pages of 41,984 B + 21 indexer pages of 8,448 B per block), register them with a NIXL agent and
+  publish a :class:`~vllm_dsa_connector.handoff.wire.RankPayload`. P fills its pools with seeded bytes, D
+  starts from zeros.
+- P keeps each finished "prefill" under a lease (:class:`~vllm_dsa_connector.handoff.producer.Producer`) and
+  serves the side channel; the parent process plays the proxy and hands P's ``kv_transfer_params`` to D.
+- D handshakes over the side channel (:class:`~vllm_dsa_connector.handoff.consumer.Consumer`: payloads,
+  compatibility check, plan), registers its blocks (scattered, out of order; one request with a prefix
+  already on D, so P sends from its second block), and arms the transport's receiver.
+- P dispatches each registration, posts the plan's runs through ``DirectTransport`` and reports the lease
+  finished; D's receiver settles the request.
+- D then checks EVERY byte of its pools: the paired blocks hold P's bytes (P's seeded pools regenerated on
+  D, copied with torch index ops along the plan's runs), every other byte is still zero.
+
+Timed per request: ``post_ms`` (P: post -> all WRITEs DONE) and ``e2e_ms`` (D: registration sent ->
+request settled, through the side channel, P's step, the WRITEs and the notification).
+
+    PYTHONPATH=. python bench/core_pd.py                                   # CPU, small pools (the suite)
+    PYTHONPATH=. python bench/core_pd.py --blocks 1200 --save-table t.json  # build a table (needs vLLM)
+    PYTHONPATH=. python bench/core_pd.py --device cuda --table t.json --requests 594,300,64,8 --blocks 1200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_dsa_connector.handoff.consumer import Consumer, parse_remote_params  # noqa: E402
+from vllm_dsa_connector.handoff.messages import Authenticator  # noqa: E402
+from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
+from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
+from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
+from vllm_dsa_connector.handoff.wire import RankPayload, decode_payload, encode  # noqa: E402
+from vllm_dsa_connector.layout.model import PageTable  # noqa: E402
+from vllm_dsa_connector.transport.copy import copy_runs  # noqa: E402
+from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
+from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
+from vllm_dsa_connector.transport.regions import Region, RegionDesc  # noqa: E402
+from vllm_dsa_connector.transport.transports import DirectTransport, PostState  # noqa: E402
+
+SHAPE = ROOT / "vllm_dsa_connector" / "examples" / "glm5_2_shape.json"
+FILL_CHUNK = 1 << 28  # seeded bytes are generated per 256 MiB chunk (same chunks on P and on D)
+
+
+def build_table(blocks: int) -> dict[str, Any]:
+    """GLM-5.2's page table for ``blocks`` KV blocks, as vLLM lays it out (needs vLLM: run where it is)."""
+    from vllm_dsa_connector.layout import build_offline
+
+    (table,) = build_offline(SHAPE, kv_cache_dtype="fp8_ds_mla", num_blocks=blocks)
+    return table.to_dict()
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request: P's blocks (the lease), D's new blocks, and how many leading blocks D already holds."""
+
+    req_id: str
+    p_blocks: tuple[int, ...]
+    d_blocks: tuple[int, ...]
+    first_block: int
+
+    @property
+    def src_blocks(self) -> tuple[int, ...]:
+        """P's blocks that go to ``d_blocks`` (same token positions)."""
+        return self.p_blocks[self.first_block : self.first_block + len(self.d_blocks)]
+
+
+def plan_requests(sizes: list[int], pool_blocks: int, seed: int) -> list[RequestSpec]:
+    """Disjoint, scattered, out-of-order block ids on both sides; request 1 has a one-block prefix on D."""
+    if sum(sizes) > pool_blocks:
+        raise ValueError(f"requests need {sum(sizes)} blocks, the pools hold {pool_blocks}")
+    rng = np.random.default_rng(seed)
+    p_perm, d_perm = rng.permutation(pool_blocks).tolist(), rng.permutation(pool_blocks).tolist()
+    specs, at = [], 0
+    for i, n in enumerate(sizes):
+        first = 1 if i == 1 and n > 1 else 0
+        p, d = p_perm[at : at + n], d_perm[at : at + n - first]
+        specs.append(RequestSpec(f"req-{i}", tuple(p), tuple(d), first))
+        at += n
+    return specs
+
+
+def fill(tensors: list[torch.Tensor], seed: int) -> None:
+    """Seeded bytes, reproducible on any process of the same device type."""
+    for i, t in enumerate(tensors):
+        gen = torch.Generator(device=t.device)
+        for j, start in enumerate(range(0, t.numel(), FILL_CHUNK)):
+            gen.manual_seed(seed * 1_000_003 + i * 10_007 + j)
+            part = t[start : start + FILL_CHUNK]
+            part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, device=t.device, generator=gen))
+
+
+@dataclass
+class Side:
+    """One engine's single worker: its pools, NIXL agent, registered regions and handshake payload."""
+
+    tensors: list[torch.Tensor]
+    engine: NixlEngine
+    regions: list[Region]
+    payload: RankPayload
+
+
+def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int | None) -> Side:
+    """Allocate the table's pools on ``device`` (seeded bytes, or zeros), register them, build the payload."""
+    table = PageTable.from_dict(table_dict)
+    tensors = [torch.zeros(p.nbytes, dtype=torch.uint8, device=device) for p in table.pools]
+    if seed is not None:
+        fill(tensors, seed)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    pools = tuple(replace(p, base_ptr=t.data_ptr(), device=str(t.device)) for p, t in zip(table.pools, tensors, strict=True))
+    engine = NixlEngine(f"{engine_id}-{os.getpid()}")
+    regions = [engine.register(t) for t in tensors]
+    compat = {"architecture": table.model.architecture, "kv_cache_dtype": table.kv_cache_dtype,
+              "block_size": str(table.block_size)}
+    payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
+                          replace(table, pools=pools).to_dict(), [r.desc().to_dict() for r in regions], compat)
+    return Side(tensors, engine, regions, payload)
+
+
+def _vllm_loaded() -> bool:
+    return any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
+
+
+def _settings(args: argparse.Namespace) -> HandoffSettings:
+    return HandoffSettings(lease_s=120.0, transfer_timeout_s=args.timeout, handshake_timeout_s=10.0,
+                           heartbeat_s=2.0)
+
+
+# ------------------------------------------------------------------------------------------ P
+
+
+def run_producer(conn: Any, args: argparse.Namespace, table: dict[str, Any], specs: list[RequestSpec]) -> None:
+    """P: leases, the side channel, dispatch and posts, until the parent says stop."""
+    try:
+        side = open_side("P", table, args.device, args.seed)
+        settings = _settings(args)
+        producer = Producer("P", settings)
+        payloads = [encode(side.payload)]
+        server = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, payloads),
+                                   Authenticator(args.secret))
+        transport = DirectTransport(side.engine, timeout_s=settings.transfer_timeout_s)
+        params = [dict(do_remote_prefill=True, remote_engine_id="P", remote_request_id=s.req_id,
+                       remote_token=producer.add_lease(s.req_id, list(s.p_blocks)), remote_host=server.host,
+                       remote_port=server.port, remote_block_ids=list(s.p_blocks),
+                       remote_num_tokens=64 * len(s.p_blocks)) for s in specs]
+        conn.send(("params", params))
+        peers: dict[str, tuple[list[tuple[str, RankPayload]], Any]] = {}
+        posts: dict[str, tuple[list[Any], float]] = {}
+        post_ms: dict[str, float] = {}
+        errors: list[str] = []
+        while not conn.poll():
+            out = producer.step()
+            for info in out.peers:  # D's layout, once: its agents and the plan P -> D
+                d_payloads = [decode_payload(b) for b in info.payloads]
+                agents = [(side.engine.add_peer(p.agent_metadata), p) for p in d_payloads]
+                peers[info.engine_id] = (agents, validate_peer([side.payload], d_payloads))
+            for job in out.push:
+                agents, plan = peers[job.dst_engine]
+                started, mine = time.perf_counter(), []
+                for agent, d in agents:
+                    parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp]), runs)
+                             for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks)]
+                    mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode()))
+                posts[job.req_id] = (mine, started)
+            if out.release:
+                errors += [f"lease {r} released without a push" for r in out.release]
+                producer.finished_sending(set(out.release))
+            for req_id, (mine, started) in list(posts.items()):
+                if all(transport.progress(p) for p in mine):
+                    post_ms[req_id] = 1000 * (time.perf_counter() - started)
+                    errors += [f"{req_id}: {p.error}" for p in mine if p.state is PostState.FAILED]
+                    producer.finished_sending({req_id})
+                    del posts[req_id]
+            if not posts:
+                time.sleep(0.0005)
+        conn.recv()
+        conn.send(("result", {"post_ms": post_ms, "errors": errors, "pending": producer.pending(),
+                              "vllm_loaded": _vllm_loaded()}))
+        server.close()
+        side.engine.close()
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send(("error", f"P: {e!r}"))
+        raise
+
+
+# ------------------------------------------------------------------------------------------ D
+
+
+def run_consumer(conn: Any, args: argparse.Namespace, table: dict[str, Any], specs: list[RequestSpec]) -> None:
+    """D: handshake, registrations, the receiver, then the byte-for-byte check of every pool."""
+    try:
+        side = open_side("D", table, args.device, None)
+        consumer = Consumer("D", _settings(args), Authenticator(args.secret), lambda: [side.payload],
+                            lambda: [encode(side.payload)])
+        receiver = Receiver(side.engine)
+        params = conn.recv()
+        first = parse_remote_params(params[0])
+        deadline = time.monotonic() + 30
+        while (peer := consumer.peer("P", first.remote_host, first.remote_port)).future is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("handshake with P did not finish in 30 s")
+            time.sleep(0.005)
+        if peer.error or peer.meta is None:
+            raise RuntimeError(f"handshake with P failed: {peer.error}")
+        agents = {p.rank: p.agent_name for p in peer.meta.payloads}
+        e2e_ms: dict[str, float] = {}
+        for spec, param in zip(specs, params, strict=True):
+            rp = parse_remote_params(param)
+            consumer.queue(spec.req_id, rp)
+            started = time.perf_counter()
+            job = consumer.register(spec.req_id, rp, peer, spec.first_block, list(spec.src_blocks),
+                                    list(spec.d_blocks), {}, [])
+            writers = {w: WriterSpec(peer=agents[w]) for w in job.expected[side.payload.rank]}
+            receiver.arm(spec.req_id.encode(), writers, timeout_s=args.timeout)
+            result = None
+            while result is None:
+                fail: dict[str, str] = {}
+                consumer.step(fail)
+                if fail:
+                    raise RuntimeError(f"{spec.req_id}: the consumer gave up: {fail}")
+                receiver.pump()
+                result = next(iter(receiver.collect()), None)
+                if result is None:
+                    time.sleep(0.0002)
+            if result.state is not RecvState.DONE:
+                raise RuntimeError(f"{spec.req_id}: receive ended {result.state.value}: {result.reason}")
+            e2e_ms[spec.req_id] = 1000 * (time.perf_counter() - started)
+            consumer.finished(spec.req_id)
+        conn.send(("result", {"e2e_ms": e2e_ms, "vllm_loaded": _vllm_loaded(), **verify(side, peer.plan, specs, args)}))
+        consumer.shutdown()
+        side.engine.close()
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send(("error", f"D: {e!r}"))
+        raise
+
+
+def verify(side: Side, plan: Any, specs: list[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
+    """Every byte of D's pools: P's bytes along the plan's runs (index ops, not NIXL), zero elsewhere."""
+    p_pools = [torch.empty_like(t) for t in side.tensors]
+    fill(p_pools, args.seed)  # P's pools, regenerated
+    expected = [torch.zeros_like(t) for t in side.tensors]
+    moved = 0
+    for spec in specs:
+        for src_rank in plan.senders_for(side.payload.rank):
+            for sp, dp, runs in plan.runs(src_rank, side.payload.rank, spec.src_blocks, spec.d_blocks):
+                copy_runs(p_pools[sp], expected[dp], runs, impl="index")
+                moved += runs.total_bytes
+    if side.tensors[0].is_cuda:
+        torch.cuda.synchronize()
+    bad = [i for i, (got, want) in enumerate(zip(side.tensors, expected, strict=True)) if not torch.equal(got, want)]
+    return {"bytes_moved": moved, "bytes_checked": sum(t.numel() for t in side.tensors), "mismatched_pools": bad}
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+
+def _expect(conn: Any, kind: str, timeout_s: float) -> Any:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no {kind!r} message within {timeout_s:.0f} s")
+    got, body = conn.recv()
+    if got == "error":
+        raise RuntimeError(body)
+    if got != kind:
+        raise RuntimeError(f"expected {kind!r}, got {got!r}")
+    return body
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both processes; the parent hands P's kv_transfer_params to D (the proxy's part) and collects results."""
+    table = json.loads(Path(args.table).read_text()) if args.table else build_table(args.blocks)
+    if args.save_table:
+        Path(args.save_table).write_text(json.dumps(table))
+    pool_blocks = min(int(p["num_blocks"]) for p in table["pools"])
+    specs = plan_requests([int(x) for x in args.requests.split(",")], pool_blocks, args.seed)
+    ctx = mp.get_context("spawn")
+    (p_end, p_conn), (d_end, d_conn) = ctx.Pipe(), ctx.Pipe()
+    procs = [ctx.Process(target=run_producer, args=(p_conn, args, table, specs), name="core-P"),
+             ctx.Process(target=run_consumer, args=(d_conn, args, table, specs), name="core-D")]
+    for p in procs:
+        p.start()
+    try:
+        d_end.send(_expect(p_end, "params", 600))
+        d_res = _expect(d_end, "result", args.timeout * len(specs) + 600)
+        p_end.send("stop")
+        p_res = _expect(p_end, "result", 60)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    block_bytes = int(table["pools"][0]["block_stride"])
+    reqs = [{"req": s.req_id, "blocks": len(s.d_blocks), "bytes": len(s.d_blocks) * block_bytes,
+             "post_ms": round(p_res["post_ms"].get(s.req_id, -1.0), 3), "e2e_ms": round(d_res["e2e_ms"][s.req_id], 3)}
+            for s in specs]
+    return {"device": args.device, "pool_blocks": pool_blocks, "requests": reqs,
+            "bytes_moved": d_res["bytes_moved"], "bytes_checked": d_res["bytes_checked"],
+            "ok": not (d_res["mismatched_pools"] or p_res["errors"] or p_res["pending"]),
+            "mismatched_pools": d_res["mismatched_pools"], "p_errors": p_res["errors"],
+            "vllm_in_p_or_d": p_res["vllm_loaded"] or d_res["vllm_loaded"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both processes on it)")
+    ap.add_argument("--table", help="page table JSON (from --save-table); default: build it (needs vLLM)")
+    ap.add_argument("--save-table", help="write the page table used to this JSON file")
+    ap.add_argument("--blocks", type=int, default=24, help="KV blocks per pool when building the table")
+    ap.add_argument("--requests", default="8,5,3,1", help="blocks per request (P side)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--timeout", type=float, default=60.0, help="transfer timeout per request (s)")
+    ap.add_argument("--secret", default="core-pd-secret-0123456789", help="side-channel auth secret")
+    ap.add_argument("--out", help="write the result JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the result as JSON; exit status 1 unless every byte matched."""
+    args = parse_args(argv)
+    res = run(args)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
