@@ -156,3 +156,32 @@ def test_block_lists_are_validated() -> None:
         expand_runs(plan.segments, t, t, [1, 2], [1])
     with pytest.raises(PlanError, match="out of range"):
         expand_runs(plan.segments, t, t, [NUM_BLOCKS], [0])
+
+
+@pytest.mark.parametrize("p_pp,p_tp,d_pp,d_tp", [(1, 1, 2, 1), (1, 4, 1, 2), (2, 1, 1, 1)])
+def test_peer_plan_runs_are_the_plans_merged_runs(p_pp, p_tp, d_pp, d_tp) -> None:
+    """``PeerPlan.runs`` (tables decoded once, segments indexed per pair) gives exactly the plan's runs,
+    merged with sorting (the order sender and receiver pack a bounce in); unknown pairs give nothing."""
+    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.transport.runs import merge_runs
+
+    src, dst = tables("masked", p_pp, p_tp), tables("masked", d_pp, d_tp)
+    peer = PeerPlan.build(list(reversed(src)), dst)  # any order in: ranks index the tables
+    assert peer.plan.segments == plan_transfer(src, dst).segments
+    assert [t.rank for t in peer.src_tables] == sorted(t.rank for t in src)
+    src_blocks, dst_blocks = [4, 1, 2], [0, 5, 3]  # out of order, as vLLM's free list hands them out
+    by_rank = {t.rank: t for t in src}
+    for d in dst:
+        assert peer.senders_for(d.rank) == peer.plan.senders_for(d.rank)
+        for s_rank in by_rank:
+            got = peer.runs(s_rank, d.rank, src_blocks, dst_blocks)
+            want = expand_runs(peer.plan.for_pair(s_rank, d.rank), by_rank[s_rank], d, src_blocks, dst_blocks)
+            assert [(sp, dp) for sp, dp, _ in got] == [(w.src_pool, w.dst_pool) for w in want]
+            for (_, _, runs), w in zip(got, want, strict=True):
+                ref = merge_runs(w.src_offsets, w.dst_offsets, w.lengths)
+                assert np.array_equal(runs.src_offsets, ref.src_offsets)
+                assert np.array_equal(runs.dst_offsets, ref.dst_offsets)
+                assert np.array_equal(runs.lengths, ref.lengths) and runs.merged() is runs
+    assert peer.runs(99, 0, [0], [0]) == []
+    with pytest.raises(PlanError, match="out of range"):
+        peer.runs(0, 0, [NUM_BLOCKS], [0])

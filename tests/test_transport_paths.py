@@ -548,3 +548,64 @@ def test_pipelined_and_gated_sends_between_two_agents_exact() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_direct_and_bounce_transports_called_the_same_way_one_receiver() -> None:
+    """Both transports through one call pattern (post / progress), into the one Receiver; the receiver's
+    caller never looks at the path (two real NIXL agents in this process)."""
+    from vllm_dsa_connector.transport import (
+        BounceSender,
+        BounceTransport,
+        DirectTransport,
+        NixlEngine,
+        PostState,
+        Receiver,
+        RecvState,
+        StagingSlot,
+        WriterSpec,
+    )
+
+    stamp = time.monotonic_ns()
+    a, b = NixlEngine(f"tp-s-{stamp}"), NixlEngine(f"tp-r-{stamp}")
+    try:
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        arena = StagingArena(1 << 20)
+        rcv = Receiver(b, arena)
+        snd = BounceSender(a, StagingArena(1 << 20), BounceGate(BounceSettings(mode="always"), environ={}))
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        rng = np.random.default_rng(1)
+        sb, db = rng.choice(256, 64, replace=False), rng.choice(256, 64, replace=False)
+        runs = runs_from_blocks(sb, db, 4096)
+        transports = {"direct": DirectTransport(a, 20.0), "bounce": BounceTransport(snd, 20.0)}
+        assert rcv.region is not None
+        for i, (name, transport) in enumerate(transports.items()):
+            dst.zero_()
+            tag = f"r{i}".encode()
+            res = arena.reserve(runs.total_bytes) if name == "bounce" else None
+            slot = StagingSlot(rcv.region.desc(), res.offset, runs.total_bytes) if res else None
+            spec = WriterSpec(peer=a.name, dst=dst, runs=runs, slot=(res.offset, runs.total_bytes) if res else None)
+            rcv.arm(tag, {7: spec}, reservation=res)
+            post = transport.post(peer, [(rs, rd.desc(), runs)], writer=7, tag=tag, slot=slot)
+            assert post.path == name and not post.error
+            deadline = time.monotonic() + 20
+            done: list = []
+            over = False
+            while not (done and over):
+                over = transport.progress(post)  # the direct transport notifies once its WRITEs are DONE
+                rcv.pump()
+                done = done or rcv.collect()
+                assert time.monotonic() < deadline, f"{name} did not complete"
+            assert post.state is PostState.DONE and [r.state for r in done] == [RecvState.DONE]
+            for x, y in zip(sb, db, strict=True):
+                assert torch.equal(dst[y * 4096 : (y + 1) * 4096], src[x * 4096 : (x + 1) * 4096])
+        assert arena.free_bytes == arena.size and snd.arena.free_bytes == snd.arena.size
+        # A part that cannot be posted fails the post (nothing raised, nothing in flight, nothing notified).
+        bad = Runs(np.array([0]), np.array([2 << 20]), np.array([4096]))  # past the destination region
+        post = transports["direct"].post(peer, [(rs, rd.desc(), bad)], writer=7, tag=b"x")
+        assert transports["direct"].progress(post) and post.state is PostState.FAILED and "2101248" in post.error
+    finally:
+        a.close()
+        b.close()

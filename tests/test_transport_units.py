@@ -296,3 +296,106 @@ def test_receiver_completes_only_after_every_writer_and_scatter() -> None:
         assert arena.quarantined_bytes == 1024
     finally:
         eng.close()
+
+
+# -- slot allocator (torch-free) and the receiver's states ----------------------------------------------
+
+
+def test_slot_allocator_imports_no_torch_and_waits_on_its_clock() -> None:
+    import subprocess
+    import sys
+
+    from vllm_dsa_connector.transport.slots import SlotAllocator
+
+    code = ("import sys; import vllm_dsa_connector.transport.slots as s; "
+            "assert 'torch' not in sys.modules, 'slots imported torch'; print(s.SlotAllocator(4096).size)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "4096", out.stderr[-2000:]
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += 1.0  # every look at the clock is a second later: the bounded wait ends without sleeping
+        return t[0]
+
+    slots = SlotAllocator(1000, align=512, clock=clock)
+    assert slots.size == 512 and slots.reserve(600) is None  # larger than the arena: go direct
+    a = slots.reserve(100)
+    assert a is not None and a.size == 512 and slots.free_bytes == 0
+    started = time.monotonic()
+    assert slots.reserve(1, timeout_s=5.0) is None and time.monotonic() - started < 1.0
+    slots.quarantine(a)
+    assert slots.quarantined_bytes == 512 and slots.free_bytes == 0
+    with pytest.raises(ValueError, match="not live"):
+        slots.release(a)
+
+
+def test_receiver_states_failed_corrupt_timed_out_cancelled() -> None:
+    """One Receiver, caller hooks deciding on payloads, an injected clock for the deadline (no sleeps)."""
+    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_connector.transport.receiver import (
+        Receiver,
+        RecvState,
+        Verdict,
+        WriterSpec,
+        WriterState,
+    )
+
+    class Hooks:
+        def split(self, tag: bytes):
+            key, _, payload = tag.partition(b"/")
+            return (key, payload) if payload else None
+
+        def admit(self, context, writer: int, payload: bytes):
+            if payload == b"bad":
+                return Verdict.IGNORE, "malformed"
+            return (Verdict.FAIL, "sender failed") if payload == b"fail" else (Verdict.ACCEPT, "")
+
+        def landed(self, context, writer: int, payload: bytes) -> bool:
+            return payload != b"crc"
+
+    now = [100.0]
+    eng = NixlEngine(f"unit-states-{time.monotonic_ns()}")
+    try:
+        arena = StagingArena(1 << 14)
+        rcv = Receiver(eng, arena, hooks=Hooks(), clock=lambda: now[0])
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        w = runs_from_blocks([0], [2], 512)
+        rcv.arm(b"a", {3: WriterSpec(peer="p3"), 5: WriterSpec(peer="p5")}, context="ctx-a")
+        rcv.handle("p5", encode_notif("direct", 3, b"a/ok"))  # writer 3's notice from writer 5's agent
+        rcv.handle("p3", encode_notif("direct", 3, b"a/bad"))  # ignored by the hook
+        rcv.handle("p3", b"dsa1:d3:a")  # no payload: split refuses it
+        assert rcv.writer_states(b"a") == {3: WriterState.EXPECTED, 5: WriterState.EXPECTED}
+        rcv.handle("p3", encode_notif("direct", 3, b"a/fail"))
+        rcv.handle("p5", encode_notif("direct", 5, b"a/ok"))
+        (r,) = rcv.collect()
+        assert (r.key, r.state, r.reason, r.context) == (b"a", RecvState.FAILED, "sender failed", "ctx-a")
+        # A bounced writer whose check fails: CORRUPT (the bytes were scattered).
+        res = arena.reserve(512)
+        arena.buffer[res.offset : res.offset + 512] = 7
+        rcv.arm(b"b", {0: WriterSpec(dst=dst, runs=w, slot=(res.offset, 512))}, reservation=res)
+        rcv.handle("p", encode_notif("bounce", 0, b"b/crc"))
+        (r,) = rcv.collect()
+        assert r.state is RecvState.CORRUPT and bool((dst[1024:1536] == 7).all())
+        assert arena.free_bytes == arena.size  # released: the bytes did land
+        # A bounce without a slot fails its writer instead of raising.
+        rcv.arm(b"c", {0: WriterSpec()})
+        rcv.handle("p", encode_notif("bounce", 0, b"c/ok"))
+        (r,) = rcv.collect()
+        assert r.state is RecvState.FAILED and "without a staging slot" in r.reason
+        # The deadline, on the injected clock.
+        rcv.arm(b"d", {0: WriterSpec(), 1: WriterSpec()}, timeout_s=30.0)
+        rcv.handle("p", encode_notif("direct", 1, b"d/ok"))
+        now[0] += 29.0
+        assert rcv.collect() == []
+        now[0] += 2.0
+        (r,) = rcv.collect()
+        assert r.state is RecvState.TIMED_OUT and r.missing == (0,) and r.waited_s == 31.0
+        # Cancel: the staging range is quarantined; a late notification is dropped.
+        res = arena.reserve(512)
+        rcv.arm(b"e", {0: WriterSpec(dst=dst, runs=w, slot=(res.offset, 512))}, reservation=res)
+        r = rcv.cancel(b"e")
+        assert r is not None and r.state is RecvState.CANCELLED and arena.quarantined_bytes == 512
+        rcv.handle("p", encode_notif("bounce", 0, b"e/ok"))
+        assert rcv.collect() == [] and not rcv.pending
+    finally:
+        eng.close()
