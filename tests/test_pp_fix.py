@@ -1,9 +1,10 @@
 """Issue 21 item 2: pipeline parallelism on vLLM CPU (runtime fix ``cpu-pp-intermediate-tensors``
 and ``patches/0002-*.patch``).
 
-Fast checks drive vLLM's real ``CPUModelRunner.sync_and_gather_intermediate_tensors`` on a
-runner left as the CPU worker leaves it after a skipped warm-up (no receive buffer): stock vLLM
-asserts, the runtime fix and the patched copy of vLLM's file do not.
+Fast checks (``compat``: ``ci/compat.sh`` also runs them against vLLM 0.33's sources) drive
+vLLM's real ``CPUModelRunner.sync_and_gather_intermediate_tensors`` on a runner left as the CPU
+worker leaves it after a skipped warm-up (no receive buffer): stock vLLM asserts, the runtime fix
+and the patched copy of vLLM's file do not.
 
 The ``slow`` checks start real engines (one model load per layout, each in its own process,
 float32, ``enforce_eager``, a few greedy tokens): ``pipeline_parallel_size=2`` gives the same
@@ -90,6 +91,7 @@ def _receive(runner: Any, rows: int) -> tuple[Any, Any]:
     return sent, runner.sync_and_gather_intermediate_tensors(rows, sent, True)
 
 
+@pytest.mark.compat  # also against other vLLM releases (ci/compat.sh)
 def test_stock_runner_asserts_and_fix_allocates_once(stock_runner: type) -> None:
     from vllm_dsa_connector.fixes import pp_intermediate as fix
 
@@ -115,6 +117,7 @@ def test_stock_runner_asserts_and_fix_allocates_once(stock_runner: type) -> None
     assert fix.uninstall(stock_runner) and fix.probe(stock_runner).buggy  # vLLM's method again
 
 
+@pytest.mark.compat  # also against other vLLM releases (ci/compat.sh)
 def test_env_disables_the_fix(stock_runner: type, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_dsa_connector import fixes
     from vllm_dsa_connector.fixes import pp_intermediate as fix
@@ -124,6 +127,7 @@ def test_env_disables_the_fix(stock_runner: type, monkeypatch: pytest.MonkeyPatc
     assert not fix.is_installed(stock_runner)
 
 
+@pytest.mark.compat  # also against other vLLM releases (ci/compat.sh)
 def test_register_applies_the_fix(stock_runner: type) -> None:
     from vllm_dsa_connector import fixes
     from vllm_dsa_connector.fixes import pp_intermediate as fix
@@ -155,6 +159,7 @@ def _patched_runner_cls(dest: Path) -> type:
     return module.CPUModelRunner
 
 
+@pytest.mark.compat
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_patch_applies_and_fixes_a_copy_of_vllm(stock_runner: type, tmp_path: Path) -> None:
     from vllm_dsa_connector.fixes import pp_intermediate as fix
