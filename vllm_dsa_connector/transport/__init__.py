@@ -11,7 +11,8 @@ Runs (``runs.py``)
     by source offset first), drops empty runs; vectorised. ``runs_from_blocks(src_blocks, dst_blocks,
     block_bytes, src_base=0, dst_base=0, merge=True)``.
 
-Engine (``engine.py``)
+Engine (``engine.py``; ``Region``, ``RegionDesc``, ``Transfer``, ``TransferStats``, ``TransferError``,
+``PreparedList`` in ``regions.py``)
     ``NixlEngine(name, backends=("UCX",), telemetry=False, progress_thread=False)``
     - ``register(tensor) -> Region`` (DRAM for CPU, VRAM for CUDA; contiguous tensors; once at start).
       ``Region.desc() -> RegionDesc``; ``RegionDesc.to_dict()`` / ``RegionDesc.from_dict(d)`` are
@@ -43,7 +44,7 @@ Bounce (``bounce.py``)
     - ``gather(src_tensor, runs, out_u8)`` / ``scatter(staging_u8, dst_tensor, runs)``: one torch
       ``index_select`` / ``index_copy_`` on the widest integer view (int64) the runs' offsets/lengths and
       pointers allow; narrower views (int32/16/uint8) only when a run needs it. CPU and CUDA.
-    - ``BounceReceiver(engine, arena, reserve_timeout_s=0.2)`` (registers the arena):
+    - ``BounceReceiver(engine, arena, reserve_timeout_s=0.2)`` (a ``Receiver``; registers the arena):
       ``expect(tag, dst_tensor, writers: list[Runs], bounce=True) -> list[StagingSlot | None]`` checks
       EVERY writer's layout (``check_fan_in``: bounds + overlaps within and across writers, raises
       ``LayoutError``), reserves ONE region for all writers (slot i at a 512-aligned offset), ``None`` slots
@@ -58,9 +59,10 @@ Bounce (``bounce.py``)
       within the bounded wait -- ``send.path``/``send.reason`` say what happened);
       ``wait(send, timeout_s) -> TransferStats`` releases the staging space (quarantines it on error).
       Both sides must pass the same ``Runs`` for writer i (they are merged identically on both sides).
-    - Notifications are ``dsa1:<b|d><writer>:<tag>`` (``encode_notif`` / ``decode_notif``).
+    - Notifications (``notices.py``) are ``dsa1:<b|d|i><writer>:<tag>`` (``encode_notif`` / ``decode_notif``;
+      ``parse_notif`` reads every kind into a ``Notif``).
 
-Copy kernel (``copy.py``)
+Copy kernel (``copy.py``; the Triton kernel in ``kernels.py``, cached launches in ``launches.py``)
     ``copy_runs(src, dst, runs, impl=None, config=None) -> "triton" | "index"``: one pass over the bytes
     of ``runs`` from ``src`` to ``dst`` (scattered or packed on either side; ``dst`` may be a peer GPU's
     mapping). CUDA: one Triton kernel over a table of pieces (``plan_pieces``; 16-byte vector accesses
@@ -86,7 +88,7 @@ Pipelined bounce
     ``wait`` drives it); notifications ``dsa1:c<writer>.<i>.<K>:<tag>`` (``encode_chunk_notif``);
     ``BounceReceiver`` scatters each chunk on arrival and completes after the last.
 
-Gate (``gate.py``)
+Gate (``gate.py``; options ``gate_options.py``, cost profiles ``profiles.py``)
     ``BounceGate.from_config(kv_connector_extra_config, device="cpu"|"cuda:0", environ=None)``;
     ``decide(runs) -> "bounce" | "direct"`` on the runs AFTER merging; ``decision(runs)`` with reason
     and estimates. Keys (``BOUNCE_OPTION_KEYS``; env ``VLLM_DSA_<KEY upper>``): ``bounce_mode``
@@ -95,7 +97,7 @@ Gate (``gate.py``)
     ``bounce_desc_cost_us``, ``bounce_copy_gbps``, ``bounce_fixed_us``, ``bounce_arena_bytes``,
     ``bounce_reserve_timeout_s``. Explicit > env > defaults; a bad value or an unknown ``bounce_*`` key
     raises ``OptionError`` naming the key (call it at start-up). Other keys of the dict are ignored, so
-    pass the whole extra config; add ``BOUNCE_OPTION_KEYS`` to your ``check_unknown`` set.
+    pass the whole extra config; pass ``BOUNCE_OPTION_KEYS`` as ``also_known`` to your ``resolve_options``.
     ``choose(runs, paths=("direct", "bounce", "pipelined", "ipc"), link=None) -> Decision`` (``path``,
     ``chunks``, ``reason``, ``estimates``): the fastest possible path over a link, from the per-link
     ``LINKS`` profiles (``same_gpu``, ``nvlink``, ``rdma``, ``cma``, ``tcp``; ``LinkProfile.estimates``);
@@ -113,49 +115,71 @@ graph replay, event completion) 5.77-5.94 ms, merged direct 7.05-7.46, pipelined
 8.3-9.2, a plain peer copy 5.20-5.31 (386-394 GB/s).
 """
 
-from vllm_dsa_connector.transport.gate import (
-    BOUNCE_OPTION_KEYS,
+from vllm_dsa_connector.transport.gate import PATHS, BounceGate, Decision
+from vllm_dsa_connector.transport.gate_options import BOUNCE_OPTION_KEYS, BounceSettings
+from vllm_dsa_connector.transport.profiles import (
     LINKS,
-    PATHS,
     PROFILES,
-    BounceGate,
-    BounceSettings,
     CostModel,
-    Decision,
     LinkProfile,
     detect_profile,
 )
-from vllm_dsa_connector.transport.runs import Chunk, Runs, merge_runs, plan_chunks, runs_from_blocks
+from vllm_dsa_connector.transport.runs import (
+    Chunk,
+    Runs,
+    merge_adjacent,
+    merge_runs,
+    plan_chunks,
+    runs_from_blocks,
+)
 
 __all__ = [
     "BOUNCE_OPTION_KEYS",
+    "IPC_SIGNALS",
     "LINKS",
+    "MAX_INDEX_ROWS",
     "PATHS",
     "PROFILES",
     "BounceGate",
     "BounceReceiver",
     "BounceSender",
     "BounceSettings",
+    "BounceTransport",
     "Chunk",
     "CopyConfig",
     "CostModel",
     "Decision",
+    "DirectTransport",
     "IpcDesc",
     "IpcUnavailable",
     "LayoutError",
     "LinkProfile",
     "NixlEngine",
+    "Notif",
+    "Part",
+    "PlainTags",
+    "Post",
+    "PostState",
     "PreparedList",
+    "ReceiveHooks",
+    "Receiver",
+    "RecvResult",
+    "RecvState",
     "Region",
     "RegionDesc",
     "Reservation",
     "Runs",
     "Send",
+    "SlotAllocator",
     "StagingArena",
     "StagingSlot",
     "Transfer",
     "TransferError",
     "TransferStats",
+    "Transport",
+    "Verdict",
+    "WriterSpec",
+    "WriterState",
     "ce_available",
     "check_fan_in",
     "copy_runs",
@@ -170,8 +194,10 @@ __all__ = [
     "export_region",
     "gather",
     "link_between",
+    "merge_adjacent",
     "merge_runs",
     "open_region",
+    "parse_notif",
     "plan_chunks",
     "plan_pieces",
     "plan_stats",
@@ -182,28 +208,47 @@ __all__ = [
 
 _LAZY = {
     "NixlEngine": "engine",
-    "PreparedList": "engine",
-    "Region": "engine",
-    "RegionDesc": "engine",
-    "Transfer": "engine",
-    "TransferError": "engine",
-    "TransferStats": "engine",
-    "BounceReceiver": "bounce",
-    "BounceSender": "bounce",
-    "LayoutError": "bounce",
-    "Reservation": "bounce",
-    "Send": "bounce",
-    "StagingArena": "bounce",
-    "StagingSlot": "bounce",
-    "check_fan_in": "bounce",
-    "decode_chunk_notif": "bounce",
-    "decode_event_notif": "bounce",
-    "decode_notif": "bounce",
-    "encode_chunk_notif": "bounce",
-    "encode_event_notif": "bounce",
-    "encode_notif": "bounce",
-    "gather": "bounce",
-    "scatter": "bounce",
+    "PreparedList": "regions",
+    "Region": "regions",
+    "RegionDesc": "regions",
+    "Transfer": "regions",
+    "TransferError": "regions",
+    "TransferStats": "regions",
+    "Reservation": "slots",
+    "SlotAllocator": "slots",
+    "MAX_INDEX_ROWS": "staging",
+    "StagingArena": "staging",
+    "gather": "staging",
+    "scatter": "staging",
+    "Notif": "notices",
+    "decode_chunk_notif": "notices",
+    "decode_event_notif": "notices",
+    "decode_notif": "notices",
+    "encode_chunk_notif": "notices",
+    "encode_event_notif": "notices",
+    "encode_notif": "notices",
+    "parse_notif": "notices",
+    "Send": "sends",
+    "StagingSlot": "sends",
+    "BounceSender": "sender",
+    "IPC_SIGNALS": "ipc_send",
+    "PlainTags": "receiver",
+    "ReceiveHooks": "receiver",
+    "Receiver": "receiver",
+    "RecvResult": "receiver",
+    "RecvState": "receiver",
+    "Verdict": "receiver",
+    "WriterSpec": "receiver",
+    "WriterState": "receiver",
+    "BounceReceiver": "fan_in",
+    "LayoutError": "fan_in",
+    "check_fan_in": "fan_in",
+    "BounceTransport": "transports",
+    "DirectTransport": "transports",
+    "Part": "transports",
+    "Post": "transports",
+    "PostState": "transports",
+    "Transport": "transports",
     "CopyConfig": "copy",
     "copy_runs": "copy",
     "ce_available": "copy",
