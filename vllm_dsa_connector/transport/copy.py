@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "COPY_IMPLS",
+    "byte_view",
     "DEFAULT_CONFIG",
     "CopyConfig",
     "copy_arrays",
@@ -69,6 +70,7 @@ __all__ = [
     "plan_pieces",
     "plan_stats",
     "row_index",
+    "row_view",
     "trace_launches",
     "triton_available",
 ]
@@ -84,7 +86,8 @@ def default_impl(environ: Any = None) -> str:
     return v
 
 
-def _byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
+def byte_view(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (``t`` must be contiguous; ``what`` names it in the error)."""
     if not t.is_contiguous():
         raise ValueError(f"{what}: tensor must be contiguous")
     flat = t.reshape(-1)
@@ -161,7 +164,8 @@ def row_index(offsets: np.ndarray, lengths: np.ndarray, row: int) -> np.ndarray:
     return np.repeat(first - starts, counts) + np.arange(total, dtype=np.int64)
 
 
-def _rows(buf: torch.Tensor, row: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+def row_view(buf: torch.Tensor, row: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The whole ``row``-byte rows of a flat uint8 ``buf`` as ``[rows, row // width]`` of ``dtype``."""
     n = (buf.numel() // row) * row
     return buf[:n].view(dtype).view(-1, row // width)
 
@@ -178,10 +182,10 @@ def _copy_index(
         sidx = sidx.to(sb.device, non_blocking=True)
     if db.device.type != "cpu":
         didx = didx.to(db.device, non_blocking=True)
-    packed = torch.index_select(_rows(sb, row, w, dt), 0, sidx)
+    packed = torch.index_select(row_view(sb, row, w, dt), 0, sidx)
     if packed.device != db.device:
         packed = packed.to(db.device)
-    _rows(db, row, w, dt).index_copy_(0, didx, packed)
+    row_view(db, row, w, dt).index_copy_(0, didx, packed)
 
 
 # -- entry point ------------------------------------------------------------------------------------
@@ -208,8 +212,8 @@ def copy_runs(
         tr.append(time.perf_counter())
     if runs.total_bytes == 0:
         return "none"
-    sb = _byte_view(src, "copy_runs src")
-    db = _byte_view(dst, "copy_runs dst")
+    sb = byte_view(src, "copy_runs src")
+    db = byte_view(dst, "copy_runs dst")
     mode = default_impl() if impl is None else impl
     if (
         mode in ("auto", "triton")

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vllm_dsa_connector.transport.copy import byte_view
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.receiver import Receiver, WriterSpec
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.sends import StagingSlot
-from vllm_dsa_connector.transport.staging import StagingArena, _byte_view
+from vllm_dsa_connector.transport.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class BounceReceiver(Receiver):
         if tag in self.pending:
             raise ValueError(f"BounceReceiver.expect: tag {tag!r} is already expected")
         merged = [w.merged() for w in writers]
-        check_fan_in(merged, _byte_view(dst, "expect dst").numel())
+        check_fan_in(merged, byte_view(dst, "expect dst").numel())
         sizes = [self.arena.slots.aligned(m.total_bytes) for m in merged]
         total = sum(sizes)
         res = None
