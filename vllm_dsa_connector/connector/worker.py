@@ -41,6 +41,7 @@ from vllm_dsa_connector.handoff.wire import (
     decode_payload,
     encode,
 )
+from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.transports import (
     BounceTransport,
@@ -94,7 +95,7 @@ class _Reported:
 class _RemoteEngine:
     payloads: list[RankPayload]
     agents: dict[int, str]  # rank -> NIXL agent name
-    plan: Any = None  # matching.PeerPlan (decoded page tables of both sides + transfer plan), once
+    plan: PeerPlan | None = None  # decoded page tables of both sides + transfer plan, built once
     error: str = ""
 
 
@@ -250,11 +251,12 @@ class DSAConnectorWorker(ReceiveSide):
             self.stats.add("send_late")
             return
         remote = self.remotes.get(job.dst_engine)
-        if remote is None or remote.error:
+        if remote is None or remote.error or remote.plan is None:
             logger.error("DSAConnector: cannot push %s to %s: %s", job.req_id, job.dst_engine,
-                         remote.error if remote else "unknown peer")
+                         (remote.error or "no plan") if remote else "unknown peer")
             send.failed = True
             return
+        plan = remote.plan
         me = self.payload
         assert me is not None, "register_kv_caches first"
         for dst in remote.payloads:
@@ -262,7 +264,7 @@ class DSAConnectorWorker(ReceiveSide):
                 continue
             agent = remote.agents[dst.rank]
             try:
-                parts = remote.plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks)
+                parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks)
                 if parts:
                     self._write(job, send, dst, agent, parts)
             except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
