@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.harness.engines import BackendChoice, check_backend, engine_cmd, engine_env
-from vllm_dsa_connector.harness.procs import Cluster, cluster, wait_healthy
+from vllm_dsa_connector.harness.engines import BackendChoice, Engine, engine_env, start_engine
+from vllm_dsa_connector.harness.procs import Cluster, cluster
 
 _COUNTS = re.compile(r"admitted (\d+), deferred (\d+), completed")
 # Pinned on every CPU: the comparison is about admission, and AMX_MLA (vLLM's pick where AMX tiles
@@ -31,13 +31,12 @@ SIDE_CHANNEL_PORTS = {"prefill": 23110, "passthrough": 23111, "budget": 23112}
 
 
 def start_server(c: Cluster, name: str, model: str, kv_config: dict[str, Any], cpu: str,
-                 extra: list[str]) -> None:
+                 extra: list[str]) -> Engine:
     """Start one NixlConnector engine of the trio (port and side channel from the tables above)."""
     env = engine_env(cpu)
     env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_CHANNEL_PORTS[name]))
-    cmd = engine_cmd(Path(model), PD_PORTS[name], None, kv_config, backend=ADMISSION_BACKEND,
-                     extra=["--max-num-seqs", "64", *extra])
-    c.start(name, cmd, env)
+    return start_engine(c, name, Path(model), PD_PORTS[name], None, kv_config, ADMISSION_BACKEND, env,
+                        extra=["--max-num-seqs", "64", *extra])
 
 
 _PREFILL_PARAMS = {
@@ -120,15 +119,13 @@ def bench_pd(model: str, args: argparse.Namespace, budget_tokens: int) -> int:
     }
     with cluster(log_dir) as c:
         try:
-            start_server(c, "prefill", model, base, "0", [])
+            engines = [start_server(c, "prefill", model, base, "0", [])]
             for name, extra in policies.items():
-                start_server(c, name, model, dict(base, kv_connector_extra_config=extra), "1", sched)
+                engines.append(start_server(c, name, model, dict(base, kv_connector_extra_config=extra), "1", sched))
             print(f"\n== P/D pair: starting prefill + 2 decode servers (logs in {log_dir}) ==", flush=True)
             t0 = time.monotonic()
-            for s in c.procs:
-                wait_healthy(f"http://127.0.0.1:{PD_PORTS[s.name]}", c.procs, args.start_timeout, poll_s=2.0)
-            for s in c.procs:
-                check_backend(s, ADMISSION_BACKEND)
+            for e in engines:
+                e.ready(args.start_timeout, watch=c.procs, poll_s=2.0)
             print(f"servers ready in {time.monotonic() - t0:.0f} s", flush=True)
             summary = run_bursts(model, args, budget_tokens, list(policies))
         except RuntimeError as e:

@@ -27,14 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dsa_connector.harness.client import chat, metric, scrape
-from vllm_dsa_connector.harness.engines import (
-    check_backend,
-    choose_backend,
-    engine_cmd,
-    engine_env,
-    start_pair,
-)
-from vllm_dsa_connector.harness.procs import cluster, wait_healthy
+from vllm_dsa_connector.harness.engines import choose_backend, engine_env, start_engine, start_pair
+from vllm_dsa_connector.harness.procs import cluster
 
 WORDS = ("dragon paint colour sky river stone lantern harbour winter garden melody thunder "
          "orchard compass library velvet meadow ember glacier canyon").split()
@@ -135,13 +129,11 @@ def _run_one(key: str, model: Path, args: argparse.Namespace, workdir: Path) -> 
 
 def _run_single(model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """The same requests on one engine without a connector (TTFT and outputs to compare with)."""
-    url = f"http://127.0.0.1:{args.base_port + 5}"
     backend = choose_backend(model, args.dtype, args.attention_backend)
     with cluster(workdir / "single") as c:
-        proc = c.start("single", engine_cmd(model, args.base_port + 5, args.dtype, None, backend=backend),
-                       engine_env("0"))
-        wait_healthy(url, [proc], args.startup_timeout)
-        check_backend(proc, backend)
+        eng = start_engine(c, "single", model, args.base_port + 5, args.dtype, None, backend, engine_env("0"))
+        eng.ready(args.startup_timeout)
+        url = eng.url
         rows = []
         for i, messages in enumerate(_requests(args)):
             reply = chat(url, str(model), messages, args.max_tokens)

@@ -39,16 +39,15 @@ from typing import Any
 
 from vllm_dsa_connector.harness.client import Reply, chat, metric, scrape
 from vllm_dsa_connector.harness.engines import (
-    check_backend,
     choose_backend,
     connector_config,
-    engine_cmd,
     engine_env,
     is_dsa_model_dir,
     resolve_model,
+    start_engine,
     start_pair,
 )
-from vllm_dsa_connector.harness.procs import cluster, wait_healthy
+from vllm_dsa_connector.harness.procs import cluster
 
 USER_TURNS = (
     "Hello! Please tell me a short story about a dragon who learned to paint.",
@@ -202,12 +201,10 @@ def run(args: argparse.Namespace) -> int:
     with cluster(workdir) as c:
         try:
             t0 = time.monotonic()
-            ref = ref_url = None
+            ref = None
             if args.check:  # start the reference engine now: its start-up overlaps the pair's
-                ref_url = f"http://127.0.0.1:{args.base_port + 5}"
-                ref = c.start("reference", engine_cmd(
-                    model, args.base_port + 5, args.dtype, None,
-                    backend=choose_backend(model, args.dtype, args.attention_backend)), engine_env("0"))
+                ref = start_engine(c, "reference", model, args.base_port + 5, args.dtype, None,
+                                   choose_backend(model, args.dtype, args.attention_backend), engine_env("0"))
             p_url, d_url, x_url = start_pair(
                 c, model, p_cfg, d_cfg, base_port=args.base_port, dtype=args.dtype,
                 startup_timeout=args.startup_timeout, attention_backend=args.attention_backend)
@@ -232,14 +229,13 @@ def run(args: argparse.Namespace) -> int:
             if not args.check:
                 return 0
             for proc in list(c.procs):
-                if proc is not ref:
+                if ref is None or proc is not ref.proc:
                     c.stop(proc)
-            assert ref is not None and ref_url is not None
-            wait_healthy(ref_url, [ref], args.startup_timeout)
-            check_backend(ref, choose_backend(model, args.dtype, args.attention_backend))
+            assert ref is not None
+            ref.ready(args.startup_timeout)
             problems = []
             for i, r in enumerate(results):
-                want = chat(ref_url, str(model), r.messages, args.max_tokens)
+                want = chat(ref.url, str(model), r.messages, args.max_tokens)
                 same = want.text == r.reply.text
                 print(f"[demo] reference turn {i + 1}/{len(results)}: "
                       f"{'identical' if same else 'DIFFERENT'} ({want.text[:60]!r})", flush=True)

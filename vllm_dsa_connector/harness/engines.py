@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -128,6 +129,28 @@ def engine_cmd(model: Path, port: int, dtype: str | None, kv_config: dict[str, A
     return cmd + list(extra or [])
 
 
+@dataclass(frozen=True)
+class Engine:
+    """A started engine: its process, base URL and the attention backend it must report."""
+
+    proc: Proc
+    url: str
+    backend: BackendChoice
+
+    def ready(self, timeout_s: float, watch: Sequence[Proc] = (), poll_s: float = 1.0) -> None:
+        """Wait until healthy (failing early if it or a ``watch`` process exits), then check the backend."""
+        wait_healthy(self.url, [self.proc, *watch], timeout_s, poll_s=poll_s)
+        check_backend(self.proc, self.backend)
+
+
+def start_engine(c: Cluster, name: str, model: Path, port: int, dtype: str | None,
+                 kv_config: dict[str, Any] | None, backend: BackendChoice, env: dict[str, str],
+                 extra: list[str] | None = None) -> Engine:
+    """Start one ``api_server`` on 127.0.0.1:``port`` in ``c`` (see :func:`engine_cmd`); returns at once."""
+    cmd = engine_cmd(model, port, dtype, kv_config, backend=backend, extra=extra)
+    return Engine(c.start(name, cmd, env), f"http://127.0.0.1:{port}", backend)
+
+
 def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int) -> dict[str, Any]:
     """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``)."""
     return {"kv_connector": "DSAConnector", "kv_role": role,
@@ -156,19 +179,17 @@ def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, 
 
     ``extra_env`` adds variables per engine (keys ``prefill``, ``decode``).
     """
-    p_url, d_url, x_url = (f"http://127.0.0.1:{base_port + i}" for i in range(3))
+    x_url = f"http://127.0.0.1:{base_port + 2}"
     ncpu = os.cpu_count() or 1
     extra_env = extra_env or {}
     backend = choose_backend(model, dtype, attention_backend)
-    p = c.start("prefill", engine_cmd(model, base_port, dtype, p_cfg, backend=backend),
-                {**engine_env("0"), **extra_env.get("prefill", {})})
-    d = c.start("decode", engine_cmd(model, base_port + 1, dtype, d_cfg, backend=backend),
-                {**engine_env(str(min(1, ncpu - 1))), **extra_env.get("decode", {})})
-    x = c.start("proxy", proxy_cmd(p_url, d_url, base_port + 2))
-    wait_healthy(p_url, [p, d, x], startup_timeout)
-    wait_healthy(d_url, [p, d, x], startup_timeout)
+    p = start_engine(c, "prefill", model, base_port, dtype, p_cfg, backend,
+                     {**engine_env("0"), **extra_env.get("prefill", {})})
+    d = start_engine(c, "decode", model, base_port + 1, dtype, d_cfg, backend,
+                     {**engine_env(str(min(1, ncpu - 1))), **extra_env.get("decode", {})})
+    x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2))
+    p.ready(startup_timeout, watch=[d.proc, x])
+    d.ready(startup_timeout, watch=[p.proc, x])
     wait_healthy(x_url, [x], 60)
-    for proc in (p, d):
-        check_backend(proc, backend)
     print(f"[{label}] attention backend {backend.expected} on P and D ({backend.reason})", flush=True)
-    return PairUrls(p_url, d_url, x_url)
+    return PairUrls(p.url, d.url, x_url)
