@@ -240,8 +240,8 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
     """``path="bounce"``: the gate is forced to bounce and D's slots are planned by the scheduler's
     ``plan_slots``, so every write is gathered into P's staging arena, written once, scattered on D."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.connector.scheduler import plan_slots
     from vllm_dsa_connector.handoff.side_channel import validate_peer
+    from vllm_dsa_connector.handoff.slots import plan_slots
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob, decode_payload
     from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings
     from vllm_dsa_connector.transport.slots import SlotAllocator

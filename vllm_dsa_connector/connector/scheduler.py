@@ -39,6 +39,7 @@ from vllm_dsa_connector.handoff.messages import Authenticator, Reply, Request
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
+from vllm_dsa_connector.handoff.slots import Held, StagingSlots
 from vllm_dsa_connector.handoff.wire import (
     TRANSFER_MODE,
     PeerInfo,
@@ -47,8 +48,7 @@ from vllm_dsa_connector.handoff.wire import (
     Slots,
     decode_payload,
 )
-from vllm_dsa_connector.matching import PairingError, PeerPlan, pair_blocks_by_position
-from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
+from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,35 +67,6 @@ def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
     return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
                            handshake_timeout_s=options.handshake_timeout_s, heartbeat_s=options.heartbeat_s,
                            verify_transfers=options.verify_transfers)
-
-
-def plan_slots(plan: PeerPlan, src: list[RankPayload], dst: list[RankPayload], src_blocks: list[int],
-               dst_blocks: list[int], gate: Any,
-               arenas: dict[int, SlotAllocator]) -> tuple[Slots, list[tuple[int, Reservation]]]:
-    """Staging slots for one request: per (destination rank, source rank) pair the gate wants bounced.
-
-    ``plan`` is the peer's plan from the handshake (its runs are computed from tables decoded once);
-    ``arenas`` maps a destination rank to the torch-free allocator of its staging arena (the bytes live in
-    D's worker). Returns the slots and the reservations to free once the transfer is over. A pair gets no
-    slot (= direct WRITE) when its runs do not fit one write, the gate prefers direct, or the arena has no
-    room right now.
-    """
-    slots: Slots = {}
-    held: list[tuple[int, Reservation]] = []
-    for d in dst:
-        arena = arenas.get(d.rank)
-        if arena is None or d.staging is None:
-            continue
-        for s in src:
-            parts = plan.runs(s.rank, d.rank, src_blocks, dst_blocks)
-            if len(parts) != 1 or parts[0][2].total_bytes == 0 or gate.decide(parts[0][2], merged=True) != "bounce":
-                continue
-            res = arena.reserve(parts[0][2].total_bytes, 0.0)
-            if res is None:
-                continue
-            slots.setdefault(d.rank, {})[s.rank] = [res.offset, parts[0][2].total_bytes]
-            held.append((d.rank, res))
-    return slots, held
 
 
 class DSAConnectorScheduler:
@@ -126,8 +97,7 @@ class DSAConnectorScheduler:
         self._fail: dict[str, str] = {}
         self._sources_sent: set[str] = set()
         self._new_sources: list[PeerInfo] = []
-        self._arenas: dict[int, SlotAllocator] | None = None
-        self._gate: Any = None
+        self.slots = StagingSlots(options.bounce, lambda: self.local_payloads)
 
     # ---------------------------------------------------------------- handshake data
 
@@ -214,11 +184,10 @@ class DSAConnectorScheduler:
             return
         src, dst = list(pairing.src_blocks), list(pairing.dst_blocks)
         slots: Slots = {}
-        held: list[tuple[int, Any]] = []
-        if self._bouncing() and peer.meta is not None:
+        held: Held = []
+        if peer.meta is not None:
             try:
-                slots, held = plan_slots(peer.plan, peer.meta.payloads, self.local_payloads, src, dst,
-                                         self._gate, self._arenas or {})
+                slots, held = self.slots.plan(peer.plan, peer.meta.payloads, src, dst)
             except Exception as e:  # noqa: BLE001 - no slot means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no staging slots for %s: %s", req_id, e)
         if load.engine not in self._sources_sent:
@@ -226,30 +195,6 @@ class DSAConnectorScheduler:
             self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True))
         self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_block, src, dst,
                                                          slots, held))
-
-    def _bouncing(self) -> bool:
-        """Whether D offers staging slots (the gate is not off and the workers have staging arenas)."""
-        settings = self.opts.bounce
-        if settings is None or settings.mode == "never":
-            return False
-        if self._arenas is None:
-            from vllm_dsa_connector.transport.gate import BounceGate
-
-            local = self.local_payloads
-            device = local[0].page_table["pools"][0].get("device", "cpu") if local else "cpu"
-            self._gate = BounceGate(settings, device=device)
-            self._arenas = {p.rank: SlotAllocator(int(p.staging["size"])) for p in local if p.staging}
-        return bool(self._arenas)
-
-    def _free_slots(self, held: list[tuple[int, Any]], failed: bool) -> None:
-        for rank, res in held:
-            arena = (self._arenas or {}).get(rank)
-            if arena is None:
-                continue
-            if failed:  # a late WRITE could still land there: never reuse it
-                arena.quarantine(res)
-            else:
-                arena.release(res)
 
     # ---------------------------------------------------------------- P side and aborts
 
@@ -324,7 +269,7 @@ class DSAConnectorScheduler:
         for req_id in output.finished_recving or ():
             load = self.consumer.finished(req_id)
             if load is not None:
-                self._free_slots(load.slots, failed=req_id in failed)
+                self.slots.free(load.slots, failed=req_id in failed)
 
     def has_pending_push_work(self) -> bool:
         """P keeps stepping while it holds leased blocks (their release needs steps); D while it waits to

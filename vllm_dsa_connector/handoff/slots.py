@@ -1,0 +1,93 @@
+"""D's staging slots: which (destination rank, source rank) pairs of a request are bounced, and where.
+
+A bounced writer gathers its runs into its own arena, WRITEs them once into a slot of the receiver's
+staging arena, and the receiver scatters them (:mod:`vllm_dsa_connector.transport`). D's scheduler owns
+the slot bookkeeping (a torch-free :class:`~vllm_dsa_connector.transport.slots.SlotAllocator` per
+destination rank; the bytes live in D's workers) and puts the slots in the registration, so P's workers
+know where to write. A pair gets no slot (= a direct WRITE) when its runs do not fit one write, the
+bounce gate prefers direct, or the arena has no room right now. After a failed transfer a slot is
+quarantined, never reused: a late WRITE could still land in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm_dsa_connector.handoff.wire import RankPayload, Slots
+from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
+
+#: (destination rank, reservation) pairs a request holds until its transfer is over
+Held = list[tuple[int, Reservation]]
+
+
+def plan_slots(plan: Any, src: Sequence[RankPayload], dst: Sequence[RankPayload], src_blocks: Sequence[int],
+               dst_blocks: Sequence[int], gate: Any, arenas: dict[int, SlotAllocator]) -> tuple[Slots, Held]:
+    """Staging slots for one request: per (destination rank, source rank) pair the gate wants bounced.
+
+    ``plan`` is the peer's ``matching.PeerPlan`` from the handshake (its runs come from tables decoded
+    once); ``arenas`` maps a destination rank to the allocator of its staging arena. Returns the slots and
+    the reservations to free once the transfer is over.
+    """
+    slots: Slots = {}
+    held: Held = []
+    for d in dst:
+        arena = arenas.get(d.rank)
+        if arena is None or d.staging is None:
+            continue
+        for s in src:
+            parts = plan.runs(s.rank, d.rank, list(src_blocks), list(dst_blocks))
+            if len(parts) != 1 or parts[0][2].total_bytes == 0 or gate.decide(parts[0][2], merged=True) != "bounce":
+                continue
+            res = arena.reserve(parts[0][2].total_bytes, 0.0)
+            if res is None:
+                continue
+            slots.setdefault(d.rank, {})[s.rank] = [res.offset, parts[0][2].total_bytes]
+            held.append((d.rank, res))
+    return slots, held
+
+
+class StagingSlots:
+    """The slot bookkeeping of one consumer engine (built on first use, once the local payloads are known).
+
+    ``bounce`` is the transport's ``BounceSettings`` (``None`` or mode ``never``: no slots, every WRITE is
+    direct); ``local`` returns this engine's worker payloads (their staging arena sizes).
+    """
+
+    def __init__(self, bounce: Any, local: Callable[[], list[RankPayload]]) -> None:
+        self.bounce = bounce
+        self._local = local
+        self._gate: Any = None
+        self._arenas: dict[int, SlotAllocator] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether D offers staging slots (the gate is not off and the workers have staging arenas)."""
+        if self.bounce is None or self.bounce.mode == "never":
+            return False
+        if self._arenas is None:
+            from vllm_dsa_connector.transport.gate import BounceGate
+
+            local = self._local()
+            device = local[0].page_table["pools"][0].get("device", "cpu") if local else "cpu"
+            self._gate = BounceGate(self.bounce, device=device)
+            self._arenas = {p.rank: SlotAllocator(int(p.staging["size"])) for p in local if p.staging}
+        return bool(self._arenas)
+
+    def plan(self, plan: Any, src: Sequence[RankPayload], src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> tuple[Slots, Held]:
+        """Slots for one request from the peer ``src`` (none when disabled)."""
+        if not self.enabled:
+            return {}, []
+        return plan_slots(plan, src, self._local(), src_blocks, dst_blocks, self._gate, self._arenas or {})
+
+    def free(self, held: Held, failed: bool) -> None:
+        """The transfer is over: release its slots, or quarantine them when it failed."""
+        for rank, res in held:
+            arena = (self._arenas or {}).get(rank)
+            if arena is None:
+                continue
+            if failed:  # a late WRITE could still land there: never reuse it
+                arena.quarantine(res)
+            else:
+                arena.release(res)
