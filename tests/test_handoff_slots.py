@@ -1,0 +1,41 @@
+"""D's staging slots (``handoff.slots``): real page tables and plan, the real bounce gate and allocator.
+A forced-bounce request gets one slot per writer inside the arena, a request that does not fit gets none
+(a direct WRITE), a released slot is reused and a quarantined one never is."""
+
+from __future__ import annotations
+
+from vllm_dsa_connector.handoff.slots import StagingSlots
+from vllm_dsa_connector.handoff.wire import RankPayload
+from vllm_dsa_connector.layout import build_offline
+from vllm_dsa_connector.matching import PeerPlan
+from vllm_dsa_connector.tiny_models import glm_dsa_config
+from vllm_dsa_connector.transport.gate_options import BounceSettings
+
+
+def _payloads(engine: str, tables, arena: int) -> list[RankPayload]:
+    return [RankPayload(engine, t.rank, t.pp_rank, t.tp_rank, f"{engine}-{t.rank}", b"", t.to_dict(), [], {},
+                        staging={"size": arena}) for t in tables]
+
+
+def test_staging_slots_reserve_release_and_quarantine() -> None:
+    tables = build_offline(glm_dsa_config(6), num_blocks=8)
+    plan = PeerPlan.build(tables, tables)
+    block = tables[0].bytes_per_block
+    src = _payloads("P", tables, 0)
+    dst = _payloads("D", tables, 4 * block)
+    slots = StagingSlots(BounceSettings.from_config({"bounce_mode": "always"}, {}), lambda: dst)
+    assert slots.enabled
+
+    got, held = slots.plan(plan, src, [5, 1, 3], [2, 7, 0])  # three scattered blocks: one slot, 3 blocks
+    (rank,) = got
+    assert got[rank] == {0: [0, 3 * block]} and len(held) == 1
+    assert slots.plan(plan, src, [0, 1], [3, 4]) == ({}, [])  # no room left: a direct WRITE
+    slots.free(held, failed=False)
+    again, held2 = slots.plan(plan, src, [0, 1], [3, 4])
+    assert again[rank][0][0] == 0  # the released range is reused
+    slots.free(held2, failed=True)  # a late WRITE may land there: quarantined
+    _, held3 = slots.plan(plan, src, [6], [5])
+    assert held3 and held3[0][1].offset >= 2 * block
+
+    never = StagingSlots(BounceSettings.from_config({"bounce_mode": "never"}, {}), lambda: dst)
+    assert not never.enabled and never.plan(plan, src, [5], [2]) == ({}, [])
