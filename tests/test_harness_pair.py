@@ -13,7 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_dsa_connector.harness.pair import ConsumerSide, PairSpec, ProducerSide, SideSpec, run_pair
+from vllm_dsa_connector.harness.pair import (
+    Channel,
+    ConsumerSide,
+    Kind,
+    PairSpec,
+    ProducerSide,
+    SideSpec,
+    run_pair,
+    run_two,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +113,9 @@ def test_direct_and_bounce_verified_byte_for_byte() -> None:
 
 def test_a_consumer_failure_reaches_the_caller() -> None:
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)RemoteError.*consumer: ValueError: consumer-side failure on purpose"):
+    # the cause first, then P's echo of it
+    with pytest.raises(RuntimeError, match=r"(?s)^pair run failed: consumer: ValueError: consumer-side failure on "
+                                           r"purpose.*producer: RemoteError: consumer: ValueError"):
         run_pair(SPEC, _drive_remote_failure, None, timeout_s=180)
     assert time.monotonic() - t0 < 120
 
@@ -114,6 +125,27 @@ def test_timeout_kills_both_processes() -> None:
     with pytest.raises(RuntimeError, match="no result after 10 s"):
         run_pair(SPEC, _drive_sleep, None, timeout_s=10)
     assert _children() <= before
+
+
+def _ping(ch: Channel, n: int) -> dict[str, Any]:
+    ch.send(Kind.DATA, n=n)
+    return {"pid": os.getpid(), "back": ch.recv(Kind.DATA).body["n"]}
+
+
+def _pong(ch: Channel, add: int) -> int:
+    n = ch.recv(Kind.DATA).body["n"]
+    ch.send(Kind.DATA, n=n + add)
+    if os.environ.get("PAIR_TEST_ENV") != "set":
+        raise AssertionError("run_two's env did not reach the child")
+    return os.getpid()
+
+
+def test_run_two_roles_exchange_and_return_both_values() -> None:
+    """The process part alone (no NIXL): two roles, one channel, both values, env applied in the children."""
+    p, d = run_two(_ping, _pong, 40, 2, env={"PAIR_TEST_ENV": "set"}, timeout_s=120)
+    assert p["back"] == 42 and p["pid"] != d != os.getpid()
+    with pytest.raises(RuntimeError, match=r"(?s)consumer: AssertionError: run_two's env did not reach"):
+        run_two(_ping, _pong, 1, 1, timeout_s=120)
 
 
 def _script(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

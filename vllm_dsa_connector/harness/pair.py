@@ -12,7 +12,10 @@ through the parent) with ONE message protocol, :class:`Kind`::
             then compares the landed bytes with P's and answers VERIFIED(ok)
     P -> D  CALL(fn, kwargs)                D runs ``fn(consumer_side, **kwargs)``, answers RESULT(value)
     P -> D  STOP                            D closes its engine and exits
-    D -> P  ERROR(text)                     instead of any answer: D failed (P raises RemoteError)
+    either  ERROR(text)                     instead of any answer: the sender failed (RemoteError here)
+
+:func:`run_two` is the process part alone (spawn, channel, values, failures, timeout, clean-up) for other
+roles, e.g. the transfer core's producer and consumer; ``DATA`` messages carry what such roles exchange.
 
 P runs the caller's ``driver(producer_side, args)`` (a module-level function: spawn pickles it by name);
 ``producer_side.consumer`` is D behind the protocol (:class:`RemoteConsumer`). The driver's return value
@@ -49,6 +52,7 @@ class Kind(Enum):
     RESULT = "result"
     STOP = "stop"
     ERROR = "error"
+    DATA = "data"  # free-form, for roles of run_two other than the consumer service
 
 
 @dataclass(frozen=True)
@@ -168,8 +172,7 @@ def _open(name: str, spec: SideSpec, pool: Any) -> tuple[Any, Any, Any]:
     return engine, engine.register(pool), StagingArena(spec.arena_bytes, device=spec.device)
 
 
-def _prepare(spec: SideSpec, env: Mapping[str, str]) -> None:
-    os.environ.update(env)
+def _prepare(spec: SideSpec) -> None:
     import torch
 
     if spec.threads is not None:
@@ -208,25 +211,23 @@ class ConsumerSide(Side):
         return bool(torch.equal(got, self._want[key]))
 
 
-def serve_consumer(conn: Any, spec: PairSpec) -> None:
-    """D's process: open its side, shake hands, answer P's messages until STOP (or P goes away)."""
-    ch = Channel(conn, "consumer", spec.hot)
-    side: ConsumerSide | None = None
+def serve_consumer(ch: Channel, spec: PairSpec) -> None:
+    """D's role: open its side, shake hands, answer P's messages until STOP (or P goes away)."""
+    _prepare(spec.consumer)
+    import torch
+
+    from vllm_dsa_connector.transport import BounceReceiver, Runs, export_region
+
+    c = spec.consumer
+    pool = torch.zeros(c.pool_bytes, dtype=torch.uint8, device=c.device)
+    engine, region, arena = _open("consumer", c, pool)
     try:
-        _prepare(spec.consumer, spec.env)
-        import torch
-
-        from vllm_dsa_connector.transport import BounceReceiver, Runs, export_region
-
-        c = spec.consumer
-        pool = torch.zeros(c.pool_bytes, dtype=torch.uint8, device=c.device)
-        engine, region, arena = _open("consumer", c, pool)
         side = ConsumerSide(c, engine, pool, region, arena,
                             receiver=BounceReceiver(engine, arena, reserve_timeout_s=c.reserve_timeout_s),
                             expected=fill(spec.producer.pool_bytes, c.device, spec.seed))
         ipc = export_region(pool).to_dict() if c.ipc and c.device.startswith("cuda") else None
-        ch.send(Kind.HELLO, meta=side.engine.metadata(), region=side.region.desc().to_dict(), ipc=ipc)
-        side.engine.add_peer(ch.recv(Kind.HELLO).body["meta"])
+        ch.send(Kind.HELLO, meta=engine.metadata(), region=region.desc().to_dict(), ipc=ipc)
+        engine.add_peer(ch.recv(Kind.HELLO).body["meta"])
         while True:
             try:
                 msg = ch.recv()
@@ -250,15 +251,8 @@ def serve_consumer(conn: Any, spec: PairSpec) -> None:
                 ch.send(Kind.RESULT, value=b["fn"](side, **b["kwargs"]))
             else:
                 raise ProtocolError(f"consumer: unexpected {msg.kind.value} from the producer")
-    except BaseException as e:
-        try:
-            ch.send(Kind.ERROR, text=f"consumer: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        except (OSError, ValueError):
-            pass
-        raise
     finally:
-        if side is not None:
-            side.engine.close()
+        engine.close()
 
 
 # -- producer (P) ---------------------------------------------------------------------------------------
@@ -323,14 +317,14 @@ class ProducerSide(Side):
 Driver = Callable[[ProducerSide, Any], Any]
 
 
-def _producer_main(result_conn: Any, conn: Any, spec: PairSpec, driver: Driver, args: Any) -> None:
-    engine = None
+def _produce(ch: Channel, job: tuple[PairSpec, Driver, Any]) -> Any:
+    """P's role: open its side, shake hands, run the driver, stop D; the driver's value."""
+    spec, driver, args = job
+    p = spec.producer
+    _prepare(p)
+    pool = fill(p.pool_bytes, p.device, spec.seed)
+    engine, region, arena = _open("producer", p, pool)
     try:
-        _prepare(spec.producer, spec.env)
-        ch = Channel(conn, "producer", spec.hot)
-        p = spec.producer
-        pool = fill(p.pool_bytes, p.device, spec.seed)
-        engine, region, arena = _open("producer", p, pool)
         hello = ch.recv(Kind.HELLO).body
         peer = engine.add_peer(hello["meta"])
         ch.send(Kind.HELLO, meta=engine.metadata())
@@ -338,48 +332,100 @@ def _producer_main(result_conn: Any, conn: Any, spec: PairSpec, driver: Driver, 
         out = driver(ProducerSide(p, engine, pool, region, arena, peer=peer, remote_region=hello["region"],
                                   remote_ipc=hello["ipc"], consumer=consumer, pair=spec), args)
         consumer.stop()
-        result_conn.send(("ok", out))
-    except BaseException as e:
-        result_conn.send(("err", f"producer: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise
+        return out
     finally:
-        if engine is not None:
-            engine.close()
+        engine.close()
 
 
 def run_pair(spec: PairSpec, driver: Driver, args: Any = None, timeout_s: float = 600.0) -> Any:
-    """Run ``driver(producer_side, args)`` in P against D (both fresh spawned processes); its result.
+    """Run ``driver(producer_side, args)`` in P against D's :func:`serve_consumer` (both fresh spawned
+    processes, :func:`run_two`); the driver's value."""
+    value, _ = run_two(_produce, serve_consumer, (spec, driver, args), spec, env=spec.env, hot=spec.hot,
+                       timeout_s=timeout_s)
+    return value
 
-    Raises ``RuntimeError`` with the failing side's traceback when P or D failed, when P exited without
-    a result, or after ``timeout_s``; both processes are gone when this returns or raises.
+
+# -- the two processes ----------------------------------------------------------------------------------
+
+Role = Callable[[Channel, Any], Any]
+
+
+def _role_main(name: str, fn: Role, conn: Any, result: Any, args: Any, env: Mapping[str, str], hot: bool) -> None:
+    """A child: run ``fn(channel, args)``; its value (or its failure) goes to the parent on ``result``, a
+    failure also to the other process as ERROR (so it stops waiting)."""
+    os.environ.update(env)  # before NIXL / UCX start
+    ch = Channel(conn, name, hot)
+    try:
+        value = fn(ch, args)
+    except BaseException as e:
+        text = f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        # first: the root cause reaches the parent before the other side's echo of it
+        result.send(("echo" if isinstance(e, RemoteError) else "err", text))
+        try:
+            ch.send(Kind.ERROR, text=text)
+        except (OSError, ValueError):
+            pass
+        raise
+    result.send(("ok", value))
+
+
+def run_two(producer: Role, consumer: Role, p_args: Any = None, d_args: Any = None, *,
+            env: Mapping[str, str] | None = None, hot: bool = False, timeout_s: float = 600.0) -> tuple[Any, Any]:
+    """Spawn P running ``producer(channel, p_args)`` and D running ``consumer(channel, d_args)``, joined by
+    one :class:`Channel` (module-level functions: spawn pickles them by name); both values.
+
+    ``env`` is set in both before they start anything. Raises ``RuntimeError`` with the failing side's
+    traceback (the first failure first) when either failed or exited without a value, or after
+    ``timeout_s``; both processes are gone when this returns or raises.
     """
+    from multiprocessing.connection import wait
+
     ctx = mp.get_context("spawn")
-    result_end, result_child = ctx.Pipe(duplex=False)
     p_end, d_end = ctx.Pipe()
-    consumer = ctx.Process(target=serve_consumer, args=(d_end, spec), daemon=True, name="pair-consumer")
-    producer = ctx.Process(target=_producer_main, args=(result_child, p_end, spec, driver, args), daemon=True,
-                           name="pair-producer")
-    consumer.start()
-    producer.start()
-    for end in (result_child, p_end, d_end):  # the children hold them now: EOF reaches the other side
+    names = ("producer", "consumer")
+    results, procs = [], []
+    for name, fn, conn, args in ((names[0], producer, p_end, p_args), (names[1], consumer, d_end, d_args)):
+        mine, theirs = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=_role_main, args=(name, fn, conn, theirs, args, dict(env or {}), hot),
+                                 daemon=True, name=f"pair-{name}"))
+        procs[-1].start()
+        theirs.close()
+        results.append(mine)
+    for end in (p_end, d_end):  # the children hold them now: EOF reaches the other side
         end.close()
+    values: dict[int, Any] = {}
+    errors: list[str] = []
+    echoes: list[str] = []  # a side that failed because the other one did (listed after the cause)
+    pending: dict[Any, int] = {r: i for i, r in enumerate(results)}
     try:
         deadline = time.monotonic() + timeout_s
-        while not result_end.poll(0.2):
-            if not producer.is_alive():
-                if result_end.poll(0.5):
-                    break
-                raise RuntimeError(f"pair: the producer exited with code {producer.exitcode} without a result")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"pair: no result after {timeout_s:.0f} s (consumer alive: {consumer.is_alive()})")
-        status, value = result_end.recv()
-        if status != "ok":
-            raise RuntimeError(f"pair run failed: {value}")
-        return value
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                alive = [n for n, pr in zip(names, procs, strict=True) if pr.is_alive()]
+                errors.append(f"pair: no result after {timeout_s:.0f} s (still running: {alive})")
+                break
+            ready: list[Any] = wait(list(pending), min(left, 1.0))
+            for r in ready:
+                i = pending.pop(r)
+                try:
+                    status, value = r.recv()
+                except EOFError:
+                    status, value = "err", f"pair: the {names[i]} exited with code {procs[i].exitcode} without a result"
+                if status == "ok":
+                    values[i] = value
+                else:
+                    (echoes if status == "echo" else errors).append(str(value))
+            if (errors or echoes) and pending:  # give the other side a moment to report its end
+                deadline = min(deadline, time.monotonic() + 5.0)
+        if errors or echoes:
+            raise RuntimeError("pair run failed: " + "\n".join(errors + echoes))
+        return values[0], values[1]
     finally:
-        for proc in (producer, consumer):
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        result_end.close()
+        for pr in procs:
+            pr.join(10)
+            if pr.is_alive():
+                pr.kill()
+                pr.join(5)
+        for r in results:
+            r.close()
