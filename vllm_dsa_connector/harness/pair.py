@@ -83,6 +83,13 @@ class Channel:
         """Send one message."""
         self.conn.send(Msg(kind, body))
 
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Whether a message is waiting (within ``timeout_s``); True also once the other side closed."""
+        try:
+            return bool(self.conn.poll(timeout_s))
+        except (EOFError, OSError):
+            return True
+
     def recv(self, *expect: Kind, timeout_s: float | None = None) -> Msg:
         """The next message; :class:`RemoteError` for ERROR, :class:`ProtocolError` for a kind not in
         ``expect`` (any kind when empty), a closed channel or ``timeout_s`` without a message."""
