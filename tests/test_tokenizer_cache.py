@@ -151,8 +151,8 @@ def test_verify_mismatch_disables_the_cache(qwen):
     cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, verify_every=1)
     t = chat(2)
     cache.encode(t)
-    entry = next(iter(cache._entries.values()))
-    entry.blocks[0][3] = 0  # corrupt one cached id
+    entry = next(iter(cache._index.entries.values()))
+    entry.head[3] = 0  # corrupt one cached id
     assert cache.encode(t + "more\n") == ref(qwen, t + "more\n")
     s = cache.stats()
     assert s["mismatches"] == 1 and not s["enabled"] and s["entries"] == 0
@@ -170,10 +170,16 @@ def test_bench_cli_json_smoke(capsys):
 
     from vllm_dsa_connector.cli import main
 
-    assert main(["bench", "tokenizer", "--json", "--targets", "3000", "--turns", "3"]) == 0
+    assert main(["bench", "tokenizer", "--json", "--targets", "3000", "--turns", "3", "--lookup-entries", "1", "20"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    (r,) = last["results"]
-    assert r["mismatches"] == 0 and r["requests_measured"] == 3 and r["hits"] >= 3
+    assert [r["workload"] for r in last["results"]] == ["chat", "prose"]
+    for r in last["results"]:
+        assert r["mismatches"] == 0 and r["requests_measured"] == 3 and r["hits"] >= 3
+        for key in ("full_ms", "cache_ms", "delta_only_ms", "speedup", "cache_over_delta"):
+            assert r[key] > 0, key
+    lookup = last["lookup"]
+    assert lookup["entries_1"] == 1 and lookup["entries_20"] == 20
+    assert lookup["lookup_probes_1"] == lookup["lookup_probes_20"]
 
 
 def test_threads_share_one_cache(qwen):

@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 chat path: stock ``deepseek_v32`` tokenizer mode vs ``dsa-prefix-cache`` wrapping it, side by side.
 
-``python -m vllm_dsa_connector.tokenizer.bench_modes [--targets 38000 128000] [--turns 16] [--json]``
+``vllm-dsa bench tokenizer --modes [--targets 38000 128000] [--turns 16] [--json]`` (or
+``python -m vllm_dsa_connector.tokenizer.bench_modes`` with the same options)
 
 Both tokenizers are loaded by vLLM's ``get_tokenizer`` from the tiny ``DeepseekV32ForCausalLM`` directory
 (:func:`~vllm_dsa_connector.tokenizer.tiny_models.make_tiny_v32`; real DeepSeek tokenizer), the second through
@@ -12,7 +13,8 @@ mode the encoding rewrites the previous turn (``<think>`` after the last user me
 and earlier reasoning is dropped), so a prompt is not a literal extension of the previous one. Each request is
 timed on both tokenizers (wall clock and process CPU time); the text -> ids step alone is timed as a full
 encode vs the cache; every cached result is compared with the stock ids outside the timed regions. Text comes
-from ``vllm-dsa bench tokenizer``'s corpus (standard-library sources). Exit status 1 on any mismatch.
+from :mod:`.workloads` (standard-library sources). Printed by :func:`.bench_cache.report`, like
+``vllm-dsa bench tokenizer``'s own results. Exit status 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import sys
 import time
 from typing import Any
 
-TARGETS = (38_000, 128_000)
+from .bench_cache import TARGETS
+
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
                                       "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
@@ -42,11 +45,9 @@ def _median(xs: list[float]) -> float:
 def run_scenario(stock: Any, cached: Any, cached_enc: Any, target: int, turns: int, thinking: bool,
                  seed: int) -> dict[str, Any]:
     """``cached`` runs the chat path, ``cached_enc`` (its own cache, same prompts) the text -> ids step alone."""
-    from vllm_dsa_connector.commands.bench_tokenizer import TextSource
+    from .workloads import TextSource
 
-    src = TextSource()
-    for _ in range(seed):
-        src.take(500)
+    src = TextSource(seed)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You review Python code.\n" + src.take(3000)},
     ]
@@ -129,19 +130,15 @@ def run_scenario(stock: Any, cached: Any, cached_enc: Any, target: int, turns: i
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_dsa_connector.tokenizer.bench_modes")
-    parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS), help="prompt sizes (tokens)")
-    parser.add_argument("--turns", type=int, default=16, help="measured requests per conversation")
-    parser.add_argument("--seed", type=int, default=0, help="offset into the text corpus")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    args = parser.parse_args(argv)
-    if args.turns < 1 or any(t < 4000 for t in args.targets):
+def run_modes(targets: list[int], turns: int, seed: int, as_json: bool) -> int:
+    """Run both scenarios (chat, thinking) per target and print them through :func:`.bench_cache.report`."""
+    if turns < 1 or any(t < 4000 for t in targets):
         print("bench_modes: --turns must be >= 1 and --targets >= 4000", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm.tokenizers.registry import get_tokenizer
 
+    from .bench_cache import report
     from .modes import BASE_MODE_ENV, MODE
     from .registration import register_tokenizer_mode
     from .tiny_models import make_tiny_v32
@@ -152,26 +149,26 @@ def main(argv: list[str] | None = None) -> int:
     stock = get_tokenizer(path, tokenizer_mode="deepseek_v32")
     cached = get_tokenizer(path, tokenizer_mode=MODE)
     cached_enc = get_tokenizer(path, tokenizer_mode=MODE)  # a second cache for the text -> ids timing
-    print(f"DeepSeek-V3.2 chat encoding: stock {type(stock).__name__} vs {MODE} over "
-          f"{cached._dsa_base.describe()}")
     results = []
-    for target in args.targets:
+    for target in targets:
         for thinking in (False, True):
             cached.prefix_cache.clear()
             cached_enc.prefix_cache.clear()
-            r = run_scenario(stock, cached, cached_enc, target, args.turns, thinking, args.seed)
-            results.append(r)
-            print(
-                f"~{target // 1000}k tokens, {'thinking' if thinking else 'chat    '} (median prompt "
-                f"{r['prompt_tokens_median']}, {r['requests_measured']} requests): apply_chat_template stock "
-                f"{r['stock_ms_median']:.1f} ms | {MODE} {r['cache_ms_median']:.1f} ms -> {r['speedup']:.1f}x "
-                f"(CPU {r['speedup_cpu']:.1f}x; encoding alone {r['render_ms_median']:.1f} ms); text->ids full {r['encode_full_ms_median']:.1f} ms | cache "
-                f"{r['encode_cache_ms_median']:.2f} ms -> {r['encode_speedup']:.1f}x; "
-                f"fallbacks {r['fallbacks']}, mismatches {r['mismatches']}"
-            )
-    if args.json:
-        print(json.dumps({"bench": "tokenizer_modes", "mode": "deepseek_v32", "results": results}))
-    return 1 if any(r["mismatches"] for r in results) else 0
+            results.append(run_scenario(stock, cached, cached_enc, target, turns, thinking, seed))
+    header = (f"DeepSeek-V3.2 chat encoding: stock {type(stock).__name__} vs {MODE} over "
+              f"{cached._dsa_base.describe()}")
+    return report(header, {"bench": "tokenizer_modes", "mode": "deepseek_v32"}, results, as_json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_dsa_connector.tokenizer.bench_modes``: the same as ``vllm-dsa bench tokenizer --modes``."""
+    parser = argparse.ArgumentParser(prog="python -m vllm_dsa_connector.tokenizer.bench_modes")
+    parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS), help="prompt sizes (tokens)")
+    parser.add_argument("--turns", type=int, default=16, help="measured requests per conversation")
+    parser.add_argument("--seed", type=int, default=0, help="offset into the text corpus")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+    return run_modes(args.targets, args.turns, args.seed, args.json)
 
 
 if __name__ == "__main__":

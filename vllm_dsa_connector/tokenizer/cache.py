@@ -7,9 +7,14 @@ prefix (``p + width <= L``), and returns ``cached_ids[:k] + encode(text[p:])``. 
 character the proof looks at, so the cut is exact in both; no cut, no reuse (full encode). Each cut recorded
 from a fresh encode is also checked against that encode's offsets (a failed check only drops the cut).
 
-Lookup: texts are hashed in chained fixed-size chunks; a dict maps each chunk-prefix hash to the entries that
-have it, so finding the longest shared prefix costs one pass over the new text, independent of the number of
-entries. The winner is verified by string comparison (hashes only propose).
+Lookup (:mod:`.prefix_index`): O(log chunks) dict probes on sampled prefix keys, whatever the number of
+entries; the winner is verified by string comparison (keys only propose).
+
+Cost of a hit, besides encoding ``text[p:]`` (``p`` is usually the last anchor before the new text): one
+strided slice and a few short hashes for the lookup, one memcmp of the shared prefix, and one list copy for
+the result: an entry's ids are a shared ``head`` plus a short ``rest``, so the result is ``head + rest``
+(the head is rebuilt only when ``rest`` grows past a sixteenth of it). Cuts of the new tail are located
+through the tail encoding's offsets for the few candidates kept, not by converting all of them.
 """
 
 from __future__ import annotations
@@ -26,10 +31,16 @@ from vllm.logger import init_logger
 
 from .analysis import LINE_CUT_RE, CutRules, analyze
 from .options import CacheOptions
+from .prefix_index import Match, PrefixIndex
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
-_MAX_BLOCKS = 48  # compact an entry's id blocks into one list beyond this many
+_REST_MIN = 4096  # an entry's ``rest`` is folded into its ``head`` beyond max(this, len(head) / 16) ids
+_REST_KEEP = 1024  # ids kept in ``rest`` when folding (the next cut is usually among the last ones)
+_POS = 40  # a packed cut: pos << 40 | token index << 8 | width
+_LOW = (1 << _POS) - 1
+_MAX_WIDTH = 255
+_OFFSETS_FROM = 2048  # tokens from which an encoding's offsets are converted at once instead of per cut
 
 _CLONE_LOCK = threading.Lock()
 _CLONES: OrderedDict[tuple[Any, ...], tuple[Any, Any, CutRules]] = OrderedDict()
@@ -75,46 +86,6 @@ def _shared_state(tokenizer: Any, need_clone: bool) -> tuple[Any, CutRules]:
     return clone, rules
 
 
-class _Entry:
-    """One cached text. Immutable after construction (shared with readers outside the lock)."""
-
-    __slots__ = ("text", "blocks", "ends", "n_ids", "cut_pos", "cut_tok", "cut_w", "hashes", "uid")
-
-    def __init__(self, text: str, blocks: tuple[list[int], ...], cuts: tuple[list[int], list[int], list[int]],
-                 hashes: list[int], uid: int) -> None:
-        if len(blocks) > _MAX_BLOCKS:
-            merged: list[int] = []
-            for b in blocks:
-                merged.extend(b)
-            blocks = (merged,)
-        self.text = text
-        self.blocks = blocks
-        ends: list[int] = []
-        total = 0
-        for b in blocks:
-            total += len(b)
-            ends.append(total)
-        self.ends = ends
-        self.n_ids = total
-        self.cut_pos, self.cut_tok, self.cut_w = cuts
-        self.hashes = hashes
-        self.uid = uid
-
-    def prefix_blocks(self, k: int) -> tuple[list[int], ...]:
-        """The first ``k`` ids as blocks (shares every whole block; copies at most one)."""
-        if k >= self.n_ids:
-            return self.blocks
-        b = bisect_right(self.ends, k)
-        start = self.ends[b - 1] if b else 0
-        head = self.blocks[:b]
-        return head + (self.blocks[b][: k - start],) if k > start else head
-
-    def ids(self) -> list[int]:
-        out: list[int] = []
-        for b in self.blocks:
-            out.extend(b)
-        return out
-
 
 class PrefixTokenCache:
     """Exact prefix-reusing tokenization for a transformers fast tokenizer.
@@ -134,9 +105,8 @@ class PrefixTokenCache:
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(
             ("hits", "misses", "fallbacks", "bypassed", "verified", "mismatches", "cut_rejects",
-             "reused_tokens", "tail_tokens"), 0)
+             "reused_tokens", "tail_tokens", "lookup_probes", "probe_fallbacks"), 0)
         self._disabled_reason = ""
-        self._uid = 0
         self._last_log = time.monotonic()
         self._load()
 
@@ -146,13 +116,12 @@ class PrefixTokenCache:
         self._fp = _fingerprint(self.tokenizer)
         self._backend: Any = None  # private Rust tokenizer, made on first encode
         _, rules = _shared_state(self.tokenizer, need_clone=False)
-        anchors = rules.anchors if self.options.anchors else {}
+        anchors = {a: i for a, i in rules.anchors.items() if len(a) <= _MAX_WIDTH} if self.options.anchors else {}
         self.rules = CutRules(anchors=anchors, line_cuts=rules.line_cuts and self.options.line_cuts,
                               usable=rules.usable, reasons=rules.reasons)
         self._anchor_of_id = {i: c for c, i in anchors.items()}
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._index: dict[int, dict[int, None]] = {}
-        self._chars = 0
+        self._anchor_ids = frozenset(self._anchor_of_id)
+        self._index = PrefixIndex(self.options.chunk_chars)
         if not rules.usable:
             logger.warning("prefix token cache off for this tokenizer: %s", "; ".join(rules.reasons))
 
@@ -183,17 +152,19 @@ class PrefixTokenCache:
                     self._load()
         if (self._disabled_reason or not self.rules.usable or len(text) < self.options.min_chars
                 or not (self.rules.anchors or self.rules.line_cuts)):
-            self._count("bypassed")
+            self._count(bypassed=1)
             return self._encoder().encode(text, add_special_tokens=False).ids
         return self._encode_cached(text)
 
     def stats(self) -> dict[str, Any]:
         """Counters: hits, misses, fallbacks (a shared prefix without a usable cut), bypassed (short text or
-        cache off), entries, chars, reused/tail tokens, verified, mismatches, cut_rejects, enabled."""
+        cache off), entries, chars, reused/tail tokens, verified, mismatches, cut_rejects, lookup_probes (index
+        dict probes, flat in the number of entries), probe_fallbacks (lookups decided by content keys),
+        enabled."""
         with self._lock:
             out: dict[str, Any] = dict(self._stats)
-            out["entries"] = len(self._entries)
-            out["chars"] = self._chars
+        out["entries"] = len(self._index)
+        out["chars"] = self._index.chars
         out["enabled"] = not self._disabled_reason and self.rules.usable
         out["anchors"] = len(self.rules.anchors)
         out["line_cuts"] = self.rules.line_cuts
@@ -221,197 +192,133 @@ class PrefixTokenCache:
 
     def clear(self) -> None:
         """Drop every entry (counters are kept)."""
-        with self._lock:
-            self._entries.clear()
-            self._index.clear()
-            self._chars = 0
+        self._index.clear()
+
+    def lookup(self, text: str) -> Match:
+        """The index lookup alone (what :meth:`encode` does before tokenizing; for benchmarks)."""
+        return self._index.find(text)
 
     # ------------------------------------------------------------------ internals
-    def _count(self, key: str, n: int = 1) -> None:
+    def _count(self, **counts: int) -> int:
         with self._lock:
-            self._stats[key] += n
-
-    def _chain(self, text: str) -> list[int]:
-        c = self.options.chunk_chars
-        out: list[int] = []
-        h = 0
-        for start in range(0, len(text) - c + 1, c):
-            h = hash((h, text[start : start + c]))
-            out.append(h)
-        return out
-
-    def _lookup(self, chain: list[int]) -> tuple[_Entry | None, int]:
-        """The most recent entry sharing the most leading chunks, and how many (under the lock)."""
-        # An entry that has chunk hash k has all hashes before it, so "chunk k is indexed" is monotone in k:
-        # binary search for the deepest indexed chunk (O(log chunks) probes; a collision only proposes an
-        # entry, which the caller verifies by comparing text).
-        index = self._index
-        lo, hi = 0, len(chain)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if chain[mid - 1] in index:
-                lo = mid
-            else:
-                hi = mid - 1
-        depth = lo
-        best = self._entries[next(reversed(index[chain[depth - 1]]))] if depth else None
-        if best is not None:
-            self._entries.move_to_end(best.uid)
-        return best, depth
-
-    def _common_prefix(self, text: str, entry: _Entry, depth: int) -> int:
-        old = entry.text
-        if len(old) <= len(text) and text.startswith(old):
-            return len(old)
-        c = self.options.chunk_chars
-        lo = depth * c
-        if not text.startswith(old[:lo]):
-            return 0  # a hash collision: treat as no match
-        hi = min(len(text), len(old), lo + c)
-        while lo < hi:  # invariant: text[:lo] == old[:lo]
-            mid = (lo + hi + 1) // 2
-            if text[lo:mid] == old[lo:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _cuts_of(self, text: str, offset: int, enc: Any, base_tok: int) -> tuple[list[int], list[int], list[int]]:
-        """Exact cuts found in a freshly encoded ``text`` (positions shifted by ``offset``), thinned."""
-        ids = enc.ids
-        offsets = enc.offsets
-        cands: list[tuple[int, int, int]] = []  # (pos, token index, width)
-        if self._anchor_of_id:
-            anchor_of = self._anchor_of_id
-            for i, t in enumerate(ids):
-                a = anchor_of.get(t)
-                if a is None:
-                    continue
-                s = offsets[i][0]
-                if i and text.startswith(a, s) and offsets[i - 1][1] <= s:
-                    cands.append((s, i, len(a)))
-        if self.rules.line_cuts:
-            for m in LINE_CUT_RE.finditer(text):
-                p = m.end()
-                i = bisect_left(offsets, (p, -1))
-                if 0 < i < len(offsets) and offsets[i][0] == p and offsets[i - 1][1] <= p:
-                    cands.append((p, i, 1))
-                else:
-                    self._count("cut_rejects")
-            cands.sort()
-        pos: list[int] = []
-        tok: list[int] = []
-        wid: list[int] = []
-        last = None
-        spacing = self.options.cut_spacing
-        for p, i, w in reversed(cands):  # keep the last cut, then one per `spacing` chars going left
-            if last is None or last - p >= spacing:
-                pos.append(p + offset)
-                tok.append(i + base_tok)
-                wid.append(w)
-                last = p
-        pos.reverse()
-        tok.reverse()
-        wid.reverse()
-        return pos, tok, wid
+            for key, n in counts.items():
+                self._stats[key] += n
+            return self._stats["hits"]
 
     def _encode_cached(self, text: str) -> list[int]:
         generation = self._generation
         backend = self._encoder()
-        chain = self._chain(text)
-        with self._lock:
-            entry, depth = self._lookup(chain)
+        match = self._index.find(text)
+        entry, common = match.entry, match.common
+        looked = {"lookup_probes": match.probes, "probe_fallbacks": int(match.fell_back)}
         if entry is None:
-            enc = backend.encode(text, add_special_tokens=False)
-            ids = enc.ids
-            self._insert(text, (ids,), self._cuts_of(text, 0, enc, 0), chain, None, generation)
-            self._count("misses")
-            return list(ids)
-
-        common = self._common_prefix(text, entry, depth)
+            return self._encode_whole(text, backend, match, generation, misses=1, **looked)
         if common == len(text) == len(entry.text):
-            self._count("hits")
-            self._count("reused_tokens", entry.n_ids)
+            self._count(hits=1, reused_tokens=entry.n_ids, **looked)
             return entry.ids()
         # The last cut whose deciding characters lie in the common prefix.
-        j = bisect_right(entry.cut_pos, common - 1) - 1
-        while j >= 0 and entry.cut_pos[j] + entry.cut_w[j] > common:
+        cuts = entry.cuts
+        j = bisect_right(cuts, ((common - 1) << _POS) | _LOW) - 1
+        while j >= 0 and (cuts[j] >> _POS) + (cuts[j] & 0xFF) > common:
             j -= 1
         if j < 0:
-            self._count("fallbacks")
-            enc = backend.encode(text, add_special_tokens=False)
-            self._insert(text, (enc.ids,), self._cuts_of(text, 0, enc, 0), chain, None, generation)
-            return list(enc.ids)
+            return self._encode_whole(text, backend, match, generation, fallbacks=1, **looked)
 
-        p, k = entry.cut_pos[j], entry.cut_tok[j]
+        p, k = cuts[j] >> _POS, (cuts[j] & _LOW) >> 8
         tail_text = text[p:]
         enc = backend.encode(tail_text, add_special_tokens=False)
         tail = enc.ids
-        blocks = entry.prefix_blocks(k) + (tail,)
-        t_pos, t_tok, t_wid = self._cuts_of(tail_text, p, enc, k)  # never includes p itself
-        cuts = (entry.cut_pos[: j + 1] + t_pos, entry.cut_tok[: j + 1] + t_tok, entry.cut_w[: j + 1] + t_wid)
-        replace = entry if common == len(entry.text) else None
-        new = self._insert(text, blocks, cuts, chain, replace, generation)
-        out = new.ids() if new is not None else _join(blocks)
-        n_hits = 0
-        with self._lock:
-            self._stats["hits"] += 1
-            self._stats["reused_tokens"] += k
-            self._stats["tail_tokens"] += len(tail)
-            n_hits = self._stats["hits"]
+        head = entry.head
+        if k >= len(head):
+            rest = entry.rest[: k - len(head)] + tail if k > len(head) else tail
+        else:  # the cut lies in the shared head (a rewritten turn, a branch): one more copy
+            head, rest = head[:k], tail
+        if len(rest) > max(_REST_MIN, len(head) >> 4):  # fold rest into a new head, keeping its last ids
+            keep = min(_REST_KEEP, len(rest))
+            head, rest = head + rest[: len(rest) - keep], rest[len(rest) - keep :]
+        out = head + rest
+        new_cuts = cuts[: j + 1] + self._cuts_of(tail_text, enc, tail, p, k)
+        if len(text) <= self.options.max_chars and generation == self._generation:
+            probe, content = self._index.keys_for(text, match)
+            replace = entry if common == len(entry.text) else None
+            self._index.insert(text, head, rest, new_cuts, probe, content, replace, self.options.max_entries,
+                               self.options.max_chars)
+        n_hits = self._count(hits=1, reused_tokens=k, tail_tokens=len(tail), **looked)
         every = self.options.verify_every
         if every and n_hits % every == 0:
             self._verify(text, out)
         return out
 
+    def _encode_whole(self, text: str, backend: Any, match: Match, generation: int, **counts: int) -> list[int]:
+        """Full encode of ``text``, cached as a new entry (keeps the keys it shares with ``match``)."""
+        enc = backend.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        if len(text) <= self.options.max_chars and generation == self._generation:
+            cuts = self._cuts_of(text, enc, ids, 0, 0)
+            probe, content = self._index.keys_for(text, match)
+            self._index.insert(text, ids, [], cuts, probe, content, None, self.options.max_entries,
+                               self.options.max_chars)
+        self._count(**counts)
+        return ids[:]
+
+    def _cuts_of(self, text: str, enc: Any, ids: list[int], offset: int, base_tok: int) -> list[int]:
+        """Exact cuts in a freshly encoded ``text`` (positions shifted by ``offset``, token indexes by
+        ``base_tok``), packed; the last one, then one per ``cut_spacing`` chars going left. Every kept cut is
+        checked against the encoding's offsets (a token starts there and the one before ends by then)."""
+        offsets = enc.offsets if len(ids) >= _OFFSETS_FROM else None
+
+        def span(i: int) -> tuple[int, int]:
+            return offsets[i] if offsets is not None else enc.token_to_chars(i)
+
+        cands: list[tuple[int, int, int]] = []  # (pos, -width, token index or -1: a line cut to locate)
+        anchor_of = self._anchor_of_id
+        for t in self._anchor_ids.intersection(ids) if anchor_of else ():
+            a, i = anchor_of[t], 0
+            while True:
+                try:
+                    i = ids.index(t, i + 1)  # i == 0 is where this text starts: not a new cut
+                except ValueError:
+                    break
+                s = span(i)[0]
+                if text.startswith(a, s) and span(i - 1)[1] <= s:
+                    cands.append((s, -len(a), i))
+        if self.rules.line_cuts:
+            cands.extend([(m.end(), -1, -1) for m in LINE_CUT_RE.finditer(text)])
+        cands.sort()
+        out: list[int] = []
+        last = -1
+        rejects = 0
+        spacing = self.options.cut_spacing
+        for p, w, i in reversed(cands):  # the last cut, then one per `spacing` chars going left
+            if last >= 0 and last - p < spacing:
+                continue
+            if i < 0:
+                if offsets is not None:
+                    i = bisect_left(offsets, (p, -1))
+                    ok = 0 < i < len(offsets) and offsets[i][0] == p and offsets[i - 1][1] <= p
+                else:
+                    i = enc.char_to_token(p)
+                    ok = i is not None and i > 0 and span(i)[0] == p and span(i - 1)[1] <= p
+                if not ok:
+                    rejects += 1
+                    continue
+            out.append(((p + offset) << _POS) | ((i + base_tok) << 8) | -w)
+            last = p
+        if rejects:
+            self._count(cut_rejects=rejects)
+        out.reverse()
+        return out
+
     def _verify(self, text: str, got: list[int]) -> None:
         full = self._encoder().encode(text, add_special_tokens=False).ids
-        self._count("verified")
+        self._count(verified=1)
         if full != got:
-            self._count("mismatches")
+            self._count(mismatches=1)
             self._disabled_reason = "a cached result differed from a full encode"
             self.clear()
             logger.error("prefix token cache: cached ids differ from a full encode (%d chars); cache disabled",
                          len(text))
             got[:] = full
-
-    def _insert(self, text: str, blocks: tuple[list[int], ...], cuts: tuple[list[int], list[int], list[int]],
-                chain: list[int], replace: _Entry | None, generation: int) -> _Entry | None:
-        if len(text) > self.options.max_chars:
-            return None
-        with self._lock:
-            if generation != self._generation:  # the tokenizer changed while this text was encoded
-                return None
-            self._uid += 1
-            entry = _Entry(text, blocks, cuts, chain, self._uid)
-            if replace is not None and replace.uid in self._entries:
-                self._remove(replace)
-            self._entries[entry.uid] = entry
-            self._chars += len(text)
-            for h in chain:
-                self._index.setdefault(h, {})[entry.uid] = None
-            while len(self._entries) > self.options.max_entries or self._chars > self.options.max_chars:
-                _, victim = next(iter(self._entries.items()))
-                self._remove(victim)
-        return entry
-
-    def _remove(self, entry: _Entry) -> None:
-        """Drop ``entry`` (caller holds the lock)."""
-        del self._entries[entry.uid]
-        self._chars -= len(entry.text)
-        for h in entry.hashes:
-            owners = self._index.get(h)
-            if owners is not None:
-                owners.pop(entry.uid, None)
-                if not owners:
-                    del self._index[h]
-
-
-def _join(blocks: tuple[list[int], ...]) -> list[int]:
-    out: list[int] = []
-    for b in blocks:
-        out.extend(b)
-    return out
 
 
 __all__ = ["PrefixTokenCache", "CacheOptions"]
