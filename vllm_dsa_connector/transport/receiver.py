@@ -13,11 +13,10 @@ and :meth:`Receiver.collect` settles a request (:class:`RecvState`) once every w
 FAILED / CORRUPT when one writer is) or its deadline passed (TIMED_OUT); :meth:`Receiver.cancel` ends it
 (CANCELLED). ``_mark`` and ``_settle`` are the only places where these states change.
 
-Notifications that come before :meth:`~Receiver.arm` are kept (bounded, expired after ``early_ttl_s``) and
-applied when it comes; notifications for a settled request are dropped. A tag is opaque to the transport:
-``hooks.split`` maps it to the request key and a payload (the connector's notices: its completion record),
-``hooks.admit`` accepts, ignores or fails a writer's notification on its payload, and ``hooks.landed`` checks
-the bytes once they landed. :class:`PlainTags` (the default) keys requests by the tag itself.
+Notifications before :meth:`~Receiver.arm` are kept (bounded, expired after ``early_ttl_s``), those of a
+settled request dropped. A tag is opaque here: ``hooks.split`` maps it to the request key and a payload (the
+connector's Notice), ``hooks.admit`` accepts, ignores or fails a writer's notification on its payload,
+``hooks.landed`` checks the landed bytes. :class:`PlainTags` (the default) keys requests by the tag itself.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ from vllm_dsa_connector.transport.staging import StagingArena, scatter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlainTags", "ReceiveHooks", "Receiver", "RecvResult", "RecvState", "Verdict", "WriterSpec",
-           "WriterState"]
+__all__ = ["PlainTags", "ReceiveHooks", "Receiver", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
 
 
 class WriterState(Enum):
@@ -209,6 +207,11 @@ class Receiver:
     def pending(self) -> frozenset[bytes]:
         """Keys armed but not settled."""
         return frozenset(self._expected)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is armed (cheap, safe to read from another thread)."""
+        return bool(self._expected)
 
     # -- notifications -------------------------------------------------------------------------------
 
