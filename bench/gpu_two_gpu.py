@@ -2,7 +2,8 @@
 
 Sender process on cuda:0, receiver on cuda:1, VRAM -> VRAM, 594 scattered blocks in vLLM's
 block-outermost layout (78 MLA pages x 41,984 B + 21 indexer pages x 8,448 B per block, 2.05 GB), with
-the paths of ``bench/gpu_transfer.py`` (same runner, same request, same seeded data):
+the paths of ``bench/gpu_transfer.py`` (same driver on the same two-process harness,
+``vllm_dsa_connector.harness.pair``; same request, same seeded data):
   per_page_layer_major  one descriptor per (layer page, block) in NixlConnector's order (58,806)
   per_page              the same descriptors block by block (NIXL merges list-adjacent contiguous ones)
   merged                runs merged by memory adjacency on both sides (``Runs.merged``: 593)

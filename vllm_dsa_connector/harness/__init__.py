@@ -10,10 +10,10 @@ Servers
     :mod:`~vllm_dsa_connector.harness.client`: ``scrape``/``metric`` (Prometheus), ``chat``, ``post_json``.
 
 Two-process transfers
-    :mod:`~vllm_dsa_connector.harness.pair` (no vLLM imports): a producer (P) and a consumer (D) process
-    with real NIXL agents, one control channel between them and one message protocol; the consumer
-    loop is :func:`~vllm_dsa_connector.harness.pair.serve_consumer`, the producer runs a driver
-    function given by the caller.
+    :mod:`~vllm_dsa_connector.harness.pair` (no vLLM imports): ``run_pair(spec, driver, args)``: a
+    producer (P) and a consumer (D) process with real NIXL agents, one control channel between them and
+    one message protocol; D's loop is ``serve_consumer`` (the transport's BounceReceiver), P runs the
+    caller's driver. ``run_two(producer, consumer, ...)`` is the process part alone for other roles.
 
 Submodules are imported explicitly (this package imports nothing), so a transfer script does not pull
 in vLLM.
