@@ -80,7 +80,7 @@ class BounceReceiver(Receiver):
         A ``None`` slot means "write directly" (empty part, ``bounce=False``, or no arena space within
         the bounded wait). Raises :class:`LayoutError` when any writer's runs leave ``dst`` or overlap.
         """
-        if tag in self.pending:
+        if tag in self._expected:
             raise ValueError(f"BounceReceiver.expect: tag {tag!r} is already expected")
         merged = [w.merged() for w in writers]
         check_fan_in(merged, byte_view(dst, "expect dst").numel())

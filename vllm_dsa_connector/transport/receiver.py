@@ -392,14 +392,18 @@ class Receiver:
         """The one place a request ends: forget it, free (or quarantine) its staging range."""
         del self._expected[exp.key]
         self._remember(exp.key)
-        if state in (RecvState.DONE, RecvState.CORRUPT):
-            for dev in {s.dst.device for s in exp.writers.values() if s.dst is not None and s.dst.is_cuda}:
+        landed = state is RecvState.DONE or state is RecvState.CORRUPT
+        if landed:
+            devices = {s.dst.device for s in exp.writers.values() if s.dst is not None and s.dst.is_cuda}
+            for dev in devices:
                 torch.cuda.current_stream(dev).synchronize()
         if exp.res is not None and self.arena is not None:
-            if state in (RecvState.DONE, RecvState.CORRUPT):
+            if landed:
                 self.arena.release(exp.res)
             else:  # a late writer may still write into it
                 self.arena.quarantine(exp.res)
+        if state is RecvState.DONE:
+            return RecvResult(exp.key, state, "", now - exp.started, (), exp.context)
         missing = tuple(sorted(w for w, s in exp.states.items() if s not in _FINAL))
         bad = next((exp.reasons[w] for w, s in sorted(exp.states.items())
                     if s in (WriterState.FAILED, WriterState.CORRUPT) and w in exp.reasons), "")
