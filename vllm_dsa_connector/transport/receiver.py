@@ -9,9 +9,9 @@ Notifications (:mod:`.notices`) then move each writer through :class:`WriterStat
     any non-final --the writer reported a failure, or its bytes could not be placed--> FAILED
     LANDED --the caller's check of the landed bytes failed (e.g. checksums)--> CORRUPT
 
-and :meth:`Receiver.collect` settles a request (:class:`RecvState`) once every writer is final (DONE, or
-FAILED / CORRUPT when one writer is) or its deadline passed (TIMED_OUT); :meth:`Receiver.cancel` ends it
-(CANCELLED). ``_mark`` and ``_settle`` are the only places where these states change.
+and :meth:`Receiver.collect` settles a request (:class:`RecvState`) once every writer is final (DONE, or FAILED /
+CORRUPT when one is) or its deadline passed (TIMED_OUT); :meth:`Receiver.cancel` ends it (CANCELLED).
+``_mark`` and ``_settle`` are the only places where these states change.
 
 Notifications before :meth:`~Receiver.arm` are kept (bounded, expired after ``early_ttl_s``), those of a
 settled request dropped. A tag is opaque here: ``hooks.split`` maps it to the request key and a payload (the
@@ -92,7 +92,7 @@ class PlainTags:
     """Default hooks: the tag is the key, no payload, every notification accepted, no check."""
 
     def split(self, tag: bytes) -> tuple[bytes, Any] | None:
-        """The tag itself."""
+        """The tag itself, no payload."""
         return tag, None
 
     def admit(self, context: Any, writer: int, payload: Any) -> tuple[Verdict, str]:
@@ -352,8 +352,7 @@ class Receiver:
         return ev
 
     def _fire_events(self, exp: _Armed) -> None:
-        """PARTIAL ipc writers whose event fired have landed; one whose event cannot be queried waits
-        for the sender's notification after completion instead."""
+        """PARTIAL ipc writers whose event fired landed (an unqueryable event: wait for the notification)."""
         for w, ev in list(exp.events.items()):
             try:
                 fired = bool(ev.query())
