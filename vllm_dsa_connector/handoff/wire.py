@@ -19,7 +19,9 @@ from typing import Any
 import msgspec
 
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
-PROTOCOL_VERSION = 2
+#: 3: completion/failure notices travel as transport notifications (``dsa1:<path><rank>:<Notice>``) on
+#: every path, the direct one included (2 sent a bare ``NOTICE_PREFIX`` message there).
+PROTOCOL_VERSION = 3
 TRANSFER_MODE = "push"
 
 
