@@ -9,7 +9,8 @@ What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.handoff`, the 
   publish a :class:`~vllm_dsa_connector.handoff.wire.RankPayload`. P fills its pools with seeded bytes, D
   starts from zeros.
 - P keeps each finished "prefill" under a lease (:class:`~vllm_dsa_connector.handoff.producer.Producer`) and
-  serves the side channel; the parent process plays the proxy and hands P's ``kv_transfer_params`` to D.
+  serves the side channel and hands its ``kv_transfer_params`` to D (the proxy's part) on the control
+  channel of :func:`~vllm_dsa_connector.harness.pair.run_two`, which runs both processes.
 - D handshakes over the side channel (:class:`~vllm_dsa_connector.handoff.consumer.Consumer`: payloads,
   compatibility check, plan), registers its blocks (scattered, out of order; one request with a prefix
   already on D, so P sends from its second block), and arms the transport's receiver.
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -50,6 +50,7 @@ from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
 from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
 from vllm_dsa_connector.handoff.wire import RankPayload, decode_payload, encode  # noqa: E402
+from vllm_dsa_connector.harness.pair import Channel, Kind, run_two  # noqa: E402
 from vllm_dsa_connector.layout.model import PageTable  # noqa: E402
 from vllm_dsa_connector.transport.copy import copy_runs  # noqa: E402
 from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
@@ -149,109 +150,107 @@ def _settings(args: argparse.Namespace) -> HandoffSettings:
 # ------------------------------------------------------------------------------------------ P
 
 
-def run_producer(conn: Any, args: argparse.Namespace, table: dict[str, Any], specs: list[RequestSpec]) -> None:
-    """P: leases, the side channel, dispatch and posts, until the parent says stop."""
-    try:
-        side = open_side("P", table, args.device, args.seed)
-        settings = _settings(args)
-        producer = Producer("P", settings)
-        payloads = [encode(side.payload)]
-        server = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, payloads),
-                                   Authenticator(args.secret))
-        transport = DirectTransport(side.engine, timeout_s=settings.transfer_timeout_s)
-        params = [dict(do_remote_prefill=True, remote_engine_id="P", remote_request_id=s.req_id,
-                       remote_token=producer.add_lease(s.req_id, list(s.p_blocks)), remote_host=server.host,
-                       remote_port=server.port, remote_block_ids=list(s.p_blocks),
-                       remote_num_tokens=64 * len(s.p_blocks)) for s in specs]
-        conn.send(("params", params))
-        peers: dict[str, tuple[list[tuple[str, RankPayload]], Any]] = {}
-        posts: dict[str, tuple[list[Any], float]] = {}
-        post_ms: dict[str, float] = {}
-        errors: list[str] = []
-        while not conn.poll():
-            out = producer.step()
-            for info in out.peers:  # D's layout, once: its agents and the plan P -> D
-                d_payloads = [decode_payload(b) for b in info.payloads]
-                agents = [(side.engine.add_peer(p.agent_metadata), p) for p in d_payloads]
-                peers[info.engine_id] = (agents, validate_peer([side.payload], d_payloads))
-            for job in out.push:
-                agents, plan = peers[job.dst_engine]
-                started, mine = time.perf_counter(), []
-                for agent, d in agents:
-                    parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp]), runs)
-                             for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks)]
-                    mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode()))
-                posts[job.req_id] = (mine, started)
-            if out.release:
-                errors += [f"lease {r} released without a push" for r in out.release]
-                producer.finished_sending(set(out.release))
-            for req_id, (mine, started) in list(posts.items()):
-                if all(transport.progress(p) for p in mine):
-                    post_ms[req_id] = 1000 * (time.perf_counter() - started)
-                    errors += [f"{req_id}: {p.error}" for p in mine if p.state is PostState.FAILED]
-                    producer.finished_sending({req_id})
-                    del posts[req_id]
-            if not posts:
-                time.sleep(0.0005)
-        conn.recv()
-        conn.send(("result", {"post_ms": post_ms, "errors": errors, "pending": producer.pending(),
-                              "vllm_loaded": _vllm_loaded()}))
-        server.close()
-        side.engine.close()
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", f"P: {e!r}"))
-        raise
+Job = tuple[argparse.Namespace, dict[str, Any], list[RequestSpec]]
+
+
+def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
+    """P: leases, the side channel, dispatch and posts, until D says stop; P's result."""
+    args, table, specs = work
+    side = open_side("P", table, args.device, args.seed)
+    settings = _settings(args)
+    producer = Producer("P", settings)
+    payloads = [encode(side.payload)]
+    server = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, payloads),
+                               Authenticator(args.secret))
+    transport = DirectTransport(side.engine, timeout_s=settings.transfer_timeout_s)
+    params = [dict(do_remote_prefill=True, remote_engine_id="P", remote_request_id=s.req_id,
+                   remote_token=producer.add_lease(s.req_id, list(s.p_blocks)), remote_host=server.host,
+                   remote_port=server.port, remote_block_ids=list(s.p_blocks),
+                   remote_num_tokens=64 * len(s.p_blocks)) for s in specs]
+    ch.send(Kind.DATA, params=params)
+    peers: dict[str, tuple[list[tuple[str, RankPayload]], Any]] = {}
+    posts: dict[str, tuple[list[Any], float]] = {}
+    post_ms: dict[str, float] = {}
+    errors: list[str] = []
+    while not ch.poll():
+        out = producer.step()
+        for info in out.peers:  # D's layout, once: its agents and the plan P -> D
+            d_payloads = [decode_payload(b) for b in info.payloads]
+            agents = [(side.engine.add_peer(p.agent_metadata), p) for p in d_payloads]
+            peers[info.engine_id] = (agents, validate_peer([side.payload], d_payloads))
+        for job in out.push:
+            agents, plan = peers[job.dst_engine]
+            started, mine = time.perf_counter(), []
+            for agent, d in agents:
+                parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp]), runs)
+                         for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks)]
+                mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode()))
+            posts[job.req_id] = (mine, started)
+        if out.release:
+            errors += [f"lease {r} released without a push" for r in out.release]
+            producer.finished_sending(set(out.release))
+        for req_id, (mine, started) in list(posts.items()):
+            if all(transport.progress(p) for p in mine):
+                post_ms[req_id] = 1000 * (time.perf_counter() - started)
+                errors += [f"{req_id}: {p.error}" for p in mine if p.state is PostState.FAILED]
+                producer.finished_sending({req_id})
+                del posts[req_id]
+        if not posts:
+            time.sleep(0.0005)
+    ch.recv(Kind.STOP)
+    server.close()
+    side.engine.close()
+    return {"post_ms": post_ms, "errors": errors, "pending": producer.pending(), "vllm_loaded": _vllm_loaded()}
 
 
 # ------------------------------------------------------------------------------------------ D
 
 
-def run_consumer(conn: Any, args: argparse.Namespace, table: dict[str, Any], specs: list[RequestSpec]) -> None:
-    """D: handshake, registrations, the receiver, then the byte-for-byte check of every pool."""
-    try:
-        side = open_side("D", table, args.device, None)
-        consumer = Consumer("D", _settings(args), Authenticator(args.secret), lambda: [side.payload],
-                            lambda: [encode(side.payload)])
-        receiver = Receiver(side.engine)
-        params = conn.recv()
-        first = parse_remote_params(params[0])
-        deadline = time.monotonic() + 30
-        while (peer := consumer.peer("P", first.remote_host, first.remote_port)).future is not None:
-            if time.monotonic() > deadline:
-                raise TimeoutError("handshake with P did not finish in 30 s")
-            time.sleep(0.005)
-        if peer.error or peer.meta is None:
-            raise RuntimeError(f"handshake with P failed: {peer.error}")
-        agents = {p.rank: p.agent_name for p in peer.meta.payloads}
-        e2e_ms: dict[str, float] = {}
-        for spec, param in zip(specs, params, strict=True):
-            rp = parse_remote_params(param)
-            consumer.queue(spec.req_id, rp)
-            started = time.perf_counter()
-            job = consumer.register(spec.req_id, rp, peer, spec.first_block, list(spec.src_blocks),
-                                    list(spec.d_blocks), {}, [])
-            writers = {w: WriterSpec(peer=agents[w]) for w in job.expected[side.payload.rank]}
-            receiver.arm(spec.req_id.encode(), writers, timeout_s=args.timeout)
-            result = None
-            while result is None:
-                fail: dict[str, str] = {}
-                consumer.step(fail)
-                if fail:
-                    raise RuntimeError(f"{spec.req_id}: the consumer gave up: {fail}")
-                receiver.pump()
-                result = next(iter(receiver.collect()), None)
-                if result is None:
-                    time.sleep(0.0002)
-            if result.state is not RecvState.DONE:
-                raise RuntimeError(f"{spec.req_id}: receive ended {result.state.value}: {result.reason}")
-            e2e_ms[spec.req_id] = 1000 * (time.perf_counter() - started)
-            consumer.finished(spec.req_id)
-        conn.send(("result", {"e2e_ms": e2e_ms, "vllm_loaded": _vllm_loaded(), **verify(side, peer.plan, specs, args)}))
-        consumer.shutdown()
-        side.engine.close()
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", f"D: {e!r}"))
-        raise
+def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
+    """D: handshake, registrations, the receiver, then the byte-for-byte check of every pool; D's result."""
+    args, table, specs = work
+    side = open_side("D", table, args.device, None)
+    consumer = Consumer("D", _settings(args), Authenticator(args.secret), lambda: [side.payload],
+                        lambda: [encode(side.payload)])
+    receiver = Receiver(side.engine)
+    params = ch.recv(Kind.DATA).body["params"]
+    first = parse_remote_params(params[0])
+    deadline = time.monotonic() + 30
+    while (peer := consumer.peer("P", first.remote_host, first.remote_port)).future is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("handshake with P did not finish in 30 s")
+        time.sleep(0.005)
+    if peer.error or peer.meta is None:
+        raise RuntimeError(f"handshake with P failed: {peer.error}")
+    agents = {p.rank: p.agent_name for p in peer.meta.payloads}
+    e2e_ms: dict[str, float] = {}
+    for spec, param in zip(specs, params, strict=True):
+        rp = parse_remote_params(param)
+        consumer.queue(spec.req_id, rp)
+        started = time.perf_counter()
+        job = consumer.register(spec.req_id, rp, peer, spec.first_block, list(spec.src_blocks),
+                                list(spec.d_blocks), {}, [])
+        writers = {w: WriterSpec(peer=agents[w]) for w in job.expected[side.payload.rank]}
+        receiver.arm(spec.req_id.encode(), writers, timeout_s=args.timeout)
+        result = None
+        while result is None:
+            fail: dict[str, str] = {}
+            consumer.step(fail)
+            if fail:
+                raise RuntimeError(f"{spec.req_id}: the consumer gave up: {fail}")
+            receiver.pump()
+            result = next(iter(receiver.collect()), None)
+            if result is None:
+                time.sleep(0.0002)
+        if result.state is not RecvState.DONE:
+            raise RuntimeError(f"{spec.req_id}: receive ended {result.state.value}: {result.reason}")
+        e2e_ms[spec.req_id] = 1000 * (time.perf_counter() - started)
+        consumer.finished(spec.req_id)
+    out = {"e2e_ms": e2e_ms, "vllm_loaded": _vllm_loaded(), **verify(side, peer.plan, specs, args)}
+    ch.send(Kind.STOP)  # P may close its side channel now
+    consumer.shutdown()
+    side.engine.close()
+    return out
 
 
 def verify(side: Side, plan: Any, specs: list[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
@@ -274,40 +273,15 @@ def verify(side: Side, plan: Any, specs: list[RequestSpec], args: argparse.Names
 # ------------------------------------------------------------------------------------------ parent
 
 
-def _expect(conn: Any, kind: str, timeout_s: float) -> Any:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"no {kind!r} message within {timeout_s:.0f} s")
-    got, body = conn.recv()
-    if got == "error":
-        raise RuntimeError(body)
-    if got != kind:
-        raise RuntimeError(f"expected {kind!r}, got {got!r}")
-    return body
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Both processes; the parent hands P's kv_transfer_params to D (the proxy's part) and collects results."""
+    """Both processes (:func:`run_two`: a failure raises with the failing side's traceback first); the result."""
     table = json.loads(Path(args.table).read_text()) if args.table else build_table(args.blocks)
     if args.save_table:
         Path(args.save_table).write_text(json.dumps(table))
     pool_blocks = min(int(p["num_blocks"]) for p in table["pools"])
     specs = plan_requests([int(x) for x in args.requests.split(",")], pool_blocks, args.seed)
-    ctx = mp.get_context("spawn")
-    (p_end, p_conn), (d_end, d_conn) = ctx.Pipe(), ctx.Pipe()
-    procs = [ctx.Process(target=run_producer, args=(p_conn, args, table, specs), name="core-P"),
-             ctx.Process(target=run_consumer, args=(d_conn, args, table, specs), name="core-D")]
-    for p in procs:
-        p.start()
-    try:
-        d_end.send(_expect(p_end, "params", 600))
-        d_res = _expect(d_end, "result", args.timeout * len(specs) + 600)
-        p_end.send("stop")
-        p_res = _expect(p_end, "result", 60)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    job = (args, table, specs)
+    p_res, d_res = run_two(run_producer, run_consumer, job, job, timeout_s=args.timeout * len(specs) + 660)
     block_bytes = int(table["pools"][0]["block_stride"])
     reqs = [{"req": s.req_id, "blocks": len(s.d_blocks), "bytes": len(s.d_blocks) * block_bytes,
              "post_ms": round(p_res["post_ms"].get(s.req_id, -1.0), 3), "e2e_ms": round(d_res["e2e_ms"][s.req_id], 3)}
