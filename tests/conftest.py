@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,21 @@ def processes_on_ports(base: int, span: int) -> list[str]:
         if any(f"--port {base + i}" in cmd for i in range(span)) or f":{base}" in cmd:
             out.append(f"{pid}: {cmd[:120]}")
     return out
+
+
+def load_module_from_file(path: Path, name: str) -> types.ModuleType:
+    """Execute the Python file ``path`` as a module named ``name`` (e.g. a patched copy of a vLLM file).
+
+    The module is in ``sys.modules`` while it executes (dataclasses resolve annotations through
+    it) and removed afterwards, so the temporary name never shadows anything (``inspect.getfile``
+    of its classes then fails: a caller that needs it keeps its own ``sys.modules`` entry).
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path} as module {name!r}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import io
 import json
@@ -19,11 +18,11 @@ import os
 import pkgutil
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_module_from_file
 
 import vllm_dsa_connector
 from vllm_dsa_connector import compat
@@ -164,19 +163,19 @@ def _draft_step_map(cls: type) -> list[int]:
 
 def test_mtp_fix_on_real_common_attention_metadata(stock_metadata: type) -> None:
     """The draft-loop bug is still in 0.33: the probe sees it, the fix removes it."""
-    from vllm_dsa_connector.fixes import apply_runtime_fixes
-    from vllm_dsa_connector.fixes.mtp_token_map import is_installed, missing_fields, probe
+    from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for
+    from vllm_dsa_connector.fixes.mtp_token_map import FIX_NAME, is_installed, missing_fields, probe
 
     assert missing_fields(stock_metadata) == ()
     before = probe(stock_metadata)
     assert before.token_map_stale and before.num_computed_stale, before.detail
     assert _draft_step_map(stock_metadata) == [0, 0, 0]
-    (report,) = apply_runtime_fixes()
+    report = report_for(apply_runtime_fixes(), FIX_NAME)
     assert report.status == "applied", report
     assert is_installed(stock_metadata)
     assert not probe(stock_metadata).buggy
     assert _draft_step_map(stock_metadata) == [0, 1, 2]
-    assert apply_runtime_fixes()[0].status == "already-applied"
+    assert report_for(apply_runtime_fixes(), FIX_NAME).status == "already-applied"
 
 
 def test_mtp_fix_applies_on_an_unknown_release(
@@ -186,6 +185,7 @@ def test_mtp_fix_applies_on_an_unknown_release(
     import vllm
 
     from vllm_dsa_connector import fixes
+    from vllm_dsa_connector.fixes import mtp_token_map
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setattr(fixes, "_LOGGED", set())
@@ -193,7 +193,7 @@ def test_mtp_fix_applies_on_an_unknown_release(
     caplog.set_level(logging.INFO, logger=fixes._LOGGER_NAME)
     logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
     try:
-        (report,) = fixes.apply_runtime_fixes()
+        report = fixes.report_for(fixes.apply_runtime_fixes(), mtp_token_map.FIX_NAME)
     finally:
         logger.removeHandler(caplog.handler)
     assert (report.status, report.vllm_version) == ("applied", "0.99.0")
@@ -244,16 +244,9 @@ def _patched_backend(tmp_path: Path) -> type:
     """Apply the patch to a copy of the running vLLM's files and load the patched backend."""
     _copy_for_patch(tmp_path)
     subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location(
-        "vllm_compat_patched_backend", tmp_path / "vllm/v1/attention/backend.py"
+    module = load_module_from_file(
+        tmp_path / "vllm/v1/attention/backend.py", "vllm_compat_patched_backend"
     )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
     return module.CommonAttentionMetadata
 
 

@@ -166,7 +166,7 @@ def test_guard_checks_where_vllm_resolves_the_children(guard) -> None:
 def test_guard_is_installed_with_the_runtime_fixes_and_off_with_them(guard, monkeypatch) -> None:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
+    from vllm_dsa_connector.fixes import FIX_NAMES, apply_runtime_fixes, revert_runtime_fixes
     from vllm_dsa_connector.fixes import multi_connector as g
     from vllm_dsa_connector.fixes.mtp_token_map import is_installed
 
@@ -175,8 +175,9 @@ def test_guard_is_installed_with_the_runtime_fixes_and_off_with_them(guard, monk
         revert_runtime_fixes()
         assert not g.is_installed(guard)
         monkeypatch.setenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", "1")
-        (report,) = apply_runtime_fixes()  # the reports stay the fixes' own
-        assert report.status == "disabled" and not g.is_installed(guard)
+        reports = apply_runtime_fixes()  # the reports stay the fixes' own: no guard among them
+        assert [r.name for r in reports] == list(FIX_NAMES)
+        assert all(r.status == "disabled" for r in reports) and not g.is_installed(guard)
         monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES")
         apply_runtime_fixes()
         assert g.is_installed(guard)

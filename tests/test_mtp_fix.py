@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -313,8 +314,8 @@ def test_stale_without_fix_and_correct_with_fix(fix_state: None) -> None:
     """In-process: revert -> vLLM's stock methods show the bug; apply -> correct."""
     import vllm.v1.attention.ops.metadata as ops
 
-    from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
-    from vllm_dsa_connector.fixes.mtp_token_map import is_installed
+    from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for, revert_runtime_fixes
+    from vllm_dsa_connector.fixes.mtp_token_map import FIX_NAME, is_installed
 
     cls = _metadata_cls()
     kernel = ops.compute_token_to_req_indices
@@ -322,12 +323,12 @@ def test_stale_without_fix_and_correct_with_fix(fix_state: None) -> None:
     assert not is_installed(cls)
     substitute_cpu_kernel()
     _assert_stale(run_checks())
-    (report,) = apply_runtime_fixes()
+    report = report_for(apply_runtime_fixes(), FIX_NAME)
     assert report.status == "applied", report
     assert "[0, 0, 0]" in report.detail  # the behaviour probe saw the bug
     ops.compute_token_to_req_indices = kernel  # the fix must not need vLLM's kernel
     _assert_fixed(run_checks())
-    assert apply_runtime_fixes()[0].status == "already-applied"
+    assert report_for(apply_runtime_fixes(), FIX_NAME).status == "already-applied"
     assert revert_runtime_fixes() and not is_installed(cls)  # the test-only revert works
     assert not revert_runtime_fixes()
 
@@ -367,15 +368,24 @@ def test_v2_runner_style_seeded_cache(fix_state: None) -> None:
     )
 
 
+def _report(result: dict[str, Any], name: str) -> dict[str, Any]:
+    """The report of fix ``name`` in a script result (``apply_runtime_fixes()`` as dicts)."""
+    found = [r for r in result["reports"] if r["name"] == name]
+    assert len(found) == 1, f"expected one report for {name!r}, got {result['reports']}"
+    return found[0]
+
+
 def test_env_disables_runtime_fix(script_runs: dict[str, object]) -> None:
     off = _result(script_runs["off"])
-    assert off["reports"][0]["status"] == "disabled"
+    for name in ("mtp-draft-token-map", "cpu-pp-intermediate-tensors"):
+        assert _report(off, name)["status"] == "disabled"
     _assert_stale(off["summary"])
 
 
 def test_register_applies_once(script_runs: dict[str, object]) -> None:
     on = _result(script_runs["on"])
-    assert on["reports"][0]["status"] == "already-applied"  # register() applied it first
+    # register() applied it first
+    assert _report(on, "mtp-draft-token-map")["status"] == "already-applied"
     assert on["log_lines"] == 1, on["stderr"][-2000:]
     _assert_fixed(on["summary"])
 
@@ -436,7 +446,8 @@ def main() -> None:
     if args.register:
         reports = [dataclasses.asdict(r) for r in fixes.apply_runtime_fixes()]
     out["reports"] = reports
-    out["log_lines"] = sum("applied runtime fix" in m for m in records)
+    # This fix's own "applied" lines (the other fixes log theirs too).
+    out["log_lines"] = sum("applied runtime fix mtp-draft-token-map " in m for m in records)
     out["summary"] = run_checks()
     if args.patched_backend:
         import inspect

@@ -17,7 +17,6 @@ This file is also the engine script: ``python tests/test_pp_fix.py MODEL PP`` pr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import load_module_from_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = next((ROOT / "patches").glob("0002-*.patch"))
@@ -123,17 +123,43 @@ def test_env_disables_the_fix(stock_runner: type, monkeypatch: pytest.MonkeyPatc
     from vllm_dsa_connector.fixes import pp_intermediate as fix
 
     monkeypatch.setenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", "1")
-    assert all(r.status == "disabled" for r in fixes.apply_runtime_fixes())
+    reports = fixes.apply_runtime_fixes()
+    assert [(r.name, r.status) for r in reports] == [(n, "disabled") for n in fixes.FIX_NAMES]
     assert not fix.is_installed(stock_runner)
 
 
 @pytest.mark.compat  # also against other vLLM releases (ci/compat.sh)
 def test_register_applies_the_fix(stock_runner: type) -> None:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
     from vllm_dsa_connector import fixes
+    from vllm_dsa_connector.fixes import mtp_token_map
     from vllm_dsa_connector.fixes import pp_intermediate as fix
 
-    fixes.apply_runtime_fixes()
-    assert fix.is_installed(stock_runner)
+    others_were_installed = mtp_token_map.is_installed(CommonAttentionMetadata)
+    try:
+        reports = fixes.apply_runtime_fixes()
+        assert [r.name for r in reports] == list(fixes.FIX_NAMES)
+        assert fixes.report_for(reports, fix.FIX_NAME).status == "applied"
+        assert fix.is_installed(stock_runner)
+        again = fixes.apply_runtime_fixes()
+        assert fixes.report_for(again, fix.FIX_NAME).status == "already-applied"
+        assert fixes.revert_runtime_fixes() and not fix.is_installed(stock_runner)  # with the rest
+        assert not fixes.revert_runtime_fixes()
+    finally:
+        if others_were_installed:
+            fixes.apply_runtime_fixes()  # the PP fix's own state is restored by stock_runner
+
+
+def test_fix_names_and_report_lookup() -> None:
+    from vllm_dsa_connector import fixes
+    from vllm_dsa_connector.fixes import mtp_token_map, pp_intermediate
+
+    assert fixes.FIX_NAMES == (mtp_token_map.FIX_NAME, pp_intermediate.FIX_NAME)
+    reports = (fixes.FixReport("a", "applied", "0", ""), fixes.FixReport("b", "failed", "0", ""))
+    assert fixes.report_for(reports, "b") is reports[1]
+    with pytest.raises(KeyError, match="'c'.*\\['a', 'b'\\]"):
+        fixes.report_for(reports, "c")
 
 
 def _patched_runner_cls(dest: Path) -> type:
@@ -148,15 +174,7 @@ def _patched_runner_cls(dest: Path) -> type:
     )
     assert check.returncode == 0, check.stdout + check.stderr
     subprocess.run(["git", "apply", str(PATCH)], cwd=dest, check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location("vllm_dsa_patched_cpu_runner", dest / RUNNER_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module.CPUModelRunner
+    return load_module_from_file(dest / RUNNER_FILE, "vllm_dsa_patched_cpu_runner").CPUModelRunner
 
 
 @pytest.mark.compat

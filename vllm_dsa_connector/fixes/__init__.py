@@ -13,6 +13,11 @@ Fixes:
 * ``mtp-draft-token-map`` (:mod:`.mtp_token_map`): the MTP/EAGLE draft loop reuses the
   target forward's token->request map (and num_computed_tokens) after rewriting the batch
   to one token per request.
+* ``cpu-pp-intermediate-tensors`` (:mod:`.pp_intermediate`): vLLM's CPU runner has no pipeline
+  receive buffer on stages after the first when the warm-up run is skipped.
+
+:func:`apply_runtime_fixes` returns one :class:`FixReport` per fix (:func:`report_for` picks
+one by name); :func:`revert_runtime_fixes` undoes all of them and the guards.
 
 Guards (not bug fixes: no probe; installed with the fixes, off with the same variable, not in
 the returned reports):
@@ -25,10 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 
 from vllm_dsa_connector.options import runtime_fixes_disabled
 
-__all__ = ["FixReport", "apply_runtime_fixes", "revert_runtime_fixes"]
+__all__ = ["FIX_NAMES", "FixReport", "apply_runtime_fixes", "report_for", "revert_runtime_fixes"]
+
+# The fixes, in the order of apply_runtime_fixes()'s reports (each module's FIX_NAME).
+FIX_NAMES: tuple[str, ...] = ("mtp-draft-token-map", "cpu-pp-intermediate-tensors")
 
 _LOCK = threading.Lock()
 _LOGGER_NAME = "vllm.plugins." + __name__
@@ -64,11 +73,13 @@ def _log_once(key: str, level: str, msg: str, *args: object) -> None:
 
 
 def apply_runtime_fixes() -> tuple[FixReport, ...]:
-    """Detect and fix known vLLM bugs in this process. Idempotent and thread-safe."""
-    import vllm
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+    """Detect and fix known vLLM bugs in this process. Idempotent and thread-safe.
 
-    from vllm_dsa_connector.fixes import mtp_token_map as fix
+    Returns one :class:`FixReport` per fix, in the order of :data:`FIX_NAMES`; pick one with
+    :func:`report_for` rather than by position.
+    """
+    import vllm
+
     from vllm_dsa_connector.fixes import pp_intermediate
 
     version = getattr(vllm, "__version__", "unknown")
@@ -79,66 +90,89 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
                 "info",
                 "vllm-dsa-connector: runtime fixes disabled by VLLM_DSA_DISABLE_RUNTIME_FIXES",
             )
-            return (FixReport(fix.FIX_NAME, "disabled", version, "env"),)
+            return tuple(FixReport(name, "disabled", version, "env") for name in FIX_NAMES)
         _install_guards(version)
-        pp_intermediate.apply(version)  # cpu-pp-intermediate-tensors: logs and reports on its own
-        if fix.is_installed(CommonAttentionMetadata):
-            return (FixReport(fix.FIX_NAME, "already-applied", version, ""),)
-        result = fix.probe(CommonAttentionMetadata)
-        if not result.buggy:
-            _log_once(
-                fix.FIX_NAME,
-                "debug",
-                "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
-                version,
-                fix.FIX_NAME,
-                result.detail,
-            )
-            return (FixReport(fix.FIX_NAME, "not-needed", version, result.detail),)
-        missing = fix.missing_fields(CommonAttentionMetadata)
-        if missing:
-            _log_once(
-                fix.FIX_NAME,
-                "warning",
-                "vllm-dsa-connector: vLLM %s shows the stale MTP draft-loop token map (%s) "
-                "but its CommonAttentionMetadata lacks %s, which fix %s uses; not patching. "
-                "MTP draft steps of DSA models may read another request's KV: apply "
-                "patches/0001-*.patch.",
-                version,
-                result.detail,
-                ", ".join(missing),
-                fix.FIX_NAME,
-            )
-            return (FixReport(fix.FIX_NAME, "unsupported", version, result.detail),)
-        fix.install(CommonAttentionMetadata)
-        after = fix.probe(CommonAttentionMetadata)
-        if after.buggy:
-            fix.uninstall(CommonAttentionMetadata)
-            _log_once(
-                fix.FIX_NAME,
-                "warning",
-                "vllm-dsa-connector: fix %s did not remove the stale MTP draft-loop token map "
-                "on vLLM %s (before: %s; after: %s); removed it again. Apply "
-                "patches/0001-*.patch.",
-                fix.FIX_NAME,
-                version,
-                result.detail,
-                after.detail,
-            )
-            return (FixReport(fix.FIX_NAME, "failed", version, after.detail),)
+        return (_apply_mtp_token_map(version), pp_intermediate.apply(version))
+
+
+def report_for(reports: Iterable[FixReport], name: str) -> FixReport:
+    """The report of fix ``name`` among ``reports`` (as returned by :func:`apply_runtime_fixes`).
+
+    Raises ``KeyError`` naming the fix asked for and the fixes reported when none matches.
+    """
+    reports = tuple(reports)
+    for report in reports:
+        if report.name == name:
+            return report
+    raise KeyError(
+        f"no report for fix {name!r}; the reports are for {[r.name for r in reports]} "
+        f"(known fixes: {list(FIX_NAMES)})"
+    )
+
+
+def _apply_mtp_token_map(version: str) -> FixReport:
+    """Probe, install and re-probe fix ``mtp-draft-token-map`` (caller holds the lock)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_dsa_connector.fixes import mtp_token_map as fix
+
+    if fix.is_installed(CommonAttentionMetadata):
+        return FixReport(fix.FIX_NAME, "already-applied", version, "")
+    result = fix.probe(CommonAttentionMetadata)
+    if not result.buggy:
         _log_once(
             fix.FIX_NAME,
-            "info",
-            "vllm-dsa-connector: applied runtime fix %s to vLLM %s: "
-            "CommonAttentionMetadata.token_to_req_indices/compute_num_computed_tokens now "
-            "follow the draft loop's batch layout (probe: %s; after the fix: %s). "
-            "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.",
+            "debug",
+            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
+            version,
+            fix.FIX_NAME,
+            result.detail,
+        )
+        return FixReport(fix.FIX_NAME, "not-needed", version, result.detail)
+    missing = fix.missing_fields(CommonAttentionMetadata)
+    if missing:
+        _log_once(
+            fix.FIX_NAME,
+            "warning",
+            "vllm-dsa-connector: vLLM %s shows the stale MTP draft-loop token map (%s) "
+            "but its CommonAttentionMetadata lacks %s, which fix %s uses; not patching. "
+            "MTP draft steps of DSA models may read another request's KV: apply "
+            "patches/0001-*.patch.",
+            version,
+            result.detail,
+            ", ".join(missing),
+            fix.FIX_NAME,
+        )
+        return FixReport(fix.FIX_NAME, "unsupported", version, result.detail)
+    fix.install(CommonAttentionMetadata)
+    after = fix.probe(CommonAttentionMetadata)
+    if after.buggy:
+        fix.uninstall(CommonAttentionMetadata)
+        _log_once(
+            fix.FIX_NAME,
+            "warning",
+            "vllm-dsa-connector: fix %s did not remove the stale MTP draft-loop token map "
+            "on vLLM %s (before: %s; after: %s); removed it again. Apply "
+            "patches/0001-*.patch.",
             fix.FIX_NAME,
             version,
             result.detail,
             after.detail,
         )
-        return (FixReport(fix.FIX_NAME, "applied", version, result.detail),)
+        return FixReport(fix.FIX_NAME, "failed", version, after.detail)
+    _log_once(
+        fix.FIX_NAME,
+        "info",
+        "vllm-dsa-connector: applied runtime fix %s to vLLM %s: "
+        "CommonAttentionMetadata.token_to_req_indices/compute_num_computed_tokens now "
+        "follow the draft loop's batch layout (probe: %s; after the fix: %s). "
+        "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.",
+        fix.FIX_NAME,
+        version,
+        result.detail,
+        after.detail,
+    )
+    return FixReport(fix.FIX_NAME, "applied", version, result.detail)
 
 
 def _install_guards(version: str) -> None:
@@ -171,13 +205,21 @@ def _install_guards(version: str) -> None:
 
 
 def revert_runtime_fixes() -> bool:
-    """Undo :func:`apply_runtime_fixes` in this process (for tests). True if anything changed."""
+    """Undo :func:`apply_runtime_fixes` in this process (for tests): every fix and guard.
+
+    True if anything changed.
+    """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_dsa_connector.fixes import mtp_token_map as fix
+    from vllm_dsa_connector.fixes import mtp_token_map, pp_intermediate
     from vllm_dsa_connector.fixes import multi_connector as guard
 
     with _LOCK:
-        cls = guard.multi_connector_class()
-        changed = cls is not None and guard.uninstall(cls)
-        return fix.uninstall(CommonAttentionMetadata) or changed
+        changed = mtp_token_map.uninstall(CommonAttentionMetadata)
+        runner = pp_intermediate.runner_class()
+        if runner is not None:
+            changed = pp_intermediate.uninstall(runner) or changed
+        multi = guard.multi_connector_class()
+        if multi is not None:
+            changed = guard.uninstall(multi) or changed
+        return changed

@@ -184,8 +184,9 @@ def apply(version: str) -> Any:
     """Probe, install and re-probe on this process's ``CPUModelRunner``; log the outcome once.
 
     Called by :func:`vllm_dsa_connector.fixes.apply_runtime_fixes` (which holds its lock and has
-    already checked ``VLLM_DSA_DISABLE_RUNTIME_FIXES``). Returns a
-    :class:`~vllm_dsa_connector.fixes.FixReport`; ``"not-needed"`` off vLLM's CPU platform.
+    already checked ``VLLM_DSA_DISABLE_RUNTIME_FIXES``), which returns this
+    :class:`~vllm_dsa_connector.fixes.FixReport` among its reports; ``"not-needed"`` off vLLM's
+    CPU platform. :func:`~vllm_dsa_connector.fixes.revert_runtime_fixes` undoes it.
     """
     from vllm_dsa_connector.fixes import FixReport, _log_once
 
