@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,30 @@ def test_runtime_fixes_switch() -> None:
     assert not runtime_fixes_disabled({"VLLM_DSA_DISABLE_RUNTIME_FIXES": "0"})
     with pytest.raises(OptionError, match="VLLM_DSA_DISABLE_RUNTIME_FIXES"):
         runtime_fixes_disabled({"VLLM_DSA_DISABLE_RUNTIME_FIXES": "sometimes"})
+
+
+def test_copy_switches_go_through_the_mechanism() -> None:
+    """VLLM_DSA_COPY_*: parsed by CopySettings; a bad value names the variable, the value and what is allowed."""
+    from vllm_dsa_connector.transport.copy import DEFAULT_CONFIG, CopySettings, copy_settings
+
+    assert copy_settings({}) == CopySettings() and CopySettings().config is DEFAULT_CONFIG
+    s = copy_settings({"VLLM_DSA_COPY_IMPL": " CE ", "VLLM_DSA_COPY_GRAPH": "off",
+                       "VLLM_DSA_COPY_CONFIG": "131072,8192,4"})
+    assert (s.impl, s.graphs, str(s.config)) == ("ce", False, "131072,8192,4")
+    assert copy_settings({"VLLM_DSA_COPY_GRAPH": ""}).graphs  # set but empty: the default (on)
+    for env, value, allowed in (("VLLM_DSA_COPY_IMPL", "dma", "auto, triton, index, ce"),
+                                ("VLLM_DSA_COPY_GRAPH", "maybe", "true/false"),
+                                ("VLLM_DSA_COPY_CONFIG", "1,3,4", "piece_bytes,block_bytes,num_warps")):
+        with pytest.raises(OptionError) as err:
+            copy_settings({env: value})
+        assert env in str(err.value) and repr(value) in str(err.value) and allowed in str(err.value)
+
+
+def test_cache_directories_go_through_the_mechanism(tmp_path: Path) -> None:
+    from vllm_dsa_connector.tiny_models import default_model_root
+    from vllm_dsa_connector.tokenizer.assets import cache_dir
+
+    assert default_model_root({"VLLM_DSA_MODEL_DIR": str(tmp_path)}) == tmp_path
+    assert default_model_root({"VLLM_DSA_MODEL_DIR": ""}) == Path.home() / ".cache" / "vllm-dsa-connector"
+    assert cache_dir({"VLLM_DSA_TOKENIZER_CACHE": str(tmp_path)}) == tmp_path
+    assert cache_dir({}) == Path.home() / ".cache" / "vllm-dsa-connector" / "tokenizers"

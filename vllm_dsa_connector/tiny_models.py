@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm_dsa_connector.options import option, resolve_options
 
 # DeepSeek-style chat template over the real tokenizer's added tokens.
 CHAT_TEMPLATE = (
@@ -26,9 +29,23 @@ CHAT_TEMPLATE = (
 TINY_MLA_SEED = 1234
 
 
-def default_model_root() -> Path:
+def _parse_dir(key: str, value: Any) -> str:
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ModelDirSettings:
+    """Where the tiny models are made (environment only)."""
+
+    root: str = option(
+        "model_dir", _parse_dir, "", env_only=True,
+        doc="directory of the tiny test and demo models (empty: `~/.cache/vllm-dsa-connector`)",
+    )
+
+
+def default_model_root(environ: Mapping[str, str] | None = None) -> Path:
     """Where tiny models are cached: ``$VLLM_DSA_MODEL_DIR`` or ``~/.cache/vllm-dsa-connector``."""
-    root = os.environ.get("VLLM_DSA_MODEL_DIR")
+    root = resolve_options(ModelDirSettings, None, environ, where="tiny models").root
     return Path(root) if root else Path.home() / ".cache" / "vllm-dsa-connector"
 
 

@@ -15,7 +15,11 @@ def sections() -> list[tuple[str, type]]:
     from vllm_dsa_connector.admission.options import AdmissionConfig
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.options import RuntimeFixesOptions
+    from vllm_dsa_connector.tiny_models import ModelDirSettings
+    from vllm_dsa_connector.tokenizer.assets import AssetSettings
+    from vllm_dsa_connector.tokenizer.modes import BaseModeSettings
     from vllm_dsa_connector.tokenizer.options import CacheOptions
+    from vllm_dsa_connector.transport.kernels import CopySettings
 
     return [
         ("DSAConnector, `kv_connector_extra_config` (the `bounce_*` keys tune the bounce gate):",
@@ -24,7 +28,11 @@ def sections() -> list[tuple[str, type]]:
          "(top level or any MultiConnector child's):", AdmissionConfig),
         ("Prefix token cache (`--tokenizer-mode dsa-prefix-cache`: from the environment; keyword arguments of "
          "`PrefixTokenCache`):", CacheOptions),
+        ("Prefix token cache base mode (`--tokenizer-mode dsa-prefix-cache`):", BaseModeSettings),
+        ("Transport run copies (bounce gather/scatter, same-node copies):", CopySettings),
         ("Plugin:", RuntimeFixesOptions),
+        ("Tiny models (tests, demo, `vllm-dsa make-model`):", ModelDirSettings),
+        ("Test tokenizers (`python -m vllm_dsa_connector.tokenizer.assets`):", AssetSettings),
     ]
 
 

@@ -18,8 +18,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm_dsa_connector.options import option, resolve_options
 
 from .analysis import GPT2_PATTERN, QWEN2_PATTERN
 
@@ -35,9 +39,23 @@ QWEN3_ADDED: tuple[tuple[str, bool], ...] = tuple(
 )
 
 
-def cache_dir() -> Path:
-    """Where built tokenizer files live."""
-    root = os.environ.get("VLLM_DSA_TOKENIZER_CACHE")
+def _parse_dir(key: str, value: Any) -> str:
+    return str(value)
+
+
+@dataclass(frozen=True)
+class AssetSettings:
+    """Where built tokenizer files are cached (environment only)."""
+
+    cache: str = option(
+        "tokenizer_cache", _parse_dir, "", env_only=True,
+        doc="directory of the built test tokenizers (empty: `~/.cache/vllm-dsa-connector/tokenizers`)",
+    )
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where built tokenizer files live: ``$VLLM_DSA_TOKENIZER_CACHE`` or ``~/.cache/vllm-dsa-connector/tokenizers``."""
+    root = resolve_options(AssetSettings, None, environ, where="tokenizer assets").cache
     return Path(root) if root else Path.home() / ".cache" / "vllm-dsa-connector" / "tokenizers"
 
 

@@ -23,13 +23,14 @@ probe texts, and a renderer whose model architecture is not the one ``auto`` was
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm.logger import init_logger
+
+from vllm_dsa_connector.options import option, resolve_options
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -87,16 +88,32 @@ def check_mode(mode: str) -> None:
         )
 
 
+def _parse_mode(key: str, value: Any) -> str:
+    return str(value).strip().lower() or "auto"
+
+
+@dataclass(frozen=True)
+class BaseModeSettings:
+    """The requested base mode (environment only); a mode this wrapper may not wrap is refused when resolved."""
+
+    requested: str = option(
+        "tokcache_base_mode", _parse_mode, "auto", env=BASE_MODE_ENV, env_only=True,
+        doc=f"the vLLM tokenizer mode `--tokenizer-mode {MODE}` wraps (lower-cased); `auto`: what vLLM "
+            "resolves `auto` to for the model",
+    )
+
+    def validate_options(self) -> None:
+        """ModeError naming the variable and the value unless the mode is ``auto`` or one that may be wrapped."""
+        if self.requested != "auto":
+            try:
+                check_mode(self.requested)
+            except ModeError as e:
+                raise ModeError(f"{BASE_MODE_ENV}={self.requested!r}: {e}") from None
+
+
 def requested_base_mode(environ: Mapping[str, str] | None = None) -> str:
     """``VLLM_DSA_TOKCACHE_BASE_MODE`` (lower-cased, like vLLM's ``--tokenizer-mode``), default ``auto``."""
-    env = os.environ if environ is None else environ
-    value = env.get(BASE_MODE_ENV, "").strip().lower() or "auto"
-    if value != "auto":
-        try:
-            check_mode(value)
-        except ModeError as e:
-            raise ModeError(f"{BASE_MODE_ENV}={value!r}: {e}") from None
-    return value
+    return resolve_options(BaseModeSettings, None, environ, where=f"--tokenizer-mode {MODE}").requested
 
 
 def auto_mode(model: str | Path, *, trust_remote_code: bool = False, revision: str | None = None,

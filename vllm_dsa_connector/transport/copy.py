@@ -28,7 +28,6 @@ graphs off (plans stay). ``copy_arrays`` (gather / scatter on derived arrays) pl
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -38,10 +37,13 @@ import torch
 from vllm_dsa_connector.transport import kernels, launches
 from vllm_dsa_connector.transport.kernels import (
     _FAILED_LAUNCH,
+    COPY_IMPLS,
     DEFAULT_CONFIG,
     CopyConfig,
+    CopySettings,
     _launch_triton,
     _width,
+    copy_settings,
     default_config,
     plan_pieces,
     triton_available,
@@ -61,7 +63,9 @@ __all__ = [
     "byte_view",
     "DEFAULT_CONFIG",
     "CopyConfig",
+    "CopySettings",
     "copy_arrays",
+    "copy_settings",
     "ce_available",
     "copy_runs",
     "default_config",
@@ -75,15 +79,10 @@ __all__ = [
     "triton_available",
 ]
 
-COPY_IMPLS = ("auto", "triton", "index", "ce")
 
 def default_impl(environ: Any = None) -> str:
-    """``VLLM_DSA_COPY_IMPL`` (auto/triton/index), ``auto`` when unset."""
-    env = os.environ if environ is None else environ
-    v = str(env.get("VLLM_DSA_COPY_IMPL", "auto")).strip().lower() or "auto"
-    if v not in COPY_IMPLS:
-        raise ValueError(f"VLLM_DSA_COPY_IMPL must be one of {', '.join(COPY_IMPLS)}; got {v!r}")
-    return v
+    """``VLLM_DSA_COPY_IMPL`` (auto/triton/index/ce), ``auto`` when unset (:class:`CopySettings`)."""
+    return copy_settings(environ).impl
 
 
 def byte_view(t: torch.Tensor, what: str) -> torch.Tensor:

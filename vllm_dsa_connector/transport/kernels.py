@@ -14,14 +14,35 @@ import logging
 import math
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_dsa_connector.options import (
+    OptionError,
+    option,
+    options_of,
+    parse_bool,
+    parse_choice,
+    resolve_options,
+)
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CONFIG", "CopyConfig", "default_config", "plan_pieces", "triton_available"]
+__all__ = [
+    "COPY_IMPLS",
+    "DEFAULT_CONFIG",
+    "CopyConfig",
+    "CopySettings",
+    "copy_settings",
+    "default_config",
+    "plan_pieces",
+    "triton_available",
+]
+
+COPY_IMPLS = ("auto", "triton", "index", "ce")
 
 _WIDTHS = (
     (8, torch.int64),
@@ -51,29 +72,78 @@ class CopyConfig:
             f"num_warps={self.num_warps})"
         )
 
+    def __str__(self) -> str:
+        """``piece_bytes,block_bytes,num_warps`` (the ``VLLM_DSA_COPY_CONFIG`` spelling)."""
+        return f"{self.piece_bytes},{self.block_bytes},{self.num_warps}"
+
 
 # Best of the launch-shape sweep on H200 (2.05 GB, 593 runs): 64 KiB pieces, 16 KiB steps, 8 warps ran the
 # scattered -> scattered copy at 0.925-0.932 of a device copy (256 KiB: 0.907; 4 MiB: 0.864).
 DEFAULT_CONFIG = CopyConfig()
-_ENV_CONFIG: tuple[str, CopyConfig] | None = None
+def _parse_impl(key: str, value: Any) -> str:
+    return parse_choice(key, str(value).strip().lower() or "auto", COPY_IMPLS)
+
+
+def _parse_on(key: str, value: Any) -> bool:
+    return True if isinstance(value, str) and not value.strip() else parse_bool(key, value)
+
+
+def _parse_config(key: str, value: Any) -> CopyConfig:
+    if isinstance(value, CopyConfig):
+        return value
+    text = str(value).strip()
+    if not text:
+        return DEFAULT_CONFIG
+    try:
+        pb, bk, nw = (int(x) for x in text.split(","))
+        return CopyConfig(pb, bk, nw)
+    except ValueError:
+        raise OptionError(
+            f"{key}: expected piece_bytes,block_bytes,num_warps (integers, block_bytes a power of two)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class CopySettings:
+    """Process-wide switches of the run copy (environment only; read through :func:`copy_settings`)."""
+
+    impl: str = option(
+        "copy_impl", _parse_impl, "auto", env_only=True,
+        doc="run copies: `auto` (Triton on CUDA when it loads, else torch index ops), `triton`, `index` or "
+            "`ce` (one copy-engine copy per run)",
+    )
+    graphs: bool = option(
+        "copy_graph", _parse_on, True, env_only=True,
+        doc="replay a cached launch plan's Triton launch from a CUDA graph (`0`: plain launches, plans stay)",
+    )
+    config: CopyConfig = option(
+        "copy_config", _parse_config, DEFAULT_CONFIG, env_only=True,
+        doc="Triton copy launch shape `piece_bytes,block_bytes,num_warps` (default: best of the H200 sweep)",
+    )
+
+
+_ENV_NAMES = tuple(o.env for _, o in options_of(CopySettings) if o.env)
+_RESOLVED: tuple[tuple[str | None, ...], CopySettings] | None = None
+
+
+def copy_settings(environ: Any = None) -> CopySettings:
+    """:class:`CopySettings` from ``environ`` (default ``os.environ``), re-resolved only when one of its
+    variables changed (the copy path reads it per call). A bad value raises :class:`OptionError`
+    naming the variable, the value and what is allowed."""
+    global _RESOLVED
+    env = os.environ if environ is None else environ
+    raw = tuple(env.get(name) for name in _ENV_NAMES)
+    last = _RESOLVED
+    if last is not None and last[0] == raw:
+        return last[1]
+    settings = resolve_options(CopySettings, None, env, where="the run copy")
+    _RESOLVED = (raw, settings)
+    return settings
 
 
 def default_config(environ: Any = None) -> CopyConfig:
     """``VLLM_DSA_COPY_CONFIG`` = ``piece_bytes,block_bytes,num_warps`` (a tuned shape), else the default."""
-    global _ENV_CONFIG
-    env = os.environ if environ is None else environ
-    raw = str(env.get("VLLM_DSA_COPY_CONFIG", "")).strip()
-    if not raw:
-        return DEFAULT_CONFIG
-    if _ENV_CONFIG is not None and _ENV_CONFIG[0] == raw:
-        return _ENV_CONFIG[1]
-    try:
-        pb, bk, nw = (int(x) for x in raw.split(","))
-        cfg = CopyConfig(pb, bk, nw)
-    except ValueError as e:
-        raise ValueError(f"VLLM_DSA_COPY_CONFIG={raw!r}: expected piece_bytes,block_bytes,num_warps") from e
-    _ENV_CONFIG = (raw, cfg)
-    return cfg
+    return copy_settings(environ).config
 
 
 def plan_pieces(

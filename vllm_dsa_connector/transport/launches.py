@@ -10,14 +10,19 @@ the table upload; from its second use the launch is replayed from a CUDA graph c
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport.kernels import _LOCK, CopyConfig, _Plan, _prepare_triton
+from vllm_dsa_connector.transport.kernels import (
+    _LOCK,
+    CopyConfig,
+    _Plan,
+    _prepare_triton,
+    copy_settings,
+)
 from vllm_dsa_connector.transport.runs import Runs
 
 logger = logging.getLogger(__name__)
@@ -51,8 +56,7 @@ def plan_stats() -> dict[str, int]:
 
 def graphs_enabled(environ: Any = None) -> bool:
     """``VLLM_DSA_COPY_GRAPH`` (default on): replay a cached plan's launch from a CUDA graph."""
-    env = os.environ if environ is None else environ
-    return str(env.get("VLLM_DSA_COPY_GRAPH", "1")).strip().lower() not in ("0", "false", "off", "no")
+    return copy_settings(environ).graphs
 
 
 def _plan_key(sb: torch.Tensor, db: torch.Tensor, cfg: CopyConfig) -> tuple[Any, ...]:
