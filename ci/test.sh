@@ -7,4 +7,4 @@ export PATH="$PWD/$VENV/bin:$PATH"
 echo "[test] ruff check"
 ruff check .
 echo "[test] pytest"
-python -m pytest -p no:cacheprovider "$@"
+python -m pytest -p no:cacheprovider --durations=30 "$@"
