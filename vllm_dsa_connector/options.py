@@ -127,6 +127,11 @@ def parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def parse_path(key: str, value: Any) -> str:
+    """A directory or file path, taken as given (empty: the caller's default location)."""
+    return str(value)
+
+
 # ---------------------------------------------------------------------------------------- declaration
 
 

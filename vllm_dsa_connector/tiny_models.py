@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.options import option, resolve_options
+from vllm_dsa_connector.options import option, parse_path, resolve_options
 
 # DeepSeek-style chat template over the real tokenizer's added tokens.
 CHAT_TEMPLATE = (
@@ -29,16 +29,12 @@ CHAT_TEMPLATE = (
 TINY_MLA_SEED = 1234
 
 
-def _parse_dir(key: str, value: Any) -> str:
-    return str(value)
-
-
 @dataclass(frozen=True)
 class ModelDirSettings:
     """Where the tiny models are made (environment only)."""
 
     root: str = option(
-        "model_dir", _parse_dir, "", env_only=True,
+        "model_dir", parse_path, "", env_only=True,
         doc="directory of the tiny test and demo models (empty: `~/.cache/vllm-dsa-connector`)",
     )
 

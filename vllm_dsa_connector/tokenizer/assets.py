@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.options import option, resolve_options
+from vllm_dsa_connector.options import option, parse_path, resolve_options
 
 from .analysis import GPT2_PATTERN, QWEN2_PATTERN
 
@@ -39,16 +39,12 @@ QWEN3_ADDED: tuple[tuple[str, bool], ...] = tuple(
 )
 
 
-def _parse_dir(key: str, value: Any) -> str:
-    return str(value)
-
-
 @dataclass(frozen=True)
 class AssetSettings:
     """Where built tokenizer files are cached (environment only)."""
 
     cache: str = option(
-        "tokenizer_cache", _parse_dir, "", env_only=True,
+        "tokenizer_cache", parse_path, "", env_only=True,
         doc="directory of the built test tokenizers (empty: `~/.cache/vllm-dsa-connector/tokenizers`)",
     )
 
