@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("options", "compat"),                     # no project imports besides each other
     ("transport",),                            # NIXL, bounce, runs: no vLLM, nothing above
     ("layout",),                               # page tables (layout.build reads vLLM's specs)
+    ("token_map",),                            # the planner's token-position map (Bp != Bd), below matching
     ("matching",),                             # the planner: layout + transport's run merging
     ("handoff",),                              # the vLLM-free core: protocol, producer/consumer state
     ("tiny_models",),

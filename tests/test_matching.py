@@ -138,9 +138,14 @@ def test_mask_mismatch_is_refused() -> None:
         plan_transfer([t], [other])
 
 
-def test_block_size_and_bytes_mismatch_are_refused() -> None:
-    with pytest.raises(PlanError, match="block size mismatch"):
-        plan_transfer(tables("masked", 1, 1, 64), tables("masked", 1, 1, 32))
+def test_block_sizes_may_differ_but_bytes_mismatch_is_refused() -> None:
+    # different block sizes plan (pages mapped by token position, proven by the simulation matrix of issue 19);
+    # page-for-page expansion refuses them instead of copying a page into a different meaning
+    (src,), (dst,) = tables("masked", 1, 1, 64), tables("masked", 1, 1, 32)
+    plan = plan_transfer([src], [dst])
+    assert_exactly_once(plan, [dst], [src])
+    with pytest.raises(PlanError, match="one block size"):
+        expand_runs(plan.segments, src, dst, [0], [0])
     (t,) = tables("masked", 1, 1)
     v = t.view(Role.INDEXER_K)
     bad_view = dataclasses.replace(v, entries=tuple(dataclasses.replace(e, nbytes=e.nbytes + 4) for e in v.entries))

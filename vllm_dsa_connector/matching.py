@@ -11,9 +11,14 @@ block ids into byte runs, merged again across consecutive blocks (the merge rule
 ``transport.runs``: one implementation for planner and transport).
 
 :class:`PeerPlan` is what a connector keeps per peer: both sides' decoded page tables and the plan, built
-once at the handshake; ``PeerPlan.runs(src_rank, dst_rank, src_blocks, dst_blocks)`` answers every
-per-request question (scheduler slot planning, the sender's WRITE, the receiver's scatter) without
-parsing a table again.
+once at the handshake; ``PeerPlan.runs(src_rank, dst_rank, src_blocks, dst_blocks, first_token=,
+num_tokens=)`` answers every per-request question (scheduler slot planning, the sender's WRITE, the
+receiver's scatter) without parsing a table again.
+
+P and D may use different block sizes (``Bp != Bd``): the plan still elects one sender per (destination,
+role, layer), but pages are then mapped by token position (:mod:`vllm_dsa_connector.token_map`: chunks of
+``gcd(Bp, Bd)`` tokens, MLA rows and the indexer's block-split values/scales parts mapped separately)
+instead of copied whole. ``Bp == Bd`` keeps the page-for-page runs exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_dsa_connector.layout.model import LayerEntry, MapperKind, PageTable, PoolView
+from vllm_dsa_connector.token_map import (
+    PlanError,
+    TokenMap,
+    build_token_map,
+    check_dst_tiling,
+    token_span,
+)
 from vllm_dsa_connector.transport.runs import Runs, merge_adjacent, merge_runs
 
 __all__ = [
@@ -45,16 +57,14 @@ __all__ = [
 ]
 
 
-class PlanError(ValueError):
-    """Two sets of page tables that cannot exchange KV; the message names what differs."""
-
-
 @dataclass(frozen=True)
 class Segment:
     """One contiguous byte run per block pair, from one source rank to one destination rank.
 
     For source block ``sb`` and destination block ``db``: source address
-    ``src_pool.base_ptr + src_offset + sb * src_pool.block_stride``, destination likewise.
+    ``src_pool.base_ptr + src_offset + sb * src_pool.block_stride``, destination likewise. When the two
+    sides' block sizes differ a segment is one layer's page (``nbytes`` is the receiver's page) and the
+    bytes move by token position (:class:`PeerPlan`), never page for page.
     """
 
     src_rank: int
@@ -109,12 +119,7 @@ def check_compatible(src: PageTable, dst: PageTable) -> None:
         )
     if src.kv_cache_dtype != dst.kv_cache_dtype:
         raise PlanError(f"kv cache dtype mismatch: {src.kv_cache_dtype!r} vs {dst.kv_cache_dtype!r}")
-    if src.block_size != dst.block_size:
-        # Pages are copied whole; the indexer's block-split page cannot be re-blocked byte-wise.
-        raise PlanError(
-            f"block size mismatch: sender {src.block_size}, receiver {dst.block_size} (block-split indexer "
-            "pages and MLA pages are copied page for page; both sides must use the same block size)"
-        )
+    # Block sizes may differ: pages are then mapped by token position (token_map), not copied whole.
 
 
 def elected_sender(candidates: Sequence[PageTable], dst: PageTable) -> PageTable:
@@ -159,23 +164,33 @@ def _fragments(src_tables: Sequence[PageTable], dst: PageTable) -> list[tuple]:
                     f"{dview.role.value} layer {dentry.global_layer}: sender is {sview.mapper.value}/"
                     f"{sview.page_format.value}, receiver {dview.mapper.value}/{dview.page_format.value}"
                 )
-            if sentry.nbytes != dentry.nbytes:
+            if chosen.block_size == dst.block_size and sentry.nbytes != dentry.nbytes:
                 raise PlanError(
                     f"{dview.role.value} layer {dentry.global_layer}: bytes per layer differ "
                     f"(sender {sentry.nbytes}, receiver {dentry.nbytes})"
+                )
+            if chosen.block_size != dst.block_size and (
+                    sview.bytes_per_token != dview.bytes_per_token
+                    or sentry.nbytes != sview.bytes_per_token * chosen.block_size
+                    or dentry.nbytes != dview.bytes_per_token * dst.block_size):
+                raise PlanError(
+                    f"{dview.role.value} layer {dentry.global_layer}: bytes per token differ or pages are "
+                    f"not whole rows (sender {sentry.nbytes} B / {chosen.block_size} tokens, receiver "
+                    f"{dentry.nbytes} B / {dst.block_size} tokens)"
                 )
             out.append((chosen.rank, sview.pool, sentry.offset, dview.pool, dentry.offset,
                         dentry.nbytes, dview.role.value, dentry.global_layer))
     return out
 
 
-def _merge(frags: list[tuple], dst_rank: int) -> list[Segment]:
-    """Merge fragments contiguous on both sides (same pools), in source-offset order."""
+def _merge(frags: list[tuple], dst_rank: int, merge: bool = True) -> list[Segment]:
+    """Merge fragments contiguous on both sides (same pools), in source-offset order (``merge``: only
+    when both sides' pages have the same size, i.e. equal block sizes)."""
     segs: list[Segment] = []
     frags = sorted(frags, key=lambda f: (f[0], f[1], f[3], f[2]))
     cur: tuple | None = None
     for f in frags:
-        if (cur is not None and cur[0] == f[0] and cur[1] == f[1] and cur[3] == f[3]
+        if (merge and cur is not None and cur[0] == f[0] and cur[1] == f[1] and cur[3] == f[3]
                 and cur[2] + cur[5] == f[2] and cur[4] + cur[5] == f[4]):
             cur = (cur[0], cur[1], cur[2], cur[3], cur[4], cur[5] + f[5], cur[6] + ((f[6], f[7]),))
             continue
@@ -187,8 +202,13 @@ def _merge(frags: list[tuple], dst_rank: int) -> list[Segment]:
     return segs
 
 
-def assert_exactly_once(plan: TransferPlan, dst_tables: Sequence[PageTable]) -> None:
-    """Every (destination, role, layer) is covered by exactly one segment; nothing else is."""
+def assert_exactly_once(plan: TransferPlan, dst_tables: Sequence[PageTable],
+                        src_tables: Sequence[PageTable] = ()) -> None:
+    """Every (destination, role, layer) is covered by exactly one segment; nothing else is.
+
+    With ``src_tables`` whose block size differs from a destination's, also byte by byte: the token maps of
+    every sender of that destination tile each of its pages exactly once (:func:`token_map.check_dst_tiling`).
+    """
     seen: dict[tuple[int, str, int], int] = defaultdict(int)
     for s in plan.segments:
         for role, layer in s.layers:
@@ -200,6 +220,16 @@ def assert_exactly_once(plan: TransferPlan, dst_tables: Sequence[PageTable]) -> 
     if extra or missing or twice:
         raise PlanError(f"coverage is not exactly once: missing {missing[:8]}, "
                         f"duplicated {twice[:8]}, unexpected {extra[:8]}")
+    src_by_rank = {t.rank: t for t in src_tables}
+    for d in dst_tables:
+        senders = [src_by_rank[r] for r in plan.senders_for(d.rank) if r in src_by_rank]
+        if any(s.block_size != d.block_size for s in senders):
+            check_dst_tiling([_token_map(plan.for_pair(s.rank, d.rank), s, d) for s in senders], d)
+
+
+def _token_map(segments: Sequence[Segment], src: PageTable, dst: PageTable) -> TokenMap:
+    """The token-position map of one (source rank, destination rank) pair's segments."""
+    return build_token_map([p for s in segments for p in s.layers], src, dst)
 
 
 def plan_transfer(src_tables: Sequence[PageTable], dst_tables: Sequence[PageTable]) -> TransferPlan:
@@ -211,9 +241,10 @@ def plan_transfer(src_tables: Sequence[PageTable], dst_tables: Sequence[PageTabl
             check_compatible(s, d)
     segments: list[Segment] = []
     for d in sorted(dst_tables, key=lambda t: t.rank):
-        segments.extend(_merge(_fragments(src_tables, d), d.rank))
+        same = all(s.block_size == d.block_size for s in src_tables)
+        segments.extend(_merge(_fragments(src_tables, d), d.rank, merge=same))
     plan = TransferPlan(tuple(segments))
-    assert_exactly_once(plan, dst_tables)
+    assert_exactly_once(plan, dst_tables, src_tables)
     return plan
 
 
@@ -243,7 +274,11 @@ def expand_runs(
     src_blocks: Sequence[int] | np.ndarray,
     dst_blocks: Sequence[int] | np.ndarray,
 ) -> list[PoolRuns]:
-    """Byte runs for moving ``src_blocks[i]`` -> ``dst_blocks[i]`` under the given segments."""
+    """Byte runs for moving ``src_blocks[i]`` -> ``dst_blocks[i]`` under the given segments (page for page:
+    both tables must use the same block size; :meth:`PeerPlan.runs` maps different ones by token)."""
+    if src_table.block_size != dst_table.block_size:
+        raise PlanError(f"page-for-page runs need one block size (sender {src_table.block_size}, receiver "
+                        f"{dst_table.block_size}); use PeerPlan.runs, which maps tokens")
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
     if sb.shape != db.shape or sb.ndim != 1:
@@ -274,7 +309,8 @@ class PeerPlan:
 
     ``src_tables`` are the producer's (P) decoded page tables, ``dst_tables`` the consumer's (D), both by
     rank; ``plan`` the exactly-once transfer plan between them. :meth:`runs` is the one place per-request
-    byte runs come from (sender, receiver and scheduler compute the same runs in the same order).
+    byte runs come from (sender, receiver and scheduler compute the same runs in the same order). Pairs
+    whose block sizes differ get their token map here, once.
     """
 
     src_tables: tuple[PageTable, ...]
@@ -283,6 +319,7 @@ class PeerPlan:
     _src: dict[int, PageTable] = field(init=False, repr=False)
     _dst: dict[int, PageTable] = field(init=False, repr=False)
     _pairs: dict[tuple[int, int], tuple[Segment, ...]] = field(init=False, repr=False)
+    _maps: dict[tuple[int, int], TokenMap] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_src", {t.rank: t for t in self.src_tables})
@@ -291,6 +328,12 @@ class PeerPlan:
         for s in self.plan.segments:
             pairs[(s.src_rank, s.dst_rank)].append(s)
         object.__setattr__(self, "_pairs", {k: tuple(v) for k, v in pairs.items()})
+        maps = {}
+        for (sr, dr), segs in self._pairs.items():
+            src, dst = self._src.get(sr), self._dst.get(dr)
+            if src is not None and dst is not None and src.block_size != dst.block_size:
+                maps[(sr, dr)] = _token_map(segs, src, dst)
+        object.__setattr__(self, "_maps", maps)
 
     @classmethod
     def build(cls, src_tables: Sequence[PageTable], dst_tables: Sequence[PageTable]) -> PeerPlan:
@@ -298,6 +341,16 @@ class PeerPlan:
         src = tuple(sorted(src_tables, key=lambda t: t.rank))
         dst = tuple(sorted(dst_tables, key=lambda t: t.rank))
         return cls(src, dst, plan_transfer(src, dst))
+
+    @property
+    def src_block_size(self) -> int:
+        """The producer's block size (tokens per P block)."""
+        return self.src_tables[0].block_size
+
+    @property
+    def dst_block_size(self) -> int:
+        """The consumer's block size (tokens per D block)."""
+        return self.dst_tables[0].block_size
 
     def senders_for(self, dst_rank: int) -> tuple[int, ...]:
         """Source ranks that write into a destination rank."""
@@ -308,13 +361,19 @@ class PeerPlan:
         return self._pairs.get((src_rank, dst_rank), ())
 
     def runs(self, src_rank: int, dst_rank: int, src_blocks: Sequence[int] | np.ndarray,
-             dst_blocks: Sequence[int] | np.ndarray) -> list[tuple[int, int, Runs]]:
-        """``[(src_pool, dst_pool, Runs)]`` source rank ``src_rank`` writes to ``dst_rank`` for these blocks.
+             dst_blocks: Sequence[int] | np.ndarray, *, first_token: int = 0,
+             num_tokens: int | None = None) -> list[tuple[int, int, Runs]]:
+        """``[(src_pool, dst_pool, Runs)]`` source rank ``src_rank`` writes to ``dst_rank`` for a token span.
 
-        Runs are merged with sorting (``transport.merge_runs``): blocks listed out of order (vLLM's free
-        list hands them out in reverse) and layer-outermost layouts still collapse into long runs. Empty
-        when the pair exchanges nothing. Raises :class:`PlanError` for an unknown rank or a block id out of
-        range.
+        ``src_blocks[i]`` holds P's tokens ``[(first_token // Bp + i) * Bp, +Bp)``, ``dst_blocks[j]`` D's
+        tokens ``[(first_token // Bd + j) * Bd, +Bd)``; tokens ``[first_token, end)`` are copied in whole
+        chunks of ``g = gcd(Bp, Bd)`` tokens, ``end = first_token + num_tokens`` rounded up to ``g``
+        (``None``: everything both block lists cover). ``Bp == Bd``: whole pages, exactly the plan's
+        page-for-page runs of the blocks the span touches. Runs are merged with sorting
+        (``transport.merge_runs``): blocks listed out of order (vLLM's free list hands them out in
+        reverse) and layer-outermost layouts still collapse into long runs. Empty when the pair exchanges
+        nothing. Raises :class:`PlanError` for an unknown rank, a block id out of range or a span the
+        lists do not cover.
         """
         segs = self.for_pair(src_rank, dst_rank)
         if not segs:
@@ -322,8 +381,17 @@ class PeerPlan:
         src, dst = self._src.get(src_rank), self._dst.get(dst_rank)
         if src is None or dst is None:  # segments exist only between known ranks
             raise PlanError(f"no page table for sender rank {src_rank} or receiver rank {dst_rank}")
-        pool_runs = expand_runs(segs, src, dst, np.asarray(src_blocks, np.int64),
-                                np.asarray(dst_blocks, np.int64))
+        sb, db = np.asarray(src_blocks, np.int64).reshape(-1), np.asarray(dst_blocks, np.int64).reshape(-1)
+        for blocks, table, side in ((sb, src, "sender"), (db, dst, "receiver")):
+            limit = min(p.num_blocks for p in table.pools)
+            if blocks.size and (blocks.min() < 0 or blocks.max() >= limit):
+                raise PlanError(f"{side} block id out of range 0..{limit - 1}")
+        start, end = token_span(first_token, num_tokens, sb.size, db.size, src.block_size, dst.block_size)
+        tmap = self._maps.get((src_rank, dst_rank))
+        if tmap is not None:
+            return tmap.expand(sb, db, start, end)
+        n = (end - start) // src.block_size  # one block size: the span is whole blocks on both sides
+        pool_runs = expand_runs(segs, src, dst, sb[:n], db[:n])
         return [(pr.src_pool, pr.dst_pool, merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths))
                 for pr in pool_runs]
 
@@ -336,45 +404,57 @@ class PairingError(ValueError):
 class BlockPairing:
     """Which of P's blocks go into which of D's, by token position.
 
-    ``src_blocks[i]`` and ``dst_blocks[i]`` both hold tokens ``[(first_block + i) * B, (first_block + i + 1) * B)``
-    of the prompt; blocks before ``first_block`` D already holds (its own prefix-cache hits).
+    D loads tokens ``[first_token, first_token + num_tokens)``; ``src_blocks[i]`` holds P's tokens
+    ``[(first_block + i) * Bp, +Bp)`` (``first_block = first_token // Bp``), ``dst_blocks[j]`` D's tokens
+    ``[first_token + j * Bd, +Bd)``: exactly :meth:`PeerPlan.runs`' convention. D already holds the tokens
+    before ``first_token`` (its own prefix-cache hits, whole D blocks). With one block size ``src_blocks[i]``
+    and ``dst_blocks[i]`` hold the same tokens.
     """
 
     first_block: int
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    first_token: int = 0
+    num_tokens: int = 0
 
 
-def pair_blocks_by_position(*, block_size: int, prompt_tokens: int, local_computed_tokens: int,
-                            local_new_blocks: Sequence[int], remote_block_ids: Sequence[int],
-                            remote_num_tokens: int) -> BlockPairing:
+def pair_blocks_by_position(*, prompt_tokens: int, local_computed_tokens: int, local_new_blocks: Sequence[int],
+                            remote_block_ids: Sequence[int], remote_num_tokens: int, block_size: int | None = None,
+                            src_block_size: int | None = None, dst_block_size: int | None = None) -> BlockPairing:
     """Pair D's newly allocated blocks with P's blocks of the same token positions.
 
-    ``local_computed_tokens`` are D's prefix-cache hits (whole blocks), ``local_new_blocks`` the blocks vLLM
-    allocated for the rest (position order), ``remote_block_ids`` every block of P's request (position
-    order, P's own hits included) and ``remote_num_tokens`` the tokens P's KV holds. P must hold exactly
-    the prompt D loads; anything else is a :class:`PairingError` (a load failure, never a guess).
+    ``block_size`` means both sides use it; else P's blocks hold ``src_block_size`` tokens and D's
+    ``dst_block_size``. ``local_computed_tokens`` are D's prefix-cache hits (whole D blocks),
+    ``local_new_blocks`` the blocks vLLM allocated for the rest (position order), ``remote_block_ids`` every
+    block of P's request (position order, P's own hits included) and ``remote_num_tokens`` the tokens P's KV
+    holds. P must hold exactly the prompt D loads; anything else is a :class:`PairingError` (a load failure,
+    never a guess).
     """
-    if block_size <= 0:
-        raise PairingError(f"block size must be positive, got {block_size}")
+    bp = src_block_size if src_block_size is not None else block_size
+    bd = dst_block_size if dst_block_size is not None else block_size
+    if bp is None or bd is None:
+        raise PairingError("give block_size, or src_block_size and dst_block_size")
+    if bp <= 0 or bd <= 0:
+        raise PairingError(f"block size must be positive, got {bp if bp <= 0 else bd}")
     if remote_num_tokens != prompt_tokens:
         raise PairingError(f"P holds KV of {remote_num_tokens} tokens, D's prompt has {prompt_tokens}: "
                            "not the same prompt")
-    need_remote = -(-remote_num_tokens // block_size)
+    need_remote = -(-remote_num_tokens // bp)
     if len(remote_block_ids) < need_remote:
         raise PairingError(f"P sent {len(remote_block_ids)} block ids for {remote_num_tokens} tokens "
-                           f"(block size {block_size} needs {need_remote})")
-    if local_computed_tokens < 0 or local_computed_tokens % block_size:
+                           f"(block size {bp} needs {need_remote})")
+    if local_computed_tokens < 0 or local_computed_tokens % bd:
         raise PairingError(f"D's prefix-cache hit of {local_computed_tokens} tokens is not whole "
-                           f"{block_size}-token blocks")
-    first = local_computed_tokens // block_size
-    count = need_remote - first
-    if count <= 0:
+                           f"{bd}-token blocks")
+    if local_computed_tokens >= prompt_tokens:
         raise PairingError(f"D already holds {local_computed_tokens} of {prompt_tokens} tokens: nothing to load")
+    first = local_computed_tokens // bp
+    count = -(-prompt_tokens // bd) - local_computed_tokens // bd
     if len(local_new_blocks) < count:
         raise PairingError(f"D allocated {len(local_new_blocks)} blocks for tokens {local_computed_tokens}.."
                            f"{prompt_tokens} (needs {count})")
     if any(b < 0 for b in remote_block_ids[:need_remote]) or any(b < 0 for b in local_new_blocks[:count]):
         raise PairingError("negative block id")
     return BlockPairing(first, tuple(int(b) for b in remote_block_ids[first:need_remote]),
-                        tuple(int(b) for b in local_new_blocks[:count]))
+                        tuple(int(b) for b in local_new_blocks[:count]), local_computed_tokens,
+                        prompt_tokens - local_computed_tokens)
