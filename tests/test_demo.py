@@ -1,7 +1,9 @@
-"""``vllm-dsa demo --check`` end to end (real vLLM servers, slow), and its clean-up on Ctrl-C."""
+"""``vllm-dsa demo --check`` end to end (real vLLM servers, slow), its clean-up on Ctrl-C, and its layout flags
+(``--prefill-tp/--prefill-pp/--decode-tp/--decode-pp``; the reshard itself is tests/test_engine_reshard.py)."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -11,13 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import listening, processes_on_ports
 
-pytestmark = pytest.mark.slow
-
 
 def _our_engines(port_base: int) -> list[str]:
     return processes_on_ports(port_base, 6)
 
 
+@pytest.mark.slow
 def test_demo_check_passes(tiny_mla_dir: Path, tmp_path: Path) -> None:
     base = 24500
     proc = subprocess.run(
@@ -35,6 +36,7 @@ def test_demo_check_passes(tiny_mla_dir: Path, tmp_path: Path) -> None:
     assert not any(listening(base + i) for i in range(6))
 
 
+@pytest.mark.slow
 def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
     base = 24600
     proc = subprocess.Popen(
@@ -58,3 +60,32 @@ def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
         time.sleep(0.5)
     assert not _our_engines(base), f"left behind after Ctrl-C: {_our_engines(base)}"
     assert proc.returncode != 0
+
+
+def test_layout_flags_parse_and_refuse_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_dsa_connector.commands import demo
+    from vllm_dsa_connector.harness.engines import Layout
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--prefill-tp", "2", "--decode-pp", "2"])
+    assert (args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp) == (2, 1, 1, 2)
+    assert Layout(args.decode_tp, args.decode_pp).args()[-4:] == ["--pipeline-parallel-size", "2",
+                                                                   "--distributed-executor-backend", "mp"]
+    assert Layout(1, 2).label == "pp2" and Layout(2, 1).bind(0).count("|") == 1 and Layout().args() == []
+    assert demo.run(parser.parse_args(["--decode-tp", "0"])) == 2  # refused before anything starts
+    assert "tp=0" in capsys.readouterr().err
+
+
+def test_pp_partition_starts_every_stage_with_an_owning_layer(tmp_path: Path) -> None:
+    import json
+
+    from vllm_dsa_connector.harness.engines import pp_layer_partition
+
+    (tmp_path / "config.json").write_text(json.dumps({"indexer_types": ["full", "full", "shared", "full"]}))
+    assert pp_layer_partition(tmp_path, 2) == "3,1"  # vLLM's even 2,2 would start stage 1 on a shared layer
+    assert pp_layer_partition(tmp_path, 1) is None
+    with pytest.raises(ValueError, match="too few 'full' layers to start 4"):
+        pp_layer_partition(tmp_path, 4)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    assert pp_layer_partition(tmp_path, 2) is None  # no indexer: vLLM's even split

@@ -189,6 +189,34 @@ def test_patch_applies_and_fixes_a_copy_of_vllm(stock_runner: type, tmp_path: Pa
     torch.testing.assert_close(got["residual"], sent["residual"])
 
 
+_DEFER_SCRIPT = """
+import json, sys
+from vllm_dsa_connector import fixes
+from vllm_dsa_connector.fixes import pp_intermediate as fix
+first = fixes.report_for(fixes.apply_runtime_fixes(), fix.FIX_NAME).status
+out = {"first": first, "imported": fix.RUNNER_MODULE in sys.modules, "hook": fix.deferred(),
+       "again": fixes.report_for(fixes.apply_runtime_fixes(), fix.FIX_NAME).status}
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+out.update(installed=fix.is_installed(CPUModelRunner), hook_after=fix.deferred(),
+           buggy=fix.probe(CPUModelRunner).buggy,
+           third=fixes.report_for(fixes.apply_runtime_fixes(), fix.FIX_NAME).status)
+print("DEFER " + json.dumps(out))
+"""
+
+
+def test_fix_waits_for_the_runner_import() -> None:
+    """A process that never imports vLLM's CPU runner (API server, engine core) does not pay for it: the
+    fix is ``deferred`` to an import hook, which installs it when a worker imports the runner."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_DSA_DISABLE_RUNTIME_FIXES"}
+    proc = subprocess.run([sys.executable, "-c", _DEFER_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=str(ROOT))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("DEFER ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("DEFER "):])
+    assert got == {"first": "deferred", "imported": False, "hook": True, "again": "deferred",
+                   "installed": True, "hook_after": False, "buggy": False, "third": "already-applied"}, got
+
+
 # --------------------------------------------------------------------------- real engines
 
 

@@ -12,6 +12,12 @@ client), the KV bytes D received and the WRITE time P measured (both from the se
 really moved KV bytes (no silent local recompute: D's ``vllm:dsa_kv_requests_total{outcome="ok"}`` and
 received bytes grow per turn), and no checksum mismatch or failed transfer was counted.
 
+``--prefill-tp/--prefill-pp/--decode-tp/--decode-pp`` give P and D their own tensor/pipeline-parallel
+layouts (DSAConnector reshards the KV between them: replicated pages come from one elected P rank, each
+pipeline stage sends its own layers); a pipeline-parallel DSA engine gets a ``VLLM_PP_LAYER_PARTITION``
+whose stages each start with a layer that computes its own top-k
+(:func:`~vllm_dsa_connector.harness.engines.pp_layer_partition`). ``--check``'s reference stays one rank.
+
 ``--compose`` runs each side's DSAConnector as the first child of vLLM's ``MultiConnector`` with vLLM's
 ``ExampleConnector`` (shared-storage reference connector: KV of each new prompt saved per layer as
 safetensors files, loaded on an exact prompt hit; it runs on the CPU platform) second, both engines on
@@ -39,6 +45,7 @@ from typing import Any
 
 from vllm_dsa_connector.harness.client import Reply, chat, metric, scrape
 from vllm_dsa_connector.harness.engines import (
+    Layout,
     choose_backend,
     connector_config,
     engine_env,
@@ -84,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="turn verify_transfers off")
     parser.add_argument("--extra-config", default="{}",
                         help="JSON merged into kv_connector_extra_config of both engines")
+    for side in ("prefill", "decode"):
+        for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+            parser.add_argument(f"--{side}-{dim}", type=int, default=1, metavar="N",
+                                help=f"{what}-parallel size of the {side} engine (default 1; ranks are "
+                                     "bound to cores round-robin)")
     parser.add_argument("--compose", action="store_true",
                         help="run DSAConnector as the first child of vLLM's MultiConnector, vLLM's "
                              "ExampleConnector (shared-storage KV cache, on a directory under the workdir) "
@@ -179,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as e:
         print(f"vllm-dsa demo: --extra-config is not JSON: {e}", file=sys.stderr)
         return 2
+    try:
+        p_layout = Layout(getattr(args, "prefill_tp", 1), getattr(args, "prefill_pp", 1))
+        d_layout = Layout(getattr(args, "decode_tp", 1), getattr(args, "decode_pp", 1))
+    except ValueError as e:
+        print(f"vllm-dsa demo: {e}", file=sys.stderr)
+        return 2
     model = resolve_model(args.model, args.model_kind)
     verify = not args.no_verify
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-dsa-demo-"))
@@ -207,10 +225,12 @@ def run(args: argparse.Namespace) -> int:
                                    choose_backend(model, args.dtype, args.attention_backend), engine_env("0"))
             p_url, d_url, x_url = start_pair(
                 c, model, p_cfg, d_cfg, base_port=args.base_port, dtype=args.dtype,
-                startup_timeout=args.startup_timeout, attention_backend=args.attention_backend)
+                startup_timeout=args.startup_timeout, attention_backend=args.attention_backend,
+                p_layout=p_layout, d_layout=d_layout)
             print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
-            results = run_turns(x_url, p_url, d_url, model, args.turns, args.max_tokens)
+            label = "P/D" if p_layout == d_layout == Layout() else f"P/D {p_layout.label}->{d_layout.label}"
+            results = run_turns(x_url, p_url, d_url, model, args.turns, args.max_tokens, label)
             pm, dm = scrape(p_url), scrape(d_url)
             failures = {
                 "checksum mismatches": metric(dm, "vllm:dsa_kv_checksum_mismatches_total"),

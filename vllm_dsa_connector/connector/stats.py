@@ -10,6 +10,8 @@ Workers record into :class:`DSAKVConnectorStats`; vLLM aggregates the stats of e
 - ``vllm:dsa_kv_transfer_seconds``: histogram, NIXL post-to-completion per (request, destination rank)
 - ``vllm:dsa_kv_requests_total{side,outcome}``: requests sent/received ok, failed, timed out, expired
 - ``vllm:dsa_kv_checksum_mismatches_total``: verify_transfers mismatches (each is a load failure)
+- ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
+  P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
 
 from __future__ import annotations
@@ -45,6 +47,25 @@ _COUNTERS = (
     "checksummed_runs",
 )
 _LISTS = ("transfer_s", "recv_wait_s")
+_PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
+_SIDES = ("send", "recv")
+
+
+def pair_key(side: str, src_rank: int, dst_rank: int) -> str:
+    """Counter key of the bytes one (P rank, D rank) pair moved on ``side`` (``send`` on P, ``recv`` on D)."""
+    if side not in _SIDES:
+        raise ValueError(f"pair bytes side {side!r}: expected one of {list(_SIDES)}")
+    return f"{_PAIR}:{side}:{int(src_rank)}:{int(dst_rank)}"
+
+
+def pair_bytes(data: dict[str, Any]) -> dict[tuple[str, int, int], int]:
+    """``{(side, src_rank, dst_rank): bytes}`` of a stats dict (see :func:`pair_key`)."""
+    out: dict[tuple[str, int, int], int] = {}
+    for key, value in data.items():
+        if key.startswith(_PAIR + ":"):
+            _, side, src, dst = key.split(":")
+            out[(side, int(src), int(dst))] = int(value)
+    return out
 
 
 @dataclass
@@ -66,6 +87,10 @@ class DSAKVConnectorStats(KVConnectorStats):
     def add(self, key: str, value: int = 1) -> None:
         """Increment a counter."""
         self.data[key] = self.data.get(key, 0) + value
+
+    def add_pair_bytes(self, side: str, src_rank: int, dst_rank: int, nbytes: int) -> None:
+        """Count ``nbytes`` moved from P rank ``src_rank`` to D rank ``dst_rank`` (``side``: send or recv)."""
+        self.add(pair_key(side, src_rank, dst_rank), int(nbytes))
 
     def observe(self, key: str, value: float) -> None:
         """Append to a series."""
@@ -129,6 +154,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._reqs, _ = counter("vllm:dsa_kv_requests", "Requests by side and outcome", ("side", "outcome"))
         self._mismatch, _ = counter("vllm:dsa_kv_checksum_mismatches", "verify_transfers mismatches")
         self._checked, _ = counter("vllm:dsa_kv_checksummed_runs", "Runs verified by checksum")
+        self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
+                                 ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
             name="vllm:dsa_kv_transfer_seconds",
             documentation="NIXL post-to-completion time per (request, destination rank) WRITE",
@@ -163,5 +190,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
             ("recv_timeout", "recv", "timeout"),
         ):
             self._inc(self._reqs, engine_idx, d.get(key, 0), side, outcome)
+        for (side, src, dst), nbytes in pair_bytes(d).items():
+            self._inc(self._pairs, engine_idx, nbytes, side, str(src), str(dst))
         for s in d.get("transfer_s", []):
             self._hist[engine_idx].observe(s)

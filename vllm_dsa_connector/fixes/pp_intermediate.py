@@ -21,17 +21,28 @@ The probe drives vLLM's own ``sync_and_gather_intermediate_tensors`` on a ``CPUM
 instance made without ``__init__`` (no config, no model load; a 4-wide stand-in model) with
 the buffer unset, as after a skipped warm-up: vLLM with the bug raises ``AssertionError``; a
 fixed vLLM returns the copied tensors.
+
+Only the processes that run the model import vLLM's CPU runner module (about 3 s), so :func:`apply`
+does not import it: when ``vllm.v1.worker.cpu_model_runner`` is not imported yet it returns status
+``"deferred"`` and leaves a one-shot import hook (:class:`_AfterImport`) that probes and installs the fix
+right after vLLM imports the module (in the workers); the API server and engine-core processes never pay
+for it. Where the module is already imported the fix is applied at once, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
+import importlib.machinery
+import sys
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 FIX_NAME = "cpu-pp-intermediate-tensors"
+RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 METHOD = "sync_and_gather_intermediate_tensors"
 # What the fixed method reads on the runner besides vLLM's own method.
 REQUIRED_ATTRS: tuple[str, ...] = ("model", "max_num_tokens", "model_config", "device")
@@ -41,7 +52,9 @@ _PROBE_ROWS = 8
 
 __all__ = [
     "FIX_NAME",
+    "RUNNER_MODULE",
     "apply",
+    "deferred",
     "METHOD",
     "ProbeResult",
     "install",
@@ -180,14 +193,74 @@ def uninstall(cls: type) -> bool:
     return True
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: applies the fix right after ``RUNNER_MODULE`` is executed."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        """The module's own spec, its loader's ``exec_module`` followed by :func:`_apply_now`."""
+        if fullname != RUNNER_MODULE:
+            return None
+        remove_deferred()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+        version = self.version
+
+        def exec_module(module: types.ModuleType) -> None:
+            execute(module)
+            _apply_now(version)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader instance
+        return spec
+
+
+def deferred() -> bool:
+    """Whether the import hook waits for ``RUNNER_MODULE`` in this process."""
+    return any(isinstance(f, _AfterImport) for f in sys.meta_path)
+
+
+def remove_deferred() -> bool:
+    """Remove a waiting import hook (False if there was none)."""
+    hooks = [f for f in sys.meta_path if isinstance(f, _AfterImport)]
+    for f in hooks:
+        sys.meta_path.remove(f)
+    return bool(hooks)
+
+
 def apply(version: str) -> Any:
     """Probe, install and re-probe on this process's ``CPUModelRunner``; log the outcome once.
 
     Called by :func:`vllm_dsa_connector.fixes.apply_runtime_fixes` (which holds its lock and has
     already checked ``VLLM_DSA_DISABLE_RUNTIME_FIXES``), which returns this
     :class:`~vllm_dsa_connector.fixes.FixReport` among its reports; ``"not-needed"`` off vLLM's
-    CPU platform. :func:`~vllm_dsa_connector.fixes.revert_runtime_fixes` undoes it.
+    CPU platform; ``"deferred"`` when vLLM has not imported its CPU runner yet (the fix is then
+    applied by an import hook when it does, see the module docstring).
+    :func:`~vllm_dsa_connector.fixes.revert_runtime_fixes` undoes it.
     """
+    from vllm_dsa_connector.fixes import FixReport
+
+    if RUNNER_MODULE not in sys.modules:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return FixReport(FIX_NAME, "not-needed", version, "not vLLM's CPU platform")
+        if not deferred():
+            sys.meta_path.insert(0, _AfterImport(version))
+        return FixReport(
+            FIX_NAME, "deferred", version, f"applied when vLLM imports {RUNNER_MODULE}"
+        )
+    return _apply_now(version)
+
+
+def _apply_now(version: str) -> Any:
+    """:func:`apply` on the imported ``CPUModelRunner``."""
     from vllm_dsa_connector.fixes import FixReport, _log_once
 
     cls = runner_class()

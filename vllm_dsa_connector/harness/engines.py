@@ -171,25 +171,107 @@ class PairUrls(NamedTuple):
     proxy: str
 
 
+def pp_layer_partition(model: Path, pp: int) -> str | None:
+    """``VLLM_PP_LAYER_PARTITION`` for ``pp`` stages of ``model``, or None for vLLM's even split.
+
+    A DSA model's IndexCache layers (``indexer_types[i] == "shared"``) reuse the top-k of the layer before
+    them from a per-process buffer that is not sent between stages, so every stage must start with a layer
+    that computes its own top-k (``"full"``): each cut is the ``"full"`` layer nearest the even split.
+    Raises ValueError when the model has too few such layers for ``pp`` stages.
+    """
+    if pp <= 1:
+        return None
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    kinds = cfg.get("indexer_types")
+    if not kinds:
+        return None
+    n = len(kinds)
+    cuts: list[int] = []
+    for k in range(1, pp):
+        free = [i for i in range(1, n) if kinds[i] == "full" and i > (cuts[-1] if cuts else 0)
+                and n - i >= pp - k]
+        if not free:
+            raise ValueError(f"{model}: indexer_types {kinds} has too few 'full' layers to start {pp} "
+                             "pipeline stages")
+        cuts.append(min(free, key=lambda i: (abs(i * pp - k * n), -i)))
+    bounds = [0, *cuts, n]
+    return ",".join(str(b - a) for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tensor- and pipeline-parallel sizes of one engine (one OpenMP thread per rank, see :meth:`bind`)."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"engine layout tp={self.tp} pp={self.pp}: both must be >= 1")
+
+    @property
+    def world(self) -> int:
+        """Number of ranks (worker processes)."""
+        return self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        """``tp1``, ``tp2``, ``pp2``, ``tp2pp2``."""
+        if self.pp == 1:
+            return f"tp{self.tp}"
+        return f"pp{self.pp}" if self.tp == 1 else f"tp{self.tp}pp{self.pp}"
+
+    def args(self) -> list[str]:
+        """``api_server`` arguments of this layout (none for one rank)."""
+        if self.world == 1:
+            return []
+        return ["--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp),
+                "--distributed-executor-backend", "mp"]
+
+    def bind(self, first_core: int = 0) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND``: rank i on core ``first_core + i`` (modulo the cores there are)."""
+        ncpu = os.cpu_count() or 1
+        return "|".join(str((first_core + i) % ncpu) for i in range(self.world))
+
+    def env(self, model: Path, first_core: int = 0) -> dict[str, str]:
+        """:func:`engine_env` of this layout, with :func:`pp_layer_partition` for pipeline stages."""
+        env = engine_env(self.bind(first_core))
+        env.pop("VLLM_PP_LAYER_PARTITION", None)
+        partition = pp_layer_partition(model, self.pp)
+        if partition:
+            env["VLLM_PP_LAYER_PARTITION"] = partition
+        return env
+
+
 def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, Any], *, base_port: int,
                dtype: str, startup_timeout: float, attention_backend: str = "auto",
-               extra_env: dict[str, dict[str, str]] | None = None, label: str = "demo") -> PairUrls:
-    """Start P (port ``base_port``, core 0), D (``base_port + 1``, core 1) and the proxy (``base_port + 2``);
-    return their URLs once all are healthy and both engines run the expected attention backend.
+               extra_env: dict[str, dict[str, str]] | None = None, label: str = "demo",
+               p_layout: Layout | None = None, d_layout: Layout | None = None) -> PairUrls:
+    """Start P (port ``base_port``, from core 0), D (``base_port + 1``, from core 1) and the proxy
+    (``base_port + 2``); return their URLs once all are healthy and both engines run the expected attention
+    backend.
 
-    ``extra_env`` adds variables per engine (keys ``prefill``, ``decode``).
+    ``extra_env`` adds variables per engine (keys ``prefill``, ``decode``); ``p_layout``/``d_layout`` give
+    the engines' TP/PP sizes (default one rank each).
     """
     x_url = f"http://127.0.0.1:{base_port + 2}"
     ncpu = os.cpu_count() or 1
     extra_env = extra_env or {}
     backend = choose_backend(model, dtype, attention_backend)
+    p_layout, d_layout = p_layout or Layout(), d_layout or Layout()
     p = start_engine(c, "prefill", model, base_port, dtype, p_cfg, backend,
-                     {**engine_env("0"), **extra_env.get("prefill", {})})
+                     {**p_layout.env(model, 0), **extra_env.get("prefill", {})}, extra=p_layout.args())
     d = start_engine(c, "decode", model, base_port + 1, dtype, d_cfg, backend,
-                     {**engine_env(str(min(1, ncpu - 1))), **extra_env.get("decode", {})})
+                     {**d_layout.env(model, min(1, ncpu - 1)), **extra_env.get("decode", {})},
+                     extra=d_layout.args())
     x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2))
     p.ready(startup_timeout, watch=[d.proc, x])
     d.ready(startup_timeout, watch=[p.proc, x])
     wait_healthy(x_url, [x], 60)
     print(f"[{label}] attention backend {backend.expected} on P and D ({backend.reason})", flush=True)
+    if p_layout.world > 1 or d_layout.world > 1:
+        print(f"[{label}] layouts: prefill {p_layout.label}, decode {d_layout.label}", flush=True)
     return PairUrls(p.url, d.url, x_url)
