@@ -70,6 +70,7 @@ class ReceiveSide:
     def landed(self, job: RecvJob, writer: int, n: Notice) -> bool:
         """Count the bytes; with ``verify`` check every run's CRC32 (``False``: corrupt)."""
         self.stats.add("recv_bytes", n.nbytes)
+        self.stats.add_pair_bytes("recv", n.src_rank, self.table.rank, n.nbytes)
         self.stats.add("recv_runs", n.runs)
         if not job.verify:
             return True

@@ -299,6 +299,7 @@ class DSAConnectorWorker(ReceiveSide):
             self.stats.add("bounce_bytes", nbytes)
         send.groups.append(_Group(agent, dst.rank, post))
         self.stats.add("send_bytes", nbytes)
+        self.stats.add_pair_bytes("send", me, dst.rank, nbytes)
         self.stats.add("send_runs", nruns)
 
     def _progress_sends(self) -> None:
