@@ -60,6 +60,7 @@ from vllm_dsa_connector.transport.transports import DirectTransport, PostState  
 
 SHAPE = ROOT / "vllm_dsa_connector" / "examples" / "glm5_2_shape.json"
 FILL_CHUNK = 1 << 28  # seeded bytes are generated per 256 MiB chunk (same chunks on P and on D)
+BLOCK = 64  # tokens per KV block on both sides (build_offline's default)
 
 
 def build_table(blocks: int) -> dict[str, Any]:
@@ -83,6 +84,16 @@ class RequestSpec:
     def src_blocks(self) -> tuple[int, ...]:
         """P's blocks that go to ``d_blocks`` (same token positions)."""
         return self.p_blocks[self.first_block : self.first_block + len(self.d_blocks)]
+
+    @property
+    def first_token(self) -> int:
+        """The first token D loads (it holds the blocks before ``first_block``)."""
+        return self.first_block * BLOCK
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens D loads."""
+        return len(self.d_blocks) * BLOCK
 
 
 def plan_requests(sizes: list[int], pool_blocks: int, seed: int) -> list[RequestSpec]:
@@ -158,7 +169,7 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     args, table, specs = work
     side = open_side("P", table, args.device, args.seed)
     settings = _settings(args)
-    producer = Producer("P", settings)
+    producer = Producer("P", settings, block_size=BLOCK)
     payloads = [encode(side.payload)]
     server = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, payloads),
                                Authenticator(args.secret))
@@ -166,7 +177,7 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     params = [dict(do_remote_prefill=True, remote_engine_id="P", remote_request_id=s.req_id,
                    remote_token=producer.add_lease(s.req_id, list(s.p_blocks)), remote_host=server.host,
                    remote_port=server.port, remote_block_ids=list(s.p_blocks),
-                   remote_num_tokens=64 * len(s.p_blocks)) for s in specs]
+                   remote_num_tokens=BLOCK * len(s.p_blocks)) for s in specs]
     ch.send(Kind.DATA, params=params)
     peers: dict[str, tuple[list[tuple[str, RankPayload]], Any]] = {}
     posts: dict[str, tuple[list[Any], float]] = {}
@@ -183,7 +194,8 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
             started, mine = time.perf_counter(), []
             for agent, d in agents:
                 parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp]), runs)
-                         for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks)]
+                         for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks,
+                                                       first_token=job.first_token, num_tokens=job.num_tokens)]
                 mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode()))
             posts[job.req_id] = (mine, started)
         if out.release:
@@ -228,7 +240,7 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
         rp = parse_remote_params(param)
         consumer.queue(spec.req_id, rp)
         started = time.perf_counter()
-        job = consumer.register(spec.req_id, rp, peer, spec.first_block, list(spec.src_blocks),
+        job = consumer.register(spec.req_id, rp, peer, spec.first_token, spec.num_tokens, list(spec.src_blocks),
                                 list(spec.d_blocks), {}, [])
         writers = {w: WriterSpec(peer=agents[w]) for w in job.expected[side.payload.rank]}
         receiver.arm(spec.req_id.encode(), writers, timeout_s=args.timeout)

@@ -195,10 +195,11 @@ def test_hostile_side_channel_traffic_changes_nothing(trio: Trio) -> None:
     raws += [msgspec.msgpack.encode(rng.choice([rng.random(), [1, "x", None], {"a": [b"z"] * 3}, "meta", -1]))
              for _ in range(30)]
     signed = [  # authentic envelopes (an insider) with bodies that must be refused
-        RegReq("nope", "t", "D", "d", 0, [1], time.monotonic() + 5),
-        RegReq("x" * 10_000, "t", "D", "d", 0, [1], 1.0),
-        RegReq("p", "t", "D", "d", -3, [1], 1.0),
-        RegReq("p", "t", "D", "d", 0, [], 1.0),
+        RegReq("nope", "t", "D", "d", 0, 16, [1], time.monotonic() + 5),
+        RegReq("x" * 10_000, "t", "D", "d", 0, 16, [1], 1.0),
+        RegReq("p", "t", "D", "d", -3, 16, [1], 1.0),
+        RegReq("p", "t", "D", "d", 0, 0, [1], 1.0),
+        RegReq("p", "t", "D", "d", 0, 16, [], 1.0),
         HeartbeatReq([ReqRef("", "t")]),
         CancelReq([ReqRef("nope", "forged")]),
     ]

@@ -25,7 +25,7 @@ from vllm_dsa_connector.handoff.messages import (
 from vllm_dsa_connector.handoff.producer import IllegalTransition, LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
-from vllm_dsa_connector.handoff.wire import RankPayload, encode
+from vllm_dsa_connector.handoff.wire import PROTOCOL_VERSION, RankPayload, decode_payload, encode
 from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -89,6 +89,43 @@ def test_pairing_matches_positions_for_random_prefix_hits() -> None:
             assert s == blocks_p[pos // b] and d == new[(pos - hit) // b]
 
 
+@pytest.mark.parametrize("bp,bd", [(64, 16), (16, 64), (32, 48), (64, 64)])
+def test_pairing_with_different_block_sizes_follows_the_runs_convention(bp: int, bd: int) -> None:
+    """src_blocks[i] holds P's tokens [(first_token // Bp + i) * Bp, +Bp), dst_blocks[j] D's tokens
+    [(first_token // Bd + j) * Bd, +Bd) (``PeerPlan.runs``' convention), for random prompts and D hits."""
+    rng = random.Random(bp * 1000 + bd)
+    for _ in range(200):
+        n = rng.randint(2, 12 * max(bp, bd))
+        blocks_p = rng.sample(range(10_000), -(-n // bp))
+        hit = rng.randint(0, (n - 1) // bd) * bd
+        new = rng.sample(range(10_000, 20_000), -(-n // bd) - hit // bd + rng.randint(0, 2))
+        pr = pair_blocks_by_position(src_block_size=bp, dst_block_size=bd, prompt_tokens=n,
+                                     local_computed_tokens=hit, local_new_blocks=new, remote_block_ids=blocks_p,
+                                     remote_num_tokens=n)
+        assert (pr.first_token, pr.num_tokens, pr.first_block) == (hit, n - hit, hit // bp)
+        for t in range(hit, n):
+            assert pr.src_blocks[t // bp - hit // bp] == blocks_p[t // bp]
+            assert pr.dst_blocks[t // bd - hit // bd] == new[(t - hit) // bd]
+        assert len(pr.dst_blocks) == -(-n // bd) - hit // bd
+    if bp != bd:
+        with pytest.raises(PairingError, match=f"not whole {bd}-token blocks"):
+            pair_blocks_by_position(src_block_size=bp, dst_block_size=bd, prompt_tokens=500,
+                                    local_computed_tokens=bd + 1, local_new_blocks=list(range(40)),
+                                    remote_block_ids=list(range(40)), remote_num_tokens=500)
+
+
+def test_protocol_3_peers_are_refused() -> None:
+    """Protocol 4 registrations name a token span, 3's named P's first block: a v3 peer is refused, both its
+    envelopes and its handshake payloads, naming both versions."""
+    assert PROTOCOL_VERSION == 4
+    env = msgspec.msgpack.encode([3, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])
+    with pytest.raises(MessageError, match="peer speaks 3, this side 4"):
+        Authenticator(None).open(env)
+    old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=3))
+    with pytest.raises(ValueError, match="peer speaks 3, this side 4"):
+        decode_payload(old)
+
+
 # ------------------------------------------------------------------------------------------ P side
 
 
@@ -97,14 +134,19 @@ def _d_payload(num_blocks: int = 100) -> bytes:
     return encode(RankPayload("D", 0, 0, 0, "agent-d", b"", table, [], {}))
 
 
+P_BLOCK = 16  # the producer fixture's block size
+
+
 def _reg(token: str, deadline: float, blocks: list[int], first: int = 0, **kw) -> RegReq:
-    return RegReq("p1", token, "D", "d1", first, blocks, deadline, d_payloads=[_d_payload()], **kw)
+    """A registration of D's ``blocks`` for the tokens of P's blocks ``first..first + len(blocks) - 1``."""
+    return RegReq("p1", token, "D", "d1", first * P_BLOCK, len(blocks) * P_BLOCK, blocks, deadline,
+                  d_payloads=[_d_payload()], **kw)
 
 
 @pytest.fixture
 def producer() -> tuple[Producer, Clock]:
     clock = Clock()
-    return Producer("P", HandoffSettings(lease_s=10.0, transfer_timeout_s=5.0), clock), clock
+    return Producer("P", HandoffSettings(lease_s=10.0, transfer_timeout_s=5.0), clock, block_size=P_BLOCK), clock
 
 
 def test_registration_dispatches_the_blocks_of_the_asked_positions(producer) -> None:
@@ -119,6 +161,25 @@ def test_registration_dispatches_the_blocks_of_the_asked_positions(producer) -> 
     assert not again.push  # once
     prod.finished_sending({"p1"})
     assert not prod.pending()
+
+
+def test_registration_names_tokens_and_p_takes_its_own_blocks() -> None:
+    """P (64-token blocks) serves D (16-token blocks): D registers tokens 32..299 (its hit was 2 blocks of
+    16); P pushes its blocks 0..4 (tokens 0..319) with the span, and refuses a span its lease does not hold
+    or too few D blocks for it (D's block size comes from D's page table)."""
+    clock = Clock()
+    prod = Producer("P", HandoffSettings(lease_s=10.0, transfer_timeout_s=5.0), clock, block_size=64)
+    d_table = {"pools": [{"num_blocks": 100}], "block_size": 16}
+    d_pay = [encode(RankPayload("D", 0, 0, 0, "agent-d", b"", d_table, [], {}))]
+    token = prod.add_lease("p1", [7, 8, 9, 10, 11])
+    with pytest.raises(MessageError, match="need 17 of D's 16-token blocks"):
+        prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 268, list(range(16)), clock.t + 5, d_payloads=d_pay))
+    with pytest.raises(MessageError, match="request p1 has 5"):
+        prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 300, list(range(20)), clock.t + 5))
+    assert prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 268, list(range(17)), clock.t + 5)).ok
+    (job,) = prod.step().push
+    assert (job.src_blocks, job.first_token, job.num_tokens) == ([7, 8, 9, 10, 11], 32, 268)
+    assert job.dst_blocks == list(range(17))
 
 
 def test_registration_checked_against_token_blocks_and_deadline(producer) -> None:
@@ -247,17 +308,22 @@ def test_hostile_messages_get_error_replies_and_the_channel_keeps_serving() -> N
             rng.random(), rng.randint(-2**40, 2**40), "x" * rng.randint(0, 50), [None] * rng.randint(0, 5),
             {"type": "reg", "p_req": rng.randint(0, 9)}, {str(i): i for i in range(rng.randint(0, 5))}])))
     # well-formed envelopes around well-formed kinds with bad bodies
-    for bad in ({"type": "reg", "p_req": "", "token": "t", "d_engine": "D", "d_req": "d", "first_block": 0,
+    span = {"first_token": 0, "num_tokens": 16}
+    for bad in ({"type": "reg", "p_req": "", "token": "t", "d_engine": "D", "d_req": "d", **span,
                  "d_blocks": [1], "post_deadline": 1.0},
-                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", "first_block": -1,
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", **span, "first_token": -1,
+                 "d_blocks": [1], "post_deadline": 1.0},
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", **span, "num_tokens": 0,
                  "d_blocks": [1], "post_deadline": 1.0},
                 {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", "first_block": 0,
+                 "d_blocks": [1], "post_deadline": 1.0},  # protocol 3's field: not a registration any more
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", **span,
                  "d_blocks": [], "post_deadline": 1.0},
-                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", "first_block": 0,
+                {"type": "reg", "p_req": "p", "token": "t", "d_engine": "D", "d_req": "d", **span,
                  "d_blocks": [1], "post_deadline": float("nan")},
                 {"type": "hb", "reqs": [["p"]]}, {"type": "cancel", "reqs": "p"}, {"type": "nope"}):
         body = msgspec.msgpack.encode(bad)
-        bodies.append(msgspec.msgpack.encode([2, 0.0, b"n" * 16, b"", body]))
+        bodies.append(msgspec.msgpack.encode([PROTOCOL_VERSION, 0.0, b"n" * 16, b"", body]))
     try:
         for raw in bodies:
             reply = server.handle_raw(raw)

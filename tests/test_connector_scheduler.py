@@ -41,6 +41,8 @@ def _payload(engine: str) -> bytes:
 
 
 class _Plan:
+    src_block_size = BLOCK  # P's tokens per block (a real PeerPlan reads it from P's page tables)
+
     def senders_for(self, rank: int) -> tuple[int, ...]:
         return (0,)
 

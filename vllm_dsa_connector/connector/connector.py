@@ -115,20 +115,18 @@ def attention_backends(vllm_config: VllmConfig, layer_names: Iterable[str]) -> l
 def compat_facts(vllm_config: VllmConfig, backends: Iterable[str] = ()) -> dict[str, str]:
     """Facts both sides must share exactly (the page tables cover the layout itself).
 
-    The attention backends and the block size are part of it: backends fix the KV page format and block
-    size (on CPU, AMX_MLA needs bf16 and a multiple of 32, CPU_MLA uses 16), so a pair whose engines
-    picked different ones is refused at the handshake, naming both sides' values.
+    Block size and attention backends are NOT among them: backends fix the block size and page format
+    (on CPU, AMX_MLA needs bf16 and a multiple of 32, CPU_MLA uses 16), and the page tables state both per
+    role (block size, page format, bytes per token); the planner maps different block sizes by token
+    position and refuses different formats or row sizes (``matching``), naming both sides. ``backends``
+    are only logged.
     """
     mc = vllm_config.model_config
     facts = {
         "model_dtype": str(mc.dtype),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "architecture": ",".join(getattr(mc.hf_config, "architectures", None) or []),
-        "block_size": str(vllm_config.cache_config.block_size),
     }
-    names = sorted(set(backends))
-    if names:
-        facts["attention_backend"] = ",".join(names)
     return facts
 
 

@@ -126,7 +126,8 @@ class ReceiveSide:
             return WriterSpec(peer=peer, slot=where, error=f"bounced write from rank {src_rank} without a "
                                                              "staging slot / peer plan")
         try:
-            parts = remote.plan.runs(src_rank, me, job.src_blocks, job.blocks)
+            parts = remote.plan.runs(src_rank, me, job.src_blocks, job.blocks, first_token=job.first_token,
+                                     num_tokens=job.num_tokens)
         except Exception as e:  # noqa: BLE001 - a bounced write then fails this writer
             return WriterSpec(peer=peer, slot=where, error=f"runs of rank {src_rank}: {e}")
         if len(parts) != 1 or parts[0][2].total_bytes != where[1]:

@@ -16,7 +16,8 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    is not the one vLLM applies (:mod:`.compose`).
 3. D: :meth:`update_state_after_alloc` pairs D's new blocks with P's blocks of the SAME token positions
    (``matching.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
-   count must match D's prompt), tells its workers which notices to expect and registers with P.
+   count must match D's prompt; P's block size, from its page tables, may differ from D's), tells its
+   workers which notices to expect and registers the token span with P.
 4. P: the registration becomes a ``PushJob`` for P's workers on the next step (before its post deadline);
    they WRITE into D's blocks and report ``finished_sending``: P frees the blocks.
 5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
@@ -86,7 +87,7 @@ class DSAConnectorScheduler:
         self._local_payloads: list[bytes] = []
         self._local_sent = False
         settings = handoff_settings(options)
-        self.producer = Producer(engine_id, settings, clock)
+        self.producer = Producer(engine_id, settings, clock, block_size=self.block_size)
         self.consumer = Consumer(engine_id, settings, self.auth, lambda: self.local_payloads,
                                  lambda: list(self._local_payloads), clock)
         self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle,
@@ -173,7 +174,8 @@ class DSAConnectorScheduler:
             prompt_tokens = len(request.prompt_token_ids or ())
             # vLLM updates request.num_computed_tokens after this call: D's local hits are the rest
             pairing = pair_blocks_by_position(
-                block_size=self.block_size, prompt_tokens=prompt_tokens,
+                src_block_size=peer.plan.src_block_size if peer.plan is not None else self.block_size,
+                dst_block_size=self.block_size, prompt_tokens=prompt_tokens,
                 local_computed_tokens=prompt_tokens - num_external_tokens,
                 local_new_blocks=list(blocks.get_unhashed_block_ids_all_groups()[0]),
                 remote_block_ids=rp.remote_block_ids, remote_num_tokens=rp.remote_num_tokens)
@@ -187,14 +189,15 @@ class DSAConnectorScheduler:
         held: Held = []
         if peer.meta is not None:
             try:
-                slots, held = self.slots.plan(peer.plan, peer.meta.payloads, src, dst)
+                slots, held = self.slots.plan(peer.plan, peer.meta.payloads, src, dst,
+                                              first_token=pairing.first_token, num_tokens=pairing.num_tokens)
             except Exception as e:  # noqa: BLE001 - no slot means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no staging slots for %s: %s", req_id, e)
         if load.engine not in self._sources_sent:
             self._sources_sent.add(load.engine)
             self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True))
-        self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_block, src, dst,
-                                                         slots, held))
+        self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_token,
+                                                         pairing.num_tokens, src, dst, slots, held))
 
     # ---------------------------------------------------------------- P side and aborts
 

@@ -264,7 +264,8 @@ class DSAConnectorWorker(ReceiveSide):
                 continue
             agent = remote.agents[dst.rank]
             try:
-                parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks)
+                parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks, first_token=job.first_token,
+                                  num_tokens=job.num_tokens)
                 if parts:
                     self._write(job, send, dst, agent, parts)
             except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash

@@ -233,22 +233,26 @@ class Consumer:
         if load is not None and load.state is LoadState.QUEUED:
             del self.loads[req_id]
 
-    def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_block: int, src_blocks: list[int],
-                 dst_blocks: list[int], slots: Slots, held_slots: list[tuple[int, Any]]) -> RecvJob:
-        """Blocks are allocated and paired: send the registration; the returned job goes to the workers."""
+    def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
+                 src_blocks: list[int], dst_blocks: list[int], slots: Slots,
+                 held_slots: list[tuple[int, Any]]) -> RecvJob:
+        """Blocks are allocated and paired (``matching.BlockPairing``: tokens ``[first_token, +num_tokens)``
+        in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
+        workers."""
         assert peer.meta is not None
         now = self.clock()
         load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref, req_id=req_id))
         load.to(LoadState.REGISTERING)
         load.give_up_at = now + self.settings.transfer_timeout_s
         load.slots = held_slots
-        reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_block, dst_blocks,
-                     peer.meta.clock.to_peer_before(load.give_up_at, now), self.settings.verify_transfers, slots)
+        reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_token, num_tokens,
+                     dst_blocks, peer.meta.clock.to_peer_before(load.give_up_at, now),
+                     self.settings.verify_transfers, slots)
         load.reg_body = reg
         load.reg = self._regs.submit(self._register, peer, reg)
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
                        timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
-                       src_blocks=src_blocks, slots=slots)
+                       src_blocks=src_blocks, slots=slots, first_token=first_token, num_tokens=num_tokens)
 
     def _register(self, peer: Peer, reg: RegReq) -> Reply:
         assert peer.meta is not None

@@ -35,6 +35,8 @@ MAX_MESSAGE_BYTES = 16 << 20
 REPLAY_WINDOW_S = 60.0
 MAX_ID_CHARS = 512
 MAX_REQS_PER_MESSAGE = 4096
+#: Largest token position a registration may name (far beyond any context length)
+MAX_TOKENS = 1 << 40
 
 
 class MessageError(ValueError):
@@ -53,7 +55,10 @@ class MetaReq(msgspec.Struct, frozen=True, tag="meta"):
 
 
 class RegReq(msgspec.Struct, frozen=True, tag="reg"):
-    """D -> P: write P's blocks ``[first_block, first_block + len(d_blocks))`` of ``p_req`` into ``d_blocks``.
+    """D -> P: write tokens ``[first_token, first_token + num_tokens)`` of ``p_req`` into ``d_blocks``.
+
+    ``d_blocks[j]`` holds D's tokens ``[(first_token // Bd + j) * Bd, +Bd)``; P takes its own blocks of
+    that span by its own block size (the two may differ).
 
     ``post_deadline`` is in P's monotonic clock (D maps its give-up time through its clock estimate):
     P never posts a WRITE for this registration after it.
@@ -63,7 +68,8 @@ class RegReq(msgspec.Struct, frozen=True, tag="reg"):
     token: str
     d_engine: str
     d_req: str
-    first_block: int
+    first_token: int
+    num_tokens: int
     d_blocks: list[int]
     post_deadline: float
     verify: bool = False
@@ -202,8 +208,10 @@ def check_request(req: Request) -> None:
             _check_id(name, getattr(req, name))
         if not req.d_blocks or len(req.d_blocks) > 1 << 20:
             raise MessageError(f"d_blocks must hold 1..{1 << 20} block ids, got {len(req.d_blocks)}")
-        if req.first_block < 0:
-            raise MessageError(f"first_block must be >= 0, got {req.first_block}")
+        if not 0 <= req.first_token <= MAX_TOKENS:
+            raise MessageError(f"first_token must be 0..{MAX_TOKENS}, got {req.first_token}")
+        if not 1 <= req.num_tokens <= MAX_TOKENS:
+            raise MessageError(f"num_tokens must be 1..{MAX_TOKENS}, got {req.num_tokens}")
         if not math.isfinite(req.post_deadline):
             raise MessageError("post_deadline is not a finite number")
         for per in req.slots.values():

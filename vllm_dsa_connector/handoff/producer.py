@@ -105,11 +105,15 @@ class Dispatch:
 
 
 class Producer:
-    """All leases of one prefill engine."""
+    """All leases of one prefill engine; ``block_size`` is its tokens per KV block (a registration names a
+    token span, P takes its own blocks of it)."""
 
     def __init__(self, engine_id: str, settings: HandoffSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"Producer {engine_id}: block_size must be >= 1, got {block_size}")
         self.engine_id = engine_id
+        self.block_size = block_size
         self.settings = settings
         self.clock = clock
         self._lock = threading.Lock()
@@ -117,6 +121,7 @@ class Producer:
         self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
         self._peers: dict[str, list[bytes]] = {}  # D engine -> encoded payloads
         self._peer_blocks: dict[str, int] = {}
+        self._peer_block_size: dict[str, int] = {}  # D engine -> its tokens per block (0: not published)
         self._peer_staging: dict[str, dict[int, int]] = {}  # D engine -> rank -> staging arena bytes
         self._peers_sent: set[str] = set()
 
@@ -158,9 +163,10 @@ class Producer:
         if reg.d_engine not in self._peers_sent:
             out.peers.append(PeerInfo(reg.d_engine, self._peers[reg.d_engine]))
             self._peers_sent.add(reg.d_engine)
-        src = lease.blocks[reg.first_block : reg.first_block + len(reg.d_blocks)]
-        out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, src, list(reg.d_blocks), reg.verify,
-                                reg.slots, post_deadline=reg.post_deadline))
+        first, end = self._block_range(reg)
+        out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, lease.blocks[first:end], list(reg.d_blocks),
+                                reg.verify, reg.slots, post_deadline=reg.post_deadline,
+                                first_token=reg.first_token, num_tokens=reg.num_tokens))
         lease.to(LeaseState.DISPATCHED)
         # the workers report finished_sending within post deadline + write timeout; keep the lease as long
         lease.deadline = max(lease.deadline, reg.post_deadline + self.settings.transfer_timeout_s)
@@ -219,8 +225,8 @@ class Producer:
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
             prev = lease.reg
             if (prev is not None and lease.state in (LeaseState.REGISTERED, LeaseState.DISPATCHED)
-                    and (prev.d_engine, prev.d_req, prev.first_block, prev.d_blocks)
-                    == (reg.d_engine, reg.d_req, reg.first_block, reg.d_blocks)):
+                    and (prev.d_engine, prev.d_req, prev.first_token, prev.num_tokens, prev.d_blocks)
+                    == (reg.d_engine, reg.d_req, reg.first_token, reg.num_tokens, reg.d_blocks)):
                 # D retried a registration whose reply it missed: same answer, nothing changes
                 return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
             if lease.state is not LeaseState.HELD:
@@ -247,6 +253,7 @@ class Producer:
             raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
         self._peers[d_engine] = list(encoded)
         self._peer_blocks[d_engine] = max_block_id(payloads)
+        self._peer_block_size[d_engine] = int(payloads[0].page_table.get("block_size", 0) or 0)
         self._peer_staging[d_engine] = {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads}
 
     def _check_reg(self, reg: RegReq, lease: Lease) -> None:
@@ -260,9 +267,21 @@ class Producer:
                 if off + size > staging.get(rank, 0):
                     raise MessageError(f"staging slot [{off}, +{size}) outside D rank {rank}'s arena "
                                        f"({staging.get(rank, 0)} B)")
-        if reg.first_block + len(reg.d_blocks) > len(lease.blocks):
-            raise MessageError(f"blocks {reg.first_block}..{reg.first_block + len(reg.d_blocks) - 1} "
-                               f"asked, request {reg.p_req} has {len(lease.blocks)}")
+        first, end = self._block_range(reg)
+        if end > len(lease.blocks):
+            raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked (blocks "
+                               f"{first}..{end - 1} of {self.block_size} tokens), request {reg.p_req} has "
+                               f"{len(lease.blocks)}")
+        bd = self._peer_block_size.get(reg.d_engine, 0)
+        need = -(-(reg.first_token + reg.num_tokens) // bd) - reg.first_token // bd if bd else 0
+        if len(reg.d_blocks) < need:
+            raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} need {need} of "
+                               f"D's {bd}-token blocks, the registration names {len(reg.d_blocks)}")
+
+    def _block_range(self, reg: RegReq) -> tuple[int, int]:
+        """``[first, end)``: the indexes into the lease's blocks holding the registration's token span."""
+        b = self.block_size
+        return reg.first_token // b, -(-(reg.first_token + reg.num_tokens) // b)
 
     def handle_heartbeat(self, hb: HeartbeatReq) -> Reply:
         """Extend the leases D still waits for."""

@@ -22,12 +22,14 @@ Held = list[tuple[int, Reservation]]
 
 
 def plan_slots(plan: Any, src: Sequence[RankPayload], dst: Sequence[RankPayload], src_blocks: Sequence[int],
-               dst_blocks: Sequence[int], gate: Any, arenas: dict[int, SlotAllocator]) -> tuple[Slots, Held]:
+               dst_blocks: Sequence[int], gate: Any, arenas: dict[int, SlotAllocator], *, first_token: int = 0,
+               num_tokens: int | None = None) -> tuple[Slots, Held]:
     """Staging slots for one request: per (destination rank, source rank) pair the gate wants bounced.
 
     ``plan`` is the peer's ``matching.PeerPlan`` from the handshake (its runs come from tables decoded
-    once); ``arenas`` maps a destination rank to the allocator of its staging arena. Returns the slots and
-    the reservations to free once the transfer is over.
+    once; ``first_token``/``num_tokens`` the request's token span, as ``PeerPlan.runs`` takes it);
+    ``arenas`` maps a destination rank to the allocator of its staging arena. Returns the slots and the
+    reservations to free once the transfer is over.
     """
     slots: Slots = {}
     held: Held = []
@@ -36,7 +38,8 @@ def plan_slots(plan: Any, src: Sequence[RankPayload], dst: Sequence[RankPayload]
         if arena is None or d.staging is None:
             continue
         for s in src:
-            parts = plan.runs(s.rank, d.rank, list(src_blocks), list(dst_blocks))
+            parts = plan.runs(s.rank, d.rank, list(src_blocks), list(dst_blocks), first_token=first_token,
+                              num_tokens=num_tokens)
             if len(parts) != 1 or parts[0][2].total_bytes == 0 or gate.decide(parts[0][2], merged=True) != "bounce":
                 continue
             res = arena.reserve(parts[0][2].total_bytes, 0.0)
@@ -75,11 +78,13 @@ class StagingSlots:
         return bool(self._arenas)
 
     def plan(self, plan: Any, src: Sequence[RankPayload], src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> tuple[Slots, Held]:
+             dst_blocks: Sequence[int], *, first_token: int = 0,
+             num_tokens: int | None = None) -> tuple[Slots, Held]:
         """Slots for one request from the peer ``src`` (none when disabled)."""
         if not self.enabled:
             return {}, []
-        return plan_slots(plan, src, self._local(), src_blocks, dst_blocks, self._gate, self._arenas or {})
+        return plan_slots(plan, src, self._local(), src_blocks, dst_blocks, self._gate, self._arenas or {},
+                          first_token=first_token, num_tokens=num_tokens)
 
     def free(self, held: Held, failed: bool) -> None:
         """The transfer is over: release its slots, or quarantine them when it failed."""

@@ -21,7 +21,9 @@ import msgspec
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
 #: 3: completion/failure notices travel as transport notifications (``dsa1:<path><rank>:<Notice>``) on
 #: every path, the direct one included (2 sent a bare ``NOTICE_PREFIX`` message there).
-PROTOCOL_VERSION = 3
+#: 4: registrations and jobs carry the token span (``first_token``, ``num_tokens``) instead of P's first block
+#: index, so P and D may use different block sizes (3 sent ``first_block``).
+PROTOCOL_VERSION = 4
 TRANSFER_MODE = "push"
 
 
@@ -57,7 +59,11 @@ Slots = dict[int, dict[int, list[int]]]
 
 
 class PushJob(msgspec.Struct, frozen=True):
-    """P side: write ``src_blocks`` of request ``req_id`` into ``dst_blocks`` of ``dst_engine``."""
+    """P side: write ``src_blocks`` of request ``req_id`` into ``dst_blocks`` of ``dst_engine``.
+
+    The blocks hold tokens ``[first_token, first_token + num_tokens)`` (``matching.PeerPlan.runs``'
+    convention: each list starts at the block of its own size holding ``first_token``).
+    """
 
     req_id: str
     dst_engine: str
@@ -67,6 +73,8 @@ class PushJob(msgspec.Struct, frozen=True):
     verify: bool = False
     slots: Slots = {}
     post_deadline: float = math.inf  # monotonic clock of this host: never post a WRITE after it
+    first_token: int = 0
+    num_tokens: int | None = None  # None: every token both block lists cover
 
 
 class RecvJob(msgspec.Struct, frozen=True):
@@ -80,6 +88,8 @@ class RecvJob(msgspec.Struct, frozen=True):
     verify: bool = False
     src_blocks: list[int] = []  # the producer's blocks (to recompute bounced runs for the scatter)
     slots: Slots = {}
+    first_token: int = 0  # the token span both block lists hold (as in PushJob)
+    num_tokens: int | None = None
 
 
 class Notice(msgspec.Struct, frozen=True):
