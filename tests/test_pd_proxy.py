@@ -43,11 +43,13 @@ class Stub:
         self.handler: Handler = self.default
         self.bodies: list[dict[str, Any]] = []
         self.peers: list[Any] = []
+        self.ids: list[str | None] = []  # X-Request-Id of each request
         self.release = asyncio.Event()  # set at the end of a test: stalled handlers return
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.peers.append(request.transport.get_extra_info("peername"))
+        self.ids.append(request.headers.get("X-Request-Id"))
         return await self.handler(request, self.bodies[-1])
 
     async def stall(self, seconds: float = 30.0) -> None:
@@ -210,6 +212,19 @@ def test_client_kv_transfer_params_never_forwarded(h: Harness) -> None:
     assert pbody["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
     assert dbody["kv_transfer_params"] == P_PARAMS
     assert pbody["vllm_xargs"] == dbody["vllm_xargs"] == {"k": 1}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_both_legs_carry_one_request_id(h: Harness, stream: bool) -> None:
+    """vLLM's NixlPushConnector matches D's registration to P's request by this id."""
+    url = h.proxy()
+    for headers in ({}, {}, {"X-Request-Id": "client-id-1"}):
+        with requests.post(url + "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers,
+                           timeout=10) as r:
+            assert r.status_code == 200
+    assert h.prefill.ids == h.decode.ids
+    fresh_a, fresh_b, client = h.prefill.ids
+    assert fresh_a and fresh_b and fresh_a != fresh_b and client == "client-id-1"
 
 
 def test_no_params_from_prefill_means_none_on_decode(h: Harness) -> None:

@@ -4,7 +4,8 @@ Each ``/v1/chat/completions`` or ``/v1/completions`` request goes (1) to the pre
 one-token, non-streaming request with ``kv_transfer_params={"do_remote_decode": true,
 "do_remote_prefill": false}``, then (2) to the decode server (D) with exactly the ``kv_transfer_params``
 P returned, or none; D's answer is returned (or streamed) with headers ``x-prefill-ms`` and
-``x-kv-transfer`` (``1`` when D got P's params).
+``x-kv-transfer`` (``1`` when D got P's params). Both legs carry the same ``X-Request-Id`` (the client's,
+else a fresh one), so P and D name the request alike (vLLM's NixlPushConnector matches on it).
 
 Fields. Only the proxy sets ``kv_transfer_params``: a client's own is dropped on both legs, and so is
 ``vllm_xargs["kv_transfer_params"]`` (vLLM hands ``kv_transfer_params`` to the engine in ``extra_args``).
@@ -35,6 +36,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -128,11 +130,11 @@ def _transport_error(side: str, url: str, exc: BaseException, mid_stream: bool =
     return err
 
 
-async def _post_json(session: aiohttp.ClientSession, side: str, url: str,
-                     body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+async def _post_json(session: aiohttp.ClientSession, side: str, url: str, body: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> tuple[bytes, dict[str, Any]]:
     """POST ``body`` and return the raw and parsed JSON object of a 200 answer, or raise ProxyError."""
     try:
-        async with session.post(url, json=body) as r:
+        async with session.post(url, json=body, headers=headers) as r:
             status, data = r.status, await r.read()
     except (TimeoutError, aiohttp.ClientError) as e:
         raise _transport_error(side, url, e) from e
@@ -145,10 +147,10 @@ async def _post_json(session: aiohttp.ClientSession, side: str, url: str,
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                  headers: dict[str, str]) -> Response:
+                  headers: dict[str, str], upstream_headers: dict[str, str] | None = None) -> Response:
     """Stream D's answer; a failure mid-way is logged and ends the stream with an error event."""
     try:
-        resp = await session.post(url, json=body)
+        resp = await session.post(url, json=body, headers=upstream_headers)
         if resp.status != 200:
             async with resp:
                 data = await resp.read()
@@ -202,9 +204,12 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
                 raise ProxyError(400, "proxy", "invalid_request_error",
                                  "the request body must be a JSON object (malformed JSON?)")
             params, prefill_ms = None, 0.0
+            # One request id on both legs (the client's, else a fresh one): vLLM's NixlPushConnector
+            # matches D's registration to P's finished request by it.
+            ids = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
             if not needs_local_prefill(body, chat=path == "/v1/chat/completions"):
                 t0 = time.perf_counter()
-                _, pre = await _post_json(session, "prefill", prefill_url + path, prefill_body(body))
+                _, pre = await _post_json(session, "prefill", prefill_url + path, prefill_body(body), ids)
                 prefill_ms = (time.perf_counter() - t0) * 1000
                 params = pre.get("kv_transfer_params")
                 if params is not None and not isinstance(params, dict):
@@ -216,8 +221,8 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
             headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0"}
             dbody = decode_body(body, params)
             if body.get("stream"):
-                return await _stream(session, decode_url + path, dbody, headers)
-            data, _ = await _post_json(session, "decode", decode_url + path, dbody)
+                return await _stream(session, decode_url + path, dbody, headers, ids)
+            data, _ = await _post_json(session, "decode", decode_url + path, dbody, ids)
             return Response(data, headers=headers, media_type="application/json")
         except ProxyError as e:
             return JSONResponse(e.payload, status_code=e.status)
