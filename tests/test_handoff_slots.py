@@ -39,3 +39,23 @@ def test_staging_slots_reserve_release_and_quarantine() -> None:
 
     never = StagingSlots(BounceSettings.from_config({"bounce_mode": "never"}, {}), lambda: dst)
     assert not never.enabled and never.plan(plan, src, [5], [2]) == ({}, [])
+
+
+def test_different_block_sizes_still_bounce_in_one_write_per_writer() -> None:
+    """P at 64 tokens per block, D at 16: the token-mapped runs of a request (many, short: every 16-token
+    chunk of every layer) still get ONE staging slot per (D rank, P rank) writer, of exactly their bytes, so
+    P gathers them and writes once; the slot is sized for the token span, not for whole blocks."""
+    cfg = glm_dsa_config(6)
+    src_tables = build_offline(cfg, num_blocks=8, block_size=64)
+    dst_tables = build_offline(cfg, num_blocks=32, block_size=16)
+    plan = PeerPlan.build(src_tables, dst_tables)
+    src = _payloads("P", src_tables, 0)
+    dst = _payloads("D", dst_tables, 1 << 20)
+    slots = StagingSlots(BounceSettings.from_config({"bounce_mode": "always"}, {}), lambda: dst)
+    # D holds tokens 0..31 (two of its blocks); it loads tokens 32..149 of P's blocks 5, 1, 3
+    got, held = slots.plan(plan, src, [5, 1, 3], [9, 2, 30, 4, 11, 7, 6, 8], first_token=32, num_tokens=118)
+    ((rank, per),) = got.items()
+    ((src_rank, (offset, size)),) = per.items()
+    (part,) = plan.runs(src_rank, rank, [5, 1, 3], [9, 2, 30, 4, 11, 7, 6, 8], first_token=32, num_tokens=118)
+    per_token = sum(v.bytes_per_token * len(v.entries) for v in dst_tables[0].views)
+    assert size == part[2].total_bytes == (160 - 32) * per_token and part[2].num_runs > 8 and len(held) == 1
