@@ -2,9 +2,10 @@
 
 All pairs use the same model, dtype, prompts, proxy and engine flags; only ``--kv-transfer-config``
 differs (DSAConnector push, NixlConnector pull, NixlPushConnector push, all over NIXL UCX). The pairs
-and one engine without P/D run at the same time and the requests are interleaved (request i goes to
-every pair, in an order that rotates with i, before request i+1), so a load change on the host hits
-all of them alike. A warm-up request per pair (UCX connection set-up) is excluded.
+and one engine without P/D run one after the other; with ``--together`` (7 servers at once, ~3 GB of
+RAM each) they run at the same time and the requests are interleaved (request i goes to every pair, in
+an order that rotates with i, before request i+1), so a load change on the host hits all of them
+alike. A warm-up request per pair (UCX connection set-up) is excluded.
 
 Transfer time (the same definition for all three): NIXL's own telemetry ``xferDuration`` of the
 request's transfers (NIXL's clock from posting a transfer to the moment it is seen DONE), summed per
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``vllm-dsa bench pd``."""
     parser.description = (
         "The same requests through a DSAConnector, a NixlConnector and a NixlPushConnector P/D pair and one "
-        "engine without P/D, all running at once, requests interleaved. Transfer time, the same for all "
+        "engine without P/D (one after the other; --together: all at once, requests interleaved). Transfer time, the same for all "
         "three: NIXL's telemetry xferDuration (post to DONE) of a request's transfers, summed, from the side "
         "that posts them (P for the WRITEs of DSAConnector and NixlPushConnector, D for NixlConnector's "
         "READs); TTFT at the client covers everything else. Medians; outputs compared request by request.")
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    parser.add_argument("--together", action="store_true",
+                        help="start every pair and the one engine at once and interleave the requests (7 "
+                             "servers: ~3 GB of RAM each); default: one pair after the other")
     parser.add_argument("--connectors", default="dsa,nixl,nixl_push",
                         help="comma-separated subset of dsa,nixl,nixl_push (default: all three)")
 
@@ -158,24 +162,36 @@ def _one(key: str, url: str, model: Path, messages: list[dict[str, str]],
 
 def _run_all(keys: list[str], model: Path, args: argparse.Namespace, workdir: Path) -> tuple[dict[str, list[Any]],
                                                                                          dict[str, str]]:
-    """Start every pair and the one engine at once, then interleave the requests; (rows, errors) per key."""
+    """Run every pair and the one engine (one after the other, or with ``--together`` all at once with the
+    requests interleaved); (rows, errors) per key."""
     names = [*keys, SINGLE]
-    bases = {k: args.base_port + 10 * CONNECTORS_ORDER.index(k) for k in keys} | {SINGLE: args.base_port + 40}
     rows: dict[str, list[Any]] = {k: [] for k in names}
     errors: dict[str, str] = {}
+    for group in ([names] if args.together else [[k] for k in names]):
+        _run_group(group, model, args, workdir, rows, errors)
+    return rows, errors
+
+
+def _run_group(names: list[str], model: Path, args: argparse.Namespace, workdir: Path,
+               rows: dict[str, list[Any]], errors: dict[str, str]) -> None:
+    """Start ``names`` at once, then send every request to each of them in turn (order rotating)."""
+    bases = {k: args.base_port + (40 if k == SINGLE else 10 * CONNECTORS_ORDER.index(k)) for k in names}
     with contextlib.ExitStack() as stack:
         clusters = {k: stack.enter_context(cluster(workdir / k)) for k in names}
         for k in names:
             print(f"[bench pd] {CONNECTORS[k]['name'] if k in CONNECTORS else 'one engine without P/D'}: "
                   f"starting (logs in {workdir / k})", flush=True)
-        with ThreadPoolExecutor(len(names)) as pool:
+        pool = ThreadPoolExecutor(len(names))
+        try:  # never wait for the start threads on Ctrl-C: closing the clusters ends them
             futs = {k: pool.submit(_start, k, clusters[k], model, args, bases[k]) for k in names}
-        urls: dict[str, str] = {}
-        for k, f in futs.items():
-            try:
-                urls[k] = f.result()
-            except (RuntimeError, OSError) as e:
-                errors[k] = f"start failed: {e}"
+            urls: dict[str, str] = {}
+            for k, f in futs.items():
+                try:
+                    urls[k] = f.result()
+                except (RuntimeError, OSError) as e:
+                    errors[k] = f"start failed: {e}"
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         for i, messages in enumerate(_requests(args)):
             live = [k for k in names if k in urls and k not in errors]
             turn = i % max(1, len(live))
@@ -187,7 +203,6 @@ def _run_all(keys: list[str], model: Path, args: argparse.Namespace, workdir: Pa
                     continue
                 if i:
                     rows[k].append(row)
-    return rows, errors
 
 
 CONNECTORS_ORDER = list(CONNECTORS)
