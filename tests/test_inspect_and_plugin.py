@@ -72,3 +72,79 @@ def test_plugin_registers_connector_by_name_and_is_idempotent() -> None:
     assert every_step_ran == "True", r.stderr[-3000:]  # a step that raised is logged and not marked done
     assert "registering" not in r.stderr, r.stderr[-3000:]
     assert registered == str(has_connector)
+
+
+def _check_block_map(out: dict, src_tables, dst_tables) -> None:
+    """Every piece ``inspect`` shows is a part of one of ``PeerPlan.runs``' runs (same shift on both sides),
+    stays in its view and layer, and each view's pieces cover the layer's part for the whole span once."""
+    import math
+
+    import numpy as np
+
+    from vllm_dsa_connector.matching import PeerPlan
+
+    peer = PeerPlan.build(src_tables, dst_tables)
+    bp, bd = peer.src_block_size, peer.dst_block_size
+    span = math.lcm(bp, bd)
+    assert (out["src_block_size"], out["dst_block_size"], out["span_tokens"]) == (bp, bd, span)
+    src, dst = {t.rank: t for t in src_tables}, {t.rank: t for t in dst_tables}
+    runs = {(s, d): peer.runs(s, d, np.arange(span // bp), np.arange(span // bd), first_token=0, num_tokens=span)
+            for s in src for d in dst}
+    assert out["descriptors"] == sum(r.num_runs for v in runs.values() for _, _, r in v)
+    layer = out["layer"]
+    rows = {"mla": None, "indexer_k values": 128, "indexer_k scales": 4}
+    assert set(out["views"]) == {"mla", "indexer_k values", "indexer_k scales"}
+    for view, pieces in out["views"].items():
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for p in pieces:
+            assert (p["dst_view"], p["dst_layer"]) == (view, layer), p
+            s, d = src[p["src_rank"]], dst[p["dst_rank"]]
+            role = view.split()[0]
+            se, de = s.view(role).entry(layer), d.view(role).entry(layer)
+            (sp, dp, r), = [x for x in runs[(s.rank, d.rank)] if x[0] == s.view(role).pool]
+            a = p["src_block"] * s.pools[sp].block_stride + se.offset + p["src_offset"]
+            b = p["dst_block"] * d.pools[dp].block_stride + de.offset + p["dst_offset"]
+            i = int(np.searchsorted(r.src_offsets, a, side="right")) - 1
+            assert r.src_offsets[i] <= a and a + p["length"] <= r.src_offsets[i] + r.lengths[i], p
+            assert b - r.dst_offsets[i] == a - r.src_offsets[i], p  # the same shift as the run's
+            row = rows[view] or s.view(role).bytes_per_token
+            assert p["length"] == (p["tokens"][1] - p["tokens"][0]) * row, p
+            covered.setdefault(d.rank, []).append(tuple(p["tokens"]))
+        for d_rank, spans in covered.items():
+            spans.sort()
+            assert spans[0][0] == 0 and spans[-1][1] == span, (view, d_rank, spans)
+            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:], strict=False)), (view, d_rank, spans)
+
+
+def test_inspect_block_map_p64_d32_matches_peer_plan_runs() -> None:
+    """``inspect --src-block-size 64 --dst-block-size 32`` as a user runs it; the shown mapping is the plan's."""
+    from vllm_dsa_connector.layout import build_offline
+
+    r = _vllm_dsa("inspect", str(EXAMPLE), "--src-block-size", "64", "--dst-block-size", "32", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["layer"] == 0
+    # the block-split indexer page: D's scales start at 32 * 128, P's at 64 * 128
+    assert [(p["src_offset"], p["dst_block"], p["dst_offset"]) for p in out["views"]["indexer_k scales"]] == [
+        (8192, 0, 4096), (8192 + 128, 1, 4096)]
+    _check_block_map(out, build_offline(EXAMPLE, block_size=64, num_blocks=3),
+                     build_offline(EXAMPLE, block_size=32, num_blocks=4))
+    human = _vllm_dsa("inspect", str(EXAMPLE), "--src-block-size", "64", "--dst-block-size", "32")
+    assert human.returncode == 0, human.stderr[-3000:]
+    assert "P block 0 +8,320     -> D block 1 +4,096" in human.stdout and "!!" not in human.stdout
+
+
+@pytest.mark.parametrize("bp,bd,p_tp,d_pp,layer", [(32, 64, 2, 1, 5), (16, 128, 1, 2, 77), (128, 48, 1, 1, 2)])
+def test_block_map_matches_peer_plan_runs(bp, bd, p_tp, d_pp, layer) -> None:
+    """``block_map`` (what ``inspect`` prints) under TP/PP reshard and a non-multiple pair, in process."""
+    from vllm_dsa_connector.commands.inspect import block_map
+    from vllm_dsa_connector.layout import build_offline
+
+    span = __import__("math").lcm(bp, bd)
+    src = build_offline(EXAMPLE, tp_size=p_tp, block_size=bp, num_blocks=span // bp + 2)
+    dst = build_offline(EXAMPLE, pp_size=d_pp, block_size=bd, num_blocks=span // bd + 2)
+    out = block_map(src, dst, layer)
+    if layer == 2:  # no indexer on layer 2 (freq 4, offset 2): MLA rows only
+        assert set(out["views"]) == {"mla"}
+        return
+    _check_block_map(out, src, dst)
