@@ -295,3 +295,29 @@ def test_simulation_catches_a_wrong_run() -> None:
 
     with pytest.raises(AssertionError, match="wrong bytes"):
         check_request(Shifted(), src, dst, first, num)  # type: ignore[arg-type]
+
+
+def test_bench_transfer_block_sizes_cli_json() -> None:
+    """``vllm-dsa bench transfer --src-block-size 64 --dst-block-size 32 --json``: the GLM-5.2-shaped request
+    in two NIXL processes (bytes verified every rep), side by side with the equal-size cases."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_dsa_connector.cli", "bench", "transfer", "--src-block-size", "64",
+         "--dst-block-size", "32", "--tokens", "96", "--reps", "1", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = {(c["src_block_size"], c["dst_block_size"]): c for c in out["cases"]}
+    assert list(cases) == [(64, 32), (64, 64), (32, 32)]
+    per_token = 78 * 1152 + 21 * 132  # GLM-5.2 shape, bf16 latent on CPU
+    # 96 tokens: P64 -> D32 copies 3 chunks of 32 (every layer: one MLA run, indexer values + scales runs);
+    # the equal-size cases copy whole blocks (the last one rounded up to its block)
+    assert cases[(64, 32)]["bytes"] == 96 * per_token and cases[(32, 32)]["bytes"] == 96 * per_token
+    assert cases[(64, 64)]["bytes"] == 128 * per_token
+    assert cases[(64, 32)]["descriptors"] <= 3 * (78 + 2 * 21)
+    for c in cases.values():
+        assert c["bounce_writes"] == 1 and c["direct_ms"] > 0 and c["bounce_ms"] > 0 and c["gather_ms"] > 0
