@@ -190,7 +190,8 @@ def _start_script(*args: str, env_extra: dict[str, str] | None = None) -> subpro
 
 def _result(proc: subprocess.Popen) -> dict[str, object]:
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        # generous: a fresh process imports vLLM (0.33: from sources); CI runs other jobs beside it
+        stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
