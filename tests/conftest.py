@@ -72,3 +72,22 @@ def load_module_from_file(path: Path, name: str) -> types.ModuleType:
     finally:
         sys.modules.pop(spec.name, None)
     return module
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's duration (setup, call, teardown) to its module's total."""
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Seconds per test module, slowest first (module-scoped engines count where they start), when more
+    than one module ran: where CI time goes (``ci/test.sh`` prints this for each shard)."""
+    if len(_MODULE_SECONDS) < 2:
+        return
+    terminalreporter.write_sep("=", "seconds per test module")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
