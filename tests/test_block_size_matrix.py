@@ -279,6 +279,18 @@ def test_pairing_by_position_feeds_runs(bp, bd) -> None:
                       pairing.num_tokens)
 
 
+@pytest.mark.parametrize("bp,bd", [(16, 64), (64, 16), (32, 128), (48, 64), (128, 16)])
+def test_spans_off_block_boundaries(bp, bd) -> None:
+    """Spans starting on any chunk (not only on a D block) and short or odd ``num_tokens``: still exactly
+    the tokens asked, rounded up to whole chunks of ``gcd(Bp, Bd)``; nothing before ``first_token``."""
+    peer = peer_plan("freq2_mtp", (1, 1), (1, 1), bp, bd)
+    g = math.gcd(bp, bd)
+    for first in (g, 3 * g, bd + g):
+        for num in (PROMPT - first, 1, g, None):
+            n_src, n_dst = -(-PROMPT // bp) - first // bp, -(-PROMPT // bd) - first // bd
+            check_request(peer, np.arange(n_src)[::-1].copy(), np.arange(1, n_dst + 1), first, num)
+
+
 def test_simulation_catches_a_wrong_run() -> None:
     """The oracle is not vacuous: a plan whose runs are shifted by one token row fails the check."""
     peer = peer_plan("freq2_mtp", (1, 1), (1, 1), 64, 32)
