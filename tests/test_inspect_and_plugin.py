@@ -116,7 +116,7 @@ def _check_block_map(out: dict, src_tables, dst_tables) -> None:
             assert all(x[1] == y[0] for x, y in zip(spans, spans[1:], strict=False)), (view, d_rank, spans)
 
 
-def test_inspect_block_map_p64_d32_matches_peer_plan_runs() -> None:
+def test_inspect_block_map_p64_d32_matches_peer_plan_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """``inspect --src-block-size 64 --dst-block-size 32`` as a user runs it; the shown mapping is the plan's."""
     from vllm_dsa_connector.layout import build_offline
 
@@ -129,9 +129,11 @@ def test_inspect_block_map_p64_d32_matches_peer_plan_runs() -> None:
         (8192, 0, 4096), (8192 + 128, 1, 4096)]
     _check_block_map(out, build_offline(EXAMPLE, block_size=64, num_blocks=3),
                      build_offline(EXAMPLE, block_size=32, num_blocks=4))
-    human = _vllm_dsa("inspect", str(EXAMPLE), "--src-block-size", "64", "--dst-block-size", "32")
-    assert human.returncode == 0, human.stderr[-3000:]
-    assert "P block 0 +8,320     -> D block 1 +4,096" in human.stdout and "!!" not in human.stdout
+    from vllm_dsa_connector.cli import main
+
+    assert main(["inspect", str(EXAMPLE), "--src-block-size", "64", "--dst-block-size", "32"]) == 0  # in process
+    human = capsys.readouterr().out
+    assert "P block 0 +8,320     -> D block 1 +4,096" in human and "!!" not in human
 
 
 @pytest.mark.parametrize("bp,bd,p_tp,d_pp,layer", [(32, 64, 2, 1, 5), (16, 128, 1, 2, 77), (128, 48, 1, 1, 2)])
