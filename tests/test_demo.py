@@ -51,7 +51,7 @@ def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
         assert len(_our_engines(base)) >= 3, "demo did not start its servers"
         time.sleep(3)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=120)  # a hang guard: every server is stopped at once, each group within grace + kill wait
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,6 +10,7 @@ the log tails of the processes when one dies or time runs out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -117,9 +118,26 @@ class Cluster:
             self.procs.remove(proc)
 
     def close(self) -> None:
-        """Stop every process still listed, the last started first."""
-        for proc in list(reversed(self.procs)):
-            self.stop(proc)
+        """Stop every process still listed, all at once: SIGTERM to every group, one shared grace period,
+        SIGKILL to the groups left, one shared wait. (One by one, a Ctrl-C during start-up took over a
+        minute on a loaded host: up to grace + kill wait per server.)"""
+        procs = list(reversed(self.procs))
+        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, self.kill_wait_s)):
+            alive = [p for p in procs if group_alive(p.pid)]
+            for p in alive:
+                kill_group(p.pid, sig)
+            deadline = time.monotonic() + wait_s
+            for p in alive:
+                _wait_group(p, max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if group_alive(p.pid):
+                logger.warning("process group %d of %s still exists %.0f s after SIGKILL", p.pid, p.name,
+                               self.kill_wait_s)
+            if p.popen.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(1.0)
+            if p in self.procs:
+                self.procs.remove(p)
 
 
 def _wait_group(proc: Proc, timeout_s: float) -> bool:
