@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -102,31 +103,59 @@ def test_leader_gone_grandchild_left_is_still_killed(tmp_path: Path) -> None:
     assert not group_alive(proc.pid) and not _exists(grandchild)
 
 
-def test_cluster_context_stops_on_exception_and_sigterm(tmp_path: Path) -> None:
-    """``cluster()`` turns SIGTERM into KeyboardInterrupt and stops every group on the way out."""
+def _ignore_sigint() -> None:  # what bash does to a background job (`cmd &`) when job control is off
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _block_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+@pytest.mark.parametrize(("sig", "preexec"), [
+    (signal.SIGTERM, None),
+    (signal.SIGINT, None),
+    (signal.SIGINT, _ignore_sigint),  # the sharded CI: a pytest started by `... &` hands SIG_IGN down
+    (signal.SIGINT, _block_stop_signals),
+    (signal.SIGTERM, _block_stop_signals),
+], ids=["sigterm", "sigint", "sigint-inherited-ignored", "sigint-inherited-blocked", "sigterm-inherited-blocked"])
+def test_cluster_context_stops_on_signal(tmp_path: Path, sig: signal.Signals,
+                                         preexec: Callable[[], None] | None) -> None:
+    """``cluster()`` turns SIGINT and SIGTERM into KeyboardInterrupt and stops every group on the way out,
+    also when the process started with SIGINT ignored or the signals blocked; its handlers are its own
+    only while the block runs."""
     code = (
-        "import sys, time\n"
+        "import signal, sys, time\n"
         "from pathlib import Path\n"
         "from vllm_dsa_connector.harness.procs import cluster\n"
-        "with cluster(Path(sys.argv[1])) as c:\n"
-        "    p = c.start('sleeper', [sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "    print(p.pid, flush=True)\n"
-        "    time.sleep(600)\n"
+        "before = signal.getsignal(signal.SIGINT)\n"
+        "try:\n"
+        "    with cluster(Path(sys.argv[1]), grace_s=2.0) as c:\n"
+        "        p = c.start('sleeper', [sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "        print(p.pid, flush=True)\n"
+        "        time.sleep(600)\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print(f'interrupted: {e}; handler restored: {signal.getsignal(signal.SIGINT) == before}', flush=True)\n"
+        "    sys.exit(130)\n"
     )
-    runner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    runner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=preexec)
+    child = 0
     try:
         assert runner.stdout is not None
         child = int(runner.stdout.readline())
         assert _exists(child)
-        runner.send_signal(signal.SIGTERM)
-        assert runner.wait(30) != 0
+        runner.send_signal(sig)
+        assert runner.wait(30) == 130
+        assert runner.stdout.read().strip() == f"interrupted: signal {sig.name}; handler restored: True"
         deadline = time.monotonic() + 10
         while group_alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not group_alive(child), "the child outlived the runner's SIGTERM"
+        assert not group_alive(child), f"the child outlived the runner's {sig.name}"
     finally:
         if runner.poll() is None:
             runner.kill()
+        if child:
+            kill_group(child, signal.SIGKILL)
 
 
 def test_not_ready_shows_the_log_tail(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ A vLLM ``api_server`` forks an ``EngineCore`` (and workers) that outlive a signa
 alone; every process started here therefore leads its own session (``start_new_session``), and
 :meth:`Cluster.stop` signals the whole group (SIGTERM, then SIGKILL after a grace period) and waits
 until no process of the group is left. :func:`cluster` does that for every process on exit, on an
-exception, on Ctrl-C and on SIGTERM. :func:`wait_healthy` polls an HTTP readiness URL and fails with
+exception, on Ctrl-C and on SIGTERM (its own handlers: an inherited SIG_IGN for SIGINT does not stop it). :func:`wait_healthy` polls an HTTP readiness URL and fails with
 the log tails of the processes when one dies or time runs out.
 """
 
@@ -152,22 +152,44 @@ def _wait_group(proc: Proc, timeout_s: float) -> bool:
         time.sleep(0.05)
 
 
+#: Signals :func:`cluster` turns into KeyboardInterrupt while its processes live.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextmanager
 def cluster(workdir: Path, grace_s: float = 10.0) -> Iterator[Cluster]:
-    """A :class:`Cluster` whose processes are stopped on exit, exception, Ctrl-C and SIGTERM."""
+    """A :class:`Cluster` whose processes are stopped on exit, exception, Ctrl-C and SIGTERM.
+
+    Its servers lead their own sessions, so a Ctrl-C at the terminal reaches only this process: while the
+    block runs, SIGINT and SIGTERM raise KeyboardInterrupt here whatever this process inherited. A process
+    started as a background job of a non-interactive shell (``cmd &`` in a script, e.g. a CI shard) begins
+    with SIGINT set to SIG_IGN, which Python keeps (it then installs no KeyboardInterrupt handler): without
+    its own handler, a SIGINT would leave every server running. Both signals are also unblocked. While the
+    processes are being stopped a further SIGINT/SIGTERM is ignored (stopping is bounded by ``grace_s`` plus
+    the kill wait), so an impatient second Ctrl-C cannot abandon the clean-up half-way. The previous handlers
+    are restored on the way out. Call it from the main thread (Python runs signal handlers only there).
+    """
     c = Cluster(workdir, grace_s=grace_s)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    def on_stop_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    old = {sig: signal.signal(sig, on_stop_signal) for sig in STOP_SIGNALS}
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         yield c
     finally:
         try:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            if c.procs:
+                logger.info("stopping %d process group(s) (SIGINT/SIGTERM ignored until they are gone)",
+                            len(c.procs))
             c.close()
         finally:
-            signal.signal(signal.SIGTERM, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 class NotReady(RuntimeError):
