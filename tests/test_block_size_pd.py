@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 from conftest import free_port
 
-from vllm_dsa_connector.harness.client import metric, post_json, scrape
+from vllm_dsa_connector.harness.client import complete, metric, scrape
 from vllm_dsa_connector.harness.engines import (
     Engine,
     choose_backend,
@@ -136,15 +136,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         yield out
 
 
-def _complete(url: str, model: str, ids: list[int], max_tokens: int,
-              kv: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "return_token_ids": True}
-    if kv is not None:
-        body["kv_transfer_params"] = kv
-    return post_json(url + "/v1/completions", body)
-
-
 def _counters(url: str) -> dict[str, float]:
     m = scrape(url)
     return {"recv_bytes": metric(m, "vllm:dsa_kv_bytes_total", side="recv"),
@@ -179,13 +170,13 @@ def test_decode_identical_across_block_sizes(pair: Pair, p_label: str, d_label: 
     lines, hits, t0 = [], 0, time.monotonic()
     for turn in range(1, TURNS + 1):
         ref_url = p.url if kind.reference_on_p else d.url
-        want = _complete(ref_url, pair.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
+        want = complete(ref_url, pair.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
         p0, d0 = _counters(p.url), _counters(d.url)
-        first = _complete(p.url, pair.model, ids, 1, {"do_remote_decode": True})
+        first = complete(p.url, pair.model, ids, 1, {"do_remote_decode": True})
         params = first.get("kv_transfer_params")
         assert params and params.get("remote_block_ids"), first
         assert len(params["remote_block_ids"]) >= -(-len(ids) // bp), (params, bp)  # P's own block size
-        got = _complete(d.url, pair.model, ids, MAX_TOKENS, params)["choices"][0]["token_ids"]
+        got = complete(d.url, pair.model, ids, MAX_TOKENS, params)["choices"][0]["token_ids"]
         d1 = _wait(d.url, "recv_ok", d0["recv_ok"] + 1, f"{p_label}->{d_label} turn {turn}: D counted no load")
         p1 = _wait(p.url, "send_ok", p0["send_ok"] + 1, f"{p_label}->{d_label} turn {turn}: P counted no send")
         assert got == want, f"{p_label}->{d_label} turn {turn}: D decoded {got}, one engine {want}"

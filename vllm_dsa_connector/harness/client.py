@@ -55,6 +55,22 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[
     return out
 
 
+def complete(url: str, model: str, prompt_ids: list[int], max_tokens: int,
+             kv_transfer_params: dict[str, Any] | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` request of ``url`` on token ids; returns vLLM's JSON answer.
+
+    The prompt is ``prompt_ids`` (no tokenizer round trip), EOS is ignored (exactly ``max_tokens`` tokens)
+    and the answer carries the generated ids (``choices[0]["token_ids"]``). ``kv_transfer_params`` is sent
+    as is: ``{"do_remote_decode": True}`` makes a P/D prefill whose answer holds the params for D; D then
+    gets those params back with the same ids.
+    """
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return post_json(url + "/v1/completions", body, timeout_s)
+
+
 def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Reply:
     """A streamed greedy chat completion (TTFT measured at the first content chunk)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
