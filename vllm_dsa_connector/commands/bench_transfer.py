@@ -31,9 +31,20 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_dsa_connector.harness.pair import ConsumerSide, PairSpec, ProducerSide, SideSpec, run_pair
+from vllm_dsa_connector.harness.pair import (
+    ConsumerSide,
+    PairSpec,
+    ProducerSide,
+    RemoteConsumer,
+    SideSpec,
+    run_pair,
+)
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.transport import BounceGate, Runs
+    from vllm_dsa_connector.transport.sends import Send
 
 METHODS = ("contiguous", "scattered", "bounce", "auto")
 
@@ -103,9 +114,37 @@ def _time_scatter(side: ConsumerSide, key: str, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _relayout_row(side: ProducerSide, runs: Runs, key: str, reps: int, gate: BounceGate) -> dict[str, Any]:
+    """The per-case columns every result row shares (ms rounded to the microsecond): bounce's relayout cost,
+    P's ``gather_ms`` of ``runs`` and D's ``scatter_ms`` over its ``runs[key]`` (medians of ``reps``), and
+    ``gate_reason``, why :class:`BounceGate` picks its path for the merged request."""
+    from vllm_dsa_connector.transport import gather
+
+    d = side.consumer
+    assert d is not None
+    gts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        gather(side.pool, runs, side.arena.buffer)
+        gts.append(time.perf_counter() - t0)
+    return {
+        "gather_ms": round(statistics.median(gts) * 1e3, 3),
+        "scatter_ms": round(d.call(_time_scatter, key=key, reps=reps) * 1e3, 3),
+        "gate_reason": gate.decision(runs.merged(), merged=True).reason,
+    }
+
+
+def _check_landed(d: RemoteConsumer, send: Send, method: str, what: str) -> None:
+    """RuntimeError unless D received exactly what was sent and a ``bounce`` send really bounced."""
+    if not d.verified():
+        raise RuntimeError(f"bench transfer: received bytes differ ({what})")
+    if method == "bounce" and send.path != "bounce":
+        raise RuntimeError(f"bench transfer: bounce path fell back: {send.reason}")
+
+
 def _drive(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
     """On P: every method, interleaved rep by rep, timed from the send to D's DONE; bytes verified."""
-    from vllm_dsa_connector.transport import BounceGate, BounceSender, gather
+    from vllm_dsa_connector.transport import BounceGate, BounceSender
 
     _, scattered, contiguous = _layout(args["blocks"], args["block_bytes"], args["seed"])
     d = side.consumer
@@ -133,22 +172,12 @@ def _drive(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
             t2 = time.perf_counter()
             d.done()
             dt = time.perf_counter() - t0
-            if not d.verified():
-                raise RuntimeError(f"bench transfer: received bytes differ ({method}, rep {rep})")
-            if method == "bounce" and send.path != "bounce":
-                raise RuntimeError(f"bench transfer: bounce path fell back: {send.reason}")
+            _check_landed(d, send, method, f"{method}, rep {rep}")
             if rep:
                 times[method].append(dt)
                 phases[method].append((t1 - t0, t2 - t1, t0 + dt - t2))
                 if method == "auto":
                     auto_paths.add(send.path)
-    gts = []
-    for _ in range(args["reps"]):
-        t0 = time.perf_counter()
-        gather(side.pool, scattered, side.arena.buffer)
-        gts.append(time.perf_counter() - t0)
-    scatter_s = d.call(_time_scatter, key="scattered", reps=args["reps"])
-    dec = gate.decision(scattered, merged=True)
     return {
         **{f"{m}_ms": statistics.median(times[m]) * 1e3 for m in METHODS},
         "min_ms": {m: round(min(times[m]) * 1e3, 3) for m in METHODS},  # for noisy hosts
@@ -157,12 +186,10 @@ def _drive(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
         # completion (incl. scatter) + the pipe's ack].
         "phases_ms": {m: [round(statistics.median(p[i] for p in phases[m]) * 1e3, 3) for i in range(3)]
                       for m in METHODS},
-        "gather_ms": statistics.median(gts) * 1e3,
-        "scatter_ms": scatter_s * 1e3,
+        **_relayout_row(side, scattered, "scattered", args["reps"], gate),
         "runs": scattered.num_runs,
         "total_bytes": scattered.total_bytes,
         "profile": gate.profile,
-        "gate_reason": dec.reason,
     }
 
 
@@ -234,7 +261,7 @@ def block_size_case(model: str, bp: int, bd: int, tokens: int, seed: int, kv_cac
 
 def _drive_block_sizes(side: ProducerSide, args: dict[str, Any]) -> list[dict[str, Any]]:
     """On P: per case, direct/bounce/auto interleaved rep by rep (bytes verified), then gather/scatter."""
-    from vllm_dsa_connector.transport import BounceGate, BounceSender, Runs, gather
+    from vllm_dsa_connector.transport import BounceGate, BounceSender, Runs
 
     d = side.consumer
     assert d is not None
@@ -259,29 +286,18 @@ def _drive_block_sizes(side: ProducerSide, args: dict[str, Any]) -> list[dict[st
                 snd.wait(send, args["timeout"])
                 d.done()
                 dt = time.perf_counter() - t0
-                if not d.verified():
-                    raise RuntimeError(f"bench transfer: received bytes differ (P{key.replace(':', ' -> D')}, "
-                                       f"{method}, rep {rep})")
-                if method == "bounce" and send.path != "bounce":
-                    raise RuntimeError(f"bench transfer: bounce path fell back: {send.reason}")
+                _check_landed(d, send, method, f"P{key.replace(':', ' -> D')}, {method}, rep {rep}")
                 if rep:
                     times[method].append(dt)
                     if method == "auto":
                         auto_paths.add(send.path)
-        gts = []
-        for _ in range(args["reps"]):
-            t0 = time.perf_counter()
-            gather(side.pool, runs, side.arena.buffer)
-            gts.append(time.perf_counter() - t0)
         merged = runs.merged()
         out.append({
             "src_block_size": case["src_block_size"], "dst_block_size": case["dst_block_size"],
             "descriptors": merged.num_runs, "bounce_writes": 1, "bytes": merged.total_bytes,
             **{f"{m}_ms": round(statistics.median(times[m]) * 1e3, 3) for m in methods},
-            "gather_ms": round(statistics.median(gts) * 1e3, 3),
-            "scatter_ms": round(d.call(_time_scatter, key=key, reps=args["reps"]) * 1e3, 3),
+            **_relayout_row(side, runs, key, args["reps"], gate),
             "auto_path": "/".join(sorted(auto_paths)),
-            "gate_reason": gate.decision(merged, merged=True).reason,
         })
     return out
 
