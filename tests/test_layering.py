@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("options", "compat"),                     # no project imports besides each other
     ("transport",),                            # NIXL, bounce, runs: no vLLM, nothing above
     ("layout",),                               # page tables (layout.build reads vLLM's specs)
-    ("token_map",),                            # the planner's token-position map (Bp != Bd), below matching
+    ("token_map", "pairing"),                  # the planner's token-position map (Bp != Bd); block pairing
+                                               # by token position: both below matching (re-exported there)
     ("matching",),                             # the planner: layout + transport's run merging
     ("handoff",),                              # the vLLM-free core: protocol, producer/consumer state
     ("tiny_models",),
