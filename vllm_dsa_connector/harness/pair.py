@@ -63,6 +63,9 @@ class Msg:
     body: dict[str, Any] = field(default_factory=dict)
 
 
+_IDLE_S = 1e-3  # a waiting recv runs Channel.idle this often (not hot)
+
+
 class RemoteError(RuntimeError):
     """The other process reported a failure (the text carries its traceback)."""
 
@@ -72,12 +75,20 @@ class ProtocolError(RuntimeError):
 
 
 class Channel:
-    """One end of the control channel; ``hot`` spins on ``poll`` instead of sleeping in ``recv``."""
+    """One end of the control channel; ``hot`` spins on ``poll`` instead of sleeping in ``recv``.
 
-    def __init__(self, conn: Any, side: str, hot: bool = False) -> None:
+    ``idle`` (set by the roles once their NIXL engine exists: ``engine.progress``) runs while a
+    ``recv`` waits, every ``_IDLE_S`` (each spin when ``hot``): a process waiting for the other one
+    keeps its agent progressing, like an engine's step loop, so an untracked notification it sent
+    (e.g. the ipc path's launch notice, the first message to the peer) still leaves.
+    """
+
+    def __init__(self, conn: Any, side: str, hot: bool = False,
+                 idle: Callable[[], None] | None = None) -> None:
         self.conn = conn
         self.side = side
         self.hot = hot
+        self.idle = idle
 
     def send(self, kind: Kind, **body: Any) -> None:
         """Send one message."""
@@ -94,9 +105,11 @@ class Channel:
         """The next message; :class:`RemoteError` for ERROR, :class:`ProtocolError` for a kind not in
         ``expect`` (any kind when empty), a closed channel or ``timeout_s`` without a message."""
         try:
-            if self.hot:
+            if self.hot or self.idle is not None:
                 deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-                while not self.conn.poll():
+                while not self.conn.poll(0 if self.hot else _IDLE_S):  # wakes at once on a message
+                    if self.idle is not None:
+                        self.idle()
                     if deadline is not None and time.perf_counter() > deadline:
                         raise ProtocolError(f"{self.side}: no message in {timeout_s} s")
             elif timeout_s is not None and not self.conn.poll(timeout_s):
@@ -228,6 +241,7 @@ def serve_consumer(ch: Channel, spec: PairSpec) -> None:
     c = spec.consumer
     pool = torch.zeros(c.pool_bytes, dtype=torch.uint8, device=c.device)
     engine, region, arena = _open("consumer", c, pool)
+    ch.idle = engine.progress
     try:
         side = ConsumerSide(c, engine, pool, region, arena,
                             receiver=BounceReceiver(engine, arena, reserve_timeout_s=c.reserve_timeout_s),
@@ -331,6 +345,7 @@ def _produce(ch: Channel, job: tuple[PairSpec, Driver, Any]) -> Any:
     _prepare(p)
     pool = fill(p.pool_bytes, p.device, spec.seed)
     engine, region, arena = _open("producer", p, pool)
+    ch.idle = engine.progress  # P waiting on D keeps its agent progressing (see Channel)
     try:
         hello = ch.recv(Kind.HELLO).body
         peer = engine.add_peer(hello["meta"])

@@ -79,6 +79,7 @@ class NixlEngine:
         self._peers: set[str] = set()
         self._ids = itertools.count()
         self._inflight: dict[int, Transfer] = {}
+        self._backlog: list[tuple[str, bytes]] = []  # notifications drained by progress()
         self._closed = False
 
     # -- memory and peers -------------------------------------------------------------------------
@@ -161,6 +162,7 @@ class NixlEngine:
         try:
             if runs.num_runs == 0:
                 self._agent.send_notif(peer, notif)
+                self.progress()  # untracked by NIXL: see send_notification
                 xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
                 return xfer_obj
             n = runs.num_runs
@@ -248,6 +250,7 @@ class NixlEngine:
         try:
             if li.size == 0:
                 self._agent.send_notif(peer, notif)
+                self.progress()  # untracked by NIXL: see send_notification
                 xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
                 return xfer_obj
             xh = self._agent.make_prepped_xfer("WRITE", local._handle, li, remote._handle, ri, notif)
@@ -344,19 +347,35 @@ class NixlEngine:
     # -- notifications ------------------------------------------------------------------------------
 
     def send_notification(self, peer: str, msg: bytes) -> None:
-        """A notification not bound to a transfer."""
+        """A notification not bound to a transfer.
+
+        NIXL does not track it: when UCX cannot send it at once (the first message to a peer waits
+        for the connection's wire-up, or the send queue is full) it leaves only while this agent
+        progresses. The sender must keep calling :meth:`progress` (or ``wait``/``state``/
+        :meth:`poll_notifications`) until the peer saw it; this call progresses once.
+        """
         try:
             self._agent.send_notif(peer, msg)
         except Exception as e:
             raise TransferError(f"notification to peer {peer!r} failed: {e}", peer=peer) from e
+        self.progress()
+
+    def progress(self) -> None:
+        """Progress the agent (pending sends, connection wire-up) without losing notifications: the
+        ones that arrived meanwhile are kept for the next :meth:`poll_notifications`."""
+        self._backlog.extend(self._drain())
+
+    def _drain(self) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        for peer, msgs in self._agent.get_new_notifs().items():
+            p = peer.decode() if isinstance(peer, bytes) else str(peer)
+            out.extend((p, bytes(m)) for m in msgs)
+        return out
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as ``(peer, message)`` pairs, in arrival order per peer."""
-        new = self._agent.get_new_notifs()
-        out: list[tuple[str, bytes]] = []
-        for peer, msgs in new.items():
-            p = peer.decode() if isinstance(peer, bytes) else str(peer)
-            out.extend((p, bytes(m)) for m in msgs)
+        out, self._backlog = self._backlog, []
+        out.extend(self._drain())
         return out
 
     # -- teardown -----------------------------------------------------------------------------------

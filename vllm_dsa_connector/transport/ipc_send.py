@@ -142,6 +142,7 @@ class IpcSendPath:
         deadline = rec.started + timeout_s
         started = time.perf_counter()
         while not _done(send._event):
+            self.engine.progress()  # the launch notification may still wait on UCX (send_notification)
             if time.perf_counter() > deadline:
                 raise TransferError(
                     f"ipc copy {rec.name} to {rec.peer!r} not done after {timeout_s} s",
@@ -151,6 +152,8 @@ class IpcSendPath:
             _pause(started)
         if send.signal != "event":  # the bytes are there: tell D (after an event D usually drops it)
             self.engine.send_notification(send._peer, send._notif)
+        else:
+            self.engine.progress()
         if send._pool is not None and send._event is not None:
             send._pool.release(send._event, send._handle)
             send._pool = send._event = None

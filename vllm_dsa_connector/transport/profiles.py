@@ -138,12 +138,18 @@ class LinkProfile:
 #   cached on the runs (CUDA graph replay) and the completion on an interprocess event whose
 #   notification leaves at launch: 5.85-5.97 ms end to end, ~0.33-0.45 ms fixed (ipc_us); 64 and 8
 #   blocks: ipc 0.80-0.92 / 0.46-0.56 ms vs merged direct 1.07 / 0.53.
+# - same_gpu `ipc`, re-measured 2026-12-01 with the cached plan, graph replay and the event signal (one
+#   H200, bench/gpu_transfer.py --no-tune --reps 10, medians end to end): 594 / 64 / 8 blocks (2.051 /
+#   0.221 / 0.028 GB) 1.571 / 0.569 / 0.451 ms -> a line through them: ~0.44 ms fixed + 1,800 GB/s
+#   (ipc_us 440, ipc_gbps 1800; was 600 / 1950, which priced 8 blocks at 0.61 ms and picked direct,
+#   measured 0.564 ms, over ipc's 0.451). Direct at those shapes: 6.689 / 1.129 / 0.564 ms (model:
+#   6.81 / 1.14 / 0.54).
 # - rdma: GPUDirect over one 400 Gb/s NIC, an estimate (no such NIC here).
 # - cma/tcp: host memory on this project's CPU hosts (the bounce numbers are those of PROFILES, so
 #   the two models agree there).
 LINKS: dict[str, LinkProfile] = {
     "same_gpu": LinkProfile(
-        9.0, 2000.0, 1900.0, 800.0, 150.0, False, False, 1950.0, 600.0, post_us=450.0
+        9.0, 2000.0, 1900.0, 800.0, 150.0, False, False, 1800.0, 440.0, post_us=450.0
     ),
     "nvlink": LinkProfile(3.5, 391.0, 1900.0, 700.0, 400.0, False, True, 371.0, 400.0, post_us=450.0),
     "rdma": LinkProfile(2.0, 45.0, 1900.0, 100.0, 30.0, True, True, post_us=50.0),
