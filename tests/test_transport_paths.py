@@ -305,6 +305,10 @@ def test_gate_choose_paths_thresholds_and_modes() -> None:
         gate.choose(big, paths=("teleport",))
     assert gate.for_link("same_gpu").choose(big, paths=ALL).path == "ipc"
     assert gate.choose(big, paths=ALL, link="same_gpu").link == "same_gpu"
+    # one decision per (link, shape, paths), remembered: the same shape again is a lookup
+    assert gate.choose(big, paths=ALL) is gate.choose(big.merged(), merged=True, paths=ALL)
+    assert gate.choose(big, paths=ALL).link == "nvlink" and gate.for_link("same_gpu").link == "same_gpu"
+    assert gate.choose(big, paths=ALL) is not gate.choose(big, paths=("direct", "bounce"))
 
 
 @pytest.mark.parametrize("seed", range(3))
