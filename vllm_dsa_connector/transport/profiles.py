@@ -44,12 +44,15 @@ class CostModel:
 # - tcp (UCX_TLS=tcp): 14-21 us per descriptor for runs <= 16 KiB, 18-94 us at 64 KiB (rendezvous
 #   messages; grows with host load). 64 KiB runs: bounce 1.2-1.3x faster on the loaded host (medians of
 #   20-30), 1.27x slower once when idle -> 40 us, so the gate bounces up to ~80 KB runs on tcp.
+#   Re-measured 2026-12-02 (`vllm-dsa bench transfer --json`, UCX_TLS=tcp, 2 vCPU, load 10-20, medians
+#   of 10): 256 x 64 KiB direct 15.9 ms vs bounce 25.1 (1.58x slower; the gate had bounced it: auto/best
+#   1.57), 512 x 16 KiB direct 18.1 vs bounce 11.4 -> 25 us: bounce below ~50 KB runs.
 # - cuda (H200, VRAM->VRAM cuda_ipc): 593 descriptors cost ~5 ms more than one; gather/scatter ~1.8 TB/s
 #   of payload; ~0.5 ms fixed (post + notification + completion) -> bounce pays below ~6 MB per run.
 # - rdma: an estimate (no RDMA NIC here); tune it on such hardware with bounce_desc_cost_us & co.
 PROFILES: dict[str, CostModel] = {
     "cma": CostModel(desc_us=7.0, copy_gbps=4.0, fixed_us=200.0),
-    "tcp": CostModel(desc_us=40.0, copy_gbps=4.0, fixed_us=200.0),
+    "tcp": CostModel(desc_us=25.0, copy_gbps=4.0, fixed_us=200.0),
     "rdma": CostModel(desc_us=2.0, copy_gbps=4.0, fixed_us=100.0),
     "cuda": CostModel(desc_us=8.0, copy_gbps=1700.0, fixed_us=500.0),
 }
@@ -154,7 +157,7 @@ LINKS: dict[str, LinkProfile] = {
     "nvlink": LinkProfile(3.5, 391.0, 1900.0, 700.0, 400.0, False, True, 371.0, 400.0, post_us=450.0),
     "rdma": LinkProfile(2.0, 45.0, 1900.0, 100.0, 30.0, True, True, post_us=50.0),
     "cma": LinkProfile(7.0, 2.8, 4.0, 200.0, 50.0, False, False),
-    "tcp": LinkProfile(40.0, 1.7, 4.0, 200.0, 60.0, False, False),
+    "tcp": LinkProfile(25.0, 1.7, 4.0, 200.0, 60.0, False, False),
 }
 #: The link profile :class:`~vllm_dsa_connector.transport.gate.BounceGate` uses per transport profile
 #: when ``bounce_link`` is ``auto``.
