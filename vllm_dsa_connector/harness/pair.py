@@ -77,10 +77,9 @@ class ProtocolError(RuntimeError):
 class Channel:
     """One end of the control channel; ``hot`` spins on ``poll`` instead of sleeping in ``recv``.
 
-    ``idle`` (set by the roles once their NIXL engine exists: ``engine.progress``) runs while a
-    ``recv`` waits, every ``_IDLE_S`` (each spin when ``hot``): a process waiting for the other one
-    keeps its agent progressing, like an engine's step loop, so an untracked notification it sent
-    (e.g. the ipc path's launch notice, the first message to the peer) still leaves.
+    ``idle`` (the roles set ``engine.progress``) runs while ``recv`` waits, every ``_IDLE_S`` (each spin
+    when ``hot``): a waiting side keeps its agent progressing, so an untracked notification it sent
+    (the ipc launch notice as the first message to the peer) still leaves.
     """
 
     def __init__(self, conn: Any, side: str, hot: bool = False,
