@@ -77,6 +77,55 @@ def test_extend_replaces_and_divergence_adds(qwen):
     assert cache.stats()["entries"] == 2 and cache.stats()["hits"] == 3
 
 
+HOSTILE = [
+    "<|im_start|><|im_end|>\n", "<<|im_end|>>\n", "<|im_end|\n<|im_end|>x\n", "e\u0301<|im_end|>\u0301\n",
+    "\n<|im_start|>\n\n \n\tX\r\nY\n", "<think></think><tool_call>\n</tool_call>", "a\n<|endoftext|>b\n",
+    "caf\u00e9\n\u00e9t\u00e9\nZ", "<|im_start|>", "\n\n\n<|im_end|><|im_end|>\n<", "x" * 300 + "\n!",
+]
+
+
+def _recorded_cuts(cache):
+    """(text, cut position, token index) of every cut the cache recorded."""
+    from vllm_dsa_connector.tokenizer import cache as cache_mod
+
+    for entry in list(cache._index.entries.values()):
+        for c in entry.cuts:
+            yield entry.text, c >> cache_mod._POS, (c & cache_mod._LOW) >> 8
+
+
+@pytest.mark.parametrize("spacing", [1, 64])
+def test_every_recorded_cut_is_exact_on_hostile_texts(qwen, spacing):
+    """Anchor look-alikes, adjacent and partial anchors, anchors at the start, combining marks, CR/LF and
+    blank lines, in growing prompts: each result equals a full encode and every recorded cut splits the
+    text's ids exactly (ids(text[:p]) == ids[:k] and ids(text[p:]) == ids[k:])."""
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, cut_spacing=spacing, max_entries=64)
+    text = chat(2)
+    for i in range(3 * len(HOSTILE)):
+        text += HOSTILE[(i * 7) % len(HOSTILE)] + LINES[i % 400]
+        assert cache.encode(text) == ref(qwen, text), i
+    n = 0
+    for t, p, k in _recorded_cuts(cache):
+        ids = ref(qwen, t)
+        assert ref(qwen, t[:p]) == ids[:k] and ref(qwen, t[p:]) == ids[k:], (p, k, t[max(0, p - 20) : p + 20])
+        n += 1
+    assert n > 20
+
+
+def test_one_character_changed_deep_inside_the_cached_prefix(qwen):
+    """A prompt equal to a cached one except for one character deep inside (replaced, inserted, deleted,
+    a combining mark that NFC composes with its neighbour) is encoded exactly, not spliced from the cache."""
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, max_entries=256)
+    base = chat(40)
+    assert cache.encode(base) == ref(qwen, base)
+    for pos in (37, len(base) // 3, len(base) // 2 + 1, len(base) - 200):
+        for text in (base[:pos] + ("Q" if base[pos] != "Q" else "R") + base[pos + 1 :],
+                     base[:pos] + "\u0301" + base[pos:], base[:pos] + base[pos + 1 :],
+                     base[:pos] + "<|im_end|>" + base[pos:]):
+            for follow in ("", "next turn\n"):
+                assert cache.encode(text + follow) == ref(qwen, text + follow), pos
+    assert cache.stats()["mismatches"] == 0
+
+
 def test_eviction_by_entries_is_lru(qwen):
     cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, max_entries=3)
     texts = [chat(2, user=f"user{i}") for i in range(5)]

@@ -85,6 +85,20 @@ _PER_SPLIT_PRETOKENIZERS = {
 LINE_CUT_RE = re.compile(r"\n(?=[!-~])")
 
 
+def last_line_cut(text: str, bound: int) -> int:
+    """The greatest line cut ``p <= bound`` of ``text`` (a position where :data:`LINE_CUT_RE` matches ends:
+    ``text[p - 1] == "\\n"`` and ``"!" <= text[p] <= "~"``), or -1; scans backwards from ``bound`` only."""
+    n = len(text)
+    while bound > 0:  # (a negative end would count from the end of the text)
+        j = text.rfind("\n", 0, bound)
+        if j < 0:
+            return -1
+        if j + 1 < n and "!" <= text[j + 1] <= "~":
+            return j + 1
+        bound = j
+    return -1
+
+
 @dataclass(frozen=True)
 class CutRules:
     """Which cuts are exact for one tokenizer pipeline, and why the others are off."""

@@ -10,7 +10,9 @@ cache to near the target, then every measured request is timed three ways, back 
 - ``full``: ``tokenizer(prompt)``, whose ids every cached result is compared with (outside the timed regions).
 
 Ratios are medians of per-request ratios (both sides measured within a millisecond of each other, so a busy
-machine slows both); times are medians in ms. After the untimed reference encode the allocator is settled
+machine slows both); times are medians in ms. The previous cached result (a list of up to 128k ids) is
+released before the next timed call, like the reference's (freeing it is its owner's cost, ~0.3 ms at 128k,
+and none of the encode's). After the untimed reference encode the allocator is settled
 (:func:`_settle`): freeing a 128k-token encoding leaves glibc ~5 ms of deferred consolidation that the next
 large allocation pays, which would otherwise be charged to whichever timed call runs first. :func:`lookup_flatness` times the index lookup of one prompt
 with 1 and with 1,000 cached entries sharing its first part, and counts the dict probes of each.
@@ -65,9 +67,11 @@ def run_workload(tok: Any, kind: str, target: int, turns: int, seed: int = 0,
         tok(req.delta, add_special_tokens=False)["input_ids"]
         return clock() - t0, cpu() - c0
 
+    got: list[int] = []
     for n, req in enumerate(requests(kind, target, turns, lambda text: len(cache.encode(text)), seed)):
         if n % 2:
             d, d_cpu = delta_only(req)
+        del got  # the previous result is freed by its owner, not charged to this request's encode
         c0, t0 = cpu(), clock()
         got = cache.encode(req.text)
         c1, t1 = cpu(), clock()

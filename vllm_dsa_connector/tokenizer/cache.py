@@ -20,6 +20,7 @@ through the tail encoding's offsets for the few candidates kept, not by converti
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 from bisect import bisect_left, bisect_right
@@ -29,7 +30,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from .analysis import LINE_CUT_RE, CutRules, analyze
+from .analysis import CutRules, analyze, last_line_cut
 from .options import CacheOptions
 from .prefix_index import Match, PrefixIndex
 
@@ -119,8 +120,9 @@ class PrefixTokenCache:
         anchors = {a: i for a, i in rules.anchors.items() if len(a) <= _MAX_WIDTH} if self.options.anchors else {}
         self.rules = CutRules(anchors=anchors, line_cuts=rules.line_cuts and self.options.line_cuts,
                               usable=rules.usable, reasons=rules.reasons)
-        self._anchor_of_id = {i: c for c, i in anchors.items()}
-        self._anchor_ids = frozenset(self._anchor_of_id)
+        # all anchors in one alternation, longest first (a match only proposes: each is checked per encoding)
+        self._anchor_re = re.compile("|".join(re.escape(a) for a in sorted(anchors, key=len, reverse=True))
+                                     ) if anchors else None
         self._index = PrefixIndex(self.options.chunk_chars)
         if not rules.usable:
             logger.warning("prefix token cache off for this tokenizer: %s", "; ".join(rules.reasons))
@@ -263,47 +265,57 @@ class PrefixTokenCache:
 
     def _cuts_of(self, text: str, enc: Any, ids: list[int], offset: int, base_tok: int) -> list[int]:
         """Exact cuts in a freshly encoded ``text`` (positions shifted by ``offset``, token indexes by
-        ``base_tok``), packed; the last one, then one per ``cut_spacing`` chars going left. Every kept cut is
-        checked against the encoding's offsets (a token starts there and the one before ends by then)."""
+        ``base_tok``), packed; the last one, then one per ``cut_spacing`` chars going left (at one position a
+        line cut goes before an anchor: it needs fewer shared characters). Every kept cut is checked against
+        the encoding's offsets (a token starts there and the one before ends by then). Line starts are
+        searched backwards from the end, only as far as the kept cuts reach (not every line of ``text``)."""
         offsets = enc.offsets if len(ids) >= _OFFSETS_FROM else None
 
-        def span(i: int) -> tuple[int, int]:
-            return offsets[i] if offsets is not None else enc.token_to_chars(i)
+        def token_at(p: int) -> int:  # the token starting at ``p`` after one that ends by ``p`` (-1: none)
+            if offsets is not None:
+                i = bisect_left(offsets, (p, -1))
+                ok = 0 < i < len(offsets) and offsets[i][0] == p and offsets[i - 1][1] <= p
+            else:
+                j = enc.char_to_token(p)
+                i = -1 if j is None else j
+                ok = i > 0 and enc.token_to_chars(i)[0] == p and enc.token_to_chars(i - 1)[1] <= p
+            return i if ok else -1
 
-        cands: list[tuple[int, int, int]] = []  # (pos, -width, token index or -1: a line cut to locate)
-        anchor_of = self._anchor_of_id
-        for t in self._anchor_ids.intersection(ids) if anchor_of else ():
-            a, i = anchor_of[t], 0
-            while True:
-                try:
-                    i = ids.index(t, i + 1)  # i == 0 is where this text starts: not a new cut
-                except ValueError:
-                    break
-                s = span(i)[0]
-                if text.startswith(a, s) and span(i - 1)[1] <= s:
-                    cands.append((s, -len(a), i))
-        if self.rules.line_cuts:
-            cands.extend([(m.end(), -1, -1) for m in LINE_CUT_RE.finditer(text)])
-        cands.sort()
+        anchors: list[tuple[int, int, int]] = []  # (pos, width, token index), checked
+        if self._anchor_re is not None:  # one scan of the text; each match checked against the encoding
+            anchor_of = self.rules.anchors
+            for m in self._anchor_re.finditer(text):
+                a, p = m.group(), m.start()
+                i = token_at(p)
+                if i > 0 and ids[i] == anchor_of[a]:  # i == 0 is where this text starts: not a new cut
+                    anchors.append((p, len(a), i))  # in ascending positions
+        line_cuts = self.rules.line_cuts
         out: list[int] = []
-        last = -1
         rejects = 0
         spacing = self.options.cut_spacing
-        for p, w, i in reversed(cands):  # the last cut, then one per `spacing` chars going left
-            if last >= 0 and last - p < spacing:
-                continue
-            if i < 0:
-                if offsets is not None:
-                    i = bisect_left(offsets, (p, -1))
-                    ok = 0 < i < len(offsets) and offsets[i][0] == p and offsets[i - 1][1] <= p
-                else:
-                    i = enc.char_to_token(p)
-                    ok = i is not None and i > 0 and span(i)[0] == p and span(i - 1)[1] <= p
-                if not ok:
+        bound = len(text)  # the next cut kept lies at or before this position
+        ai = len(anchors) - 1
+        line = last_line_cut(text, bound) if line_cuts else -1
+        while True:
+            while ai >= 0 and anchors[ai][0] > bound:
+                ai -= 1
+            if line > bound:
+                line = last_line_cut(text, bound)
+            at = anchors[ai][0] if ai >= 0 else -1
+            if line < 0 and at < 0:
+                break
+            if line >= at:  # a line cut (width 1)
+                p = line
+                i = token_at(p)
+                if i < 0:
                     rejects += 1
+                    line = last_line_cut(text, p - 1)  # an anchor at ``p`` stays a candidate
                     continue
-            out.append(((p + offset) << _POS) | ((i + base_tok) << 8) | -w)
-            last = p
+                w = 1
+            else:
+                p, w, i = anchors[ai]
+            out.append(((p + offset) << _POS) | ((i + base_tok) << 8) | w)
+            bound = p - spacing
         if rejects:
             self._count(cut_rejects=rejects)
         out.reverse()
