@@ -166,3 +166,16 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
         assert worker.get_transfer_results() == (set(), {"d2"}, {"d2"})
     finally:
         worker.shutdown()
+
+
+def test_receiver_progress_period_grows_with_the_wait() -> None:
+    """Fast while a WRITE is likely landing, at most 2 ms after a long wait (a waiting D must not burn a core)."""
+    from vllm_dsa_connector.connector.receiving import recv_poll_period
+
+    assert recv_poll_period(0.0) == pytest.approx(0.0002)
+    assert recv_poll_period(0.004) == pytest.approx(0.0002)
+    assert recv_poll_period(0.02) == pytest.approx(0.001)
+    assert recv_poll_period(0.04) == pytest.approx(0.002)
+    assert recv_poll_period(120.0) == pytest.approx(0.002)
+    periods = [recv_poll_period(t / 1000) for t in range(0, 100)]
+    assert periods == sorted(periods)

@@ -1,18 +1,19 @@
 """Issue 21 items 1 and 3: P and D with different TP/PP layouts, real vLLM CPU engines, DSAConnector.
 
-Every engine is ``kv_both``, so one engine acts as P for one conversation and as D for another: per model,
-the engines of a module-scoped set serve every direction (one model load per layout):
+Every engine is ``kv_both``, so one engine acts as P for one conversation and as D for another. The engines
+run one pair at a time (a module-scoped pair set: both directions between its two engines, then the counter
+check, then the next set), the reference ("one engine") is P's own plain request made before its prefill leg:
 
-- ``dsa`` (tiny GLM-MoE-DSA, ``index_topk_freq=2``: indexer layers 0, 1, 3 own their top-k, layer 2 shares;
-  CPU_DSA_SPARSE_MLA, float32, block 64, prefix caching on): engines tp1, tp2 and pp2 (stages of 3 and 1
-  layers, ``VLLM_PP_LAYER_PARTITION=3,1``: a top-k-sharing layer cannot start a stage); directions
-  tp2->tp1, tp1->tp2, pp2->pp1, pp1->pp2. The reference ("one engine", no P/D, no ``kv_transfer_params``)
-  is the engine taking no part in the direction (pp2 for the TP directions, tp2 for the PP ones) on a
-  conversation it never saw.
-- ``mla`` (tiny DeepSeek-V2 MLA, CPU_MLA, float32, block 16): engines tp1 and tp2; directions tp2->tp1 and
-  tp1->tp2; the reference is P's own plain request, made before P's prefill leg. vLLM CPU turns prefix
-  caching off for MLA unless AMX_MLA runs ("MLA is enabled on a non-GPU platform; forcing chunked prefill
-  and prefix caching to be disabled."): there D recomputes nothing but gets every block from P each turn.
+- ``dsa-tp`` / ``dsa-pp`` (tiny GLM-MoE-DSA, ``index_topk_freq=2``: indexer layers 0, 1, 3 own their top-k,
+  layer 2 shares; CPU_DSA_SPARSE_MLA, float32, block 64, prefix caching on): tp1 with tp2, tp1 with pp2
+  (stages of 3 and 1 layers, ``VLLM_PP_LAYER_PARTITION=3,1``: a top-k-sharing layer cannot start a stage);
+  directions tp2->tp1, tp1->tp2, pp2->pp1, pp1->pp2.
+- ``mla-tp`` (tiny DeepSeek-V2 MLA, CPU_MLA, float32, block 16): tp1 with tp2; directions tp2->tp1 and
+  tp1->tp2. vLLM CPU turns prefix caching off for MLA unless AMX_MLA runs ("MLA is enabled on a non-GPU
+  platform; forcing chunked prefill and prefix caching to be disabled."): there D recomputes nothing but
+  gets every block from P each turn.
+
+Every pair set needs >= 4 cores (``MIN_CORES``, env ``RESHARD_TEST_MIN_CORES``): see the comment there.
 
 Each conversation has 3 turns (prompt token ids; turn k+1 = turn k's prompt + D's reply + new tokens), so
 from turn 2 a DSA decode engine serves the first blocks from its own prefix cache and only the rest comes
@@ -41,13 +42,12 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import free_port
 
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, pair_bytes, pair_key
-from vllm_dsa_connector.harness.client import metric, post_json, scrape
+from vllm_dsa_connector.harness.client import complete, metric, scrape
 from vllm_dsa_connector.harness.engines import (
     Engine,
     Layout,
@@ -62,12 +62,10 @@ MAX_TOKENS = 8
 ROW = 576 * 4  # one float32 MLA latent row (kv_lora_rank 512 + rope 64)
 INDEXER_ROW = 128 + 4  # fp8 indexer K + fp32 scale per token
 PAIR = "vllm:dsa_kv_pair_bytes_total"
-# Up to 5 worker processes on a 24 GB machine: no pre-faulted KV pools (2.3 GB resident per worker
-# otherwise: the OOM killer took one), a small bounce arena.
-# Two cores host up to 5 worker processes: generous transfer/lease times (a TP2 producer took 55 s to hand a push
-# to its workers under load, past D's default 30 s give-up).
-LEAN = {"prefault_kv_cache": False, "bounce_arena_bytes": 32 << 20, "transfer_timeout_s": 60.0,
-        "kv_lease_duration": 180.0}
+# Up to 3 worker processes on a 24 GB machine: no pre-faulted KV pools (2.3 GB resident per worker otherwise),
+# a small bounce arena; a generous transfer time (a TP2 producer took 55 s to hand a push to its workers under
+# load, past D's default 30 s give-up).
+LEAN = {"prefault_kv_cache": False, "bounce_arena_bytes": 32 << 20, "transfer_timeout_s": 60.0}
 
 
 @dataclass(frozen=True)
@@ -153,8 +151,9 @@ def _rss_mb(pgid: int) -> float:
 
 @dataclass
 class Engines:
-    """A started engine per layout of one kind, all ``kv_both``."""
+    """The two started engines of one pair set, both ``kv_both``."""
 
+    name: str
     kind: Kind
     model: str
     by_label: dict[str, Engine]
@@ -163,9 +162,22 @@ class Engines:
     rss_mb: dict[str, float] = field(default_factory=dict)
 
 
-@pytest.fixture(scope="module", params=["dsa", "mla"])
+# One pair of engines at a time (two cores cannot host three: see MIN_CORES): every pair set starts its two
+# engines, runs both directions between them, checks the counters, and stops them before the next set.
+PAIR_SETS = {
+    "dsa-tp": ("dsa", (Layout(1, 1), Layout(2, 1))),
+    "dsa-pp": ("dsa", (Layout(1, 1), Layout(1, 2))),
+    "mla-tp": ("mla", (Layout(1, 1), Layout(2, 1))),
+}
+
+
+@pytest.fixture(scope="module", params=list(PAIR_SETS))
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    kind = KINDS[request.param]
+    kind_name, layouts = PAIR_SETS[request.param]
+    kind = KINDS[kind_name]
+    if (os.cpu_count() or 1) < MIN_CORES:
+        pytest.skip(f"{request.param} needs >= {MIN_CORES} cores: on 2 cores the first P/D request with a "
+                    "two-worker engine stalls ~120 s (side channel unanswered; see MIN_CORES)")
     if kind.name == "dsa":
         from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
@@ -175,36 +187,30 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
         model = make_tiny_mla()
     backend = choose_backend(model, "float32")
-    work = tmp_path_factory.mktemp(f"reshard-{kind.name}")
+    work = tmp_path_factory.mktemp(f"reshard-{request.param}")
     site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(out=str(work / "stacks")))
     (work / "stacks").mkdir()
+    ncpu = os.cpu_count() or 1
     with cluster(work) as c:
         t0 = time.monotonic()
         started = {}
-        for layout in kind.layouts:
+        first_core = 0
+        for layout in layouts:
             cfg = connector_config("kv_both", True, LEAN, free_port())
             cfg["kv_load_failure_policy"] = "fail"
-            env = {**layout.env(model), "VLLM_CPU_KVCACHE_SPACE": "1",
+            env = {**layout.env(model, first_core), "VLLM_CPU_KVCACHE_SPACE": "1",
                    "PYTHONPATH": os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH")) if x)}
             started[layout.label] = start_engine(c, layout.label, model, free_port(), "float32", cfg, backend,
                                                  env, extra=layout.args())
+            first_core = (first_core + layout.world) % ncpu
         for e in started.values():
             e.ready(900, watch=[x.proc for x in started.values()])
-        out = Engines(kind, str(model), started, time.monotonic() - t0, stacks=work / "stacks")
+        out = Engines(request.param, kind, str(model), started, time.monotonic() - t0, stacks=work / "stacks")
         out.rss_mb = {k: round(_rss_mb(e.proc.pid)) for k, e in started.items()}
-        print(f"[reshard] {kind.name}: engines {list(started)} up in {out.start_s:.0f} s, RSS MiB {out.rss_mb}")
+        print(f"[reshard] {request.param}: engines {list(started)} up in {out.start_s:.0f} s, RSS MiB {out.rss_mb}")
         yield out
-
-
-def _complete(url: str, model: str, ids: list[int], max_tokens: int,
-              kv: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "return_token_ids": True}
-    if kv is not None:
-        body["kv_transfer_params"] = kv
-    return post_json(url + "/v1/completions", body)
 
 
 def _pairs(url: str, side: str) -> dict[tuple[int, int], float]:
@@ -243,22 +249,21 @@ def _run_direction(e: Engines, p_label: str, d_label: str, seed: int) -> list[st
     p, d = e.by_label[p_label], e.by_label[d_label]
     p_layout = next(x for x in kind.layouts if x.label == p_label)
     d_layout = next(x for x in kind.layouts if x.label == d_label)
-    third = [x for k, x in e.by_label.items() if k not in (p_label, d_label)]
-    ref_engine = third[0] if third else p
+    ref_engine = p  # "one engine": P's own plain request, made before its prefill leg
     rng = random.Random(seed)
     new = lambda n: [rng.randrange(1000, 60000) for _ in range(n)]  # noqa: E731
     ids = new(2 * kind.block + 10)
     lines = []
     hits = 0
     for turn in range(1, TURNS + 1):
-        want = _complete(ref_engine.url, e.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
+        want = complete(ref_engine.url, e.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
         before = _pairs(d.url, "recv")
         ok0 = metric(scrape(d.url), "vllm:dsa_kv_requests_total", side="recv", outcome="ok")
-        first = _complete(p.url, e.model, ids, 1, {"do_remote_decode": True})
+        first = complete(p.url, e.model, ids, 1, {"do_remote_decode": True})
         params = first.get("kv_transfer_params")
         assert params and params.get("remote_block_ids"), first
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(_complete, d.url, e.model, ids, MAX_TOKENS, params)
+            fut = pool.submit(complete, d.url, e.model, ids, MAX_TOKENS, params)
             try:
                 got = fut.result(timeout=STALL_S)["choices"][0]["token_ids"]
             except FutureTimeout:
@@ -290,35 +295,29 @@ def _run_direction(e: Engines, p_label: str, d_label: str, seed: int) -> list[st
     return lines
 
 
-# On a 2-core host the engines starve each other: an engine holding leases or waiting for remote KV steps in
-# a tight loop and its workers spin on vLLM's shm broadcast, so with 3 engines (5 workers) on 2 cores a peer's
-# EngineCore gets no CPU for 10+ s. Seen 2026-12-01/02 (this module, DSA trio + other helpers' load): the tp1
-# P's side channel "did not answer 'meta' within 10.0 s" and "did not answer 'reg'"; a tp2 P's workers got a
-# push 55 s late ("reached the workers after its post deadline"); stacks dumped while D waited showed the tp2
-# P's EngineCore in shm_broadcast.acquire_read/sched_yield waiting on both workers inside execute_model, and
-# the tp1 engine's processes did not even run their SIGUSR1 handler within 3 s. MLA tp2->tp1 turn 1 passed
-# (442,368 B from P rank 0 only, decode identical), turn 2 stalled. Hence: these engine tests need >= 4 cores.
-MIN_CORES = 4
-NEEDS_CORES = pytest.mark.skipif(
-    (os.cpu_count() or 1) < MIN_CORES,
-    reason=f"needs >= {MIN_CORES} cores: on 2 cores the tp1/tp2/pp2 engines starve each other (peer side channel "
-    "'did not answer 'meta' within 10.0 s', push 'reached the workers after its post deadline'; see the comment)")
-# Not yet seen passing past its first request on any host: a producer with two workers.
-MULTI_WORKER_P = pytest.mark.xfail(
-    reason="multi-worker producer (tp2/pp2) not yet seen passing past its first request (2-core host only)",
-    strict=False)
+# Two cores (2026-12-02, one pair at a time, other processes' load beside it), not yet reliable:
+# - Before, every waiting D worker progressed NIXL every 0.2 ms, i.e. burnt a core, and two tp2 D workers starved
+#   the P they waited for ("did not answer 'reg' within 10.0 s"); the receiver's progress period now grows with
+#   the wait (connector/receiving.py). With that, MLA tp1 <-> tp2 passed both directions once (P tp2 -> D tp1:
+#   the elected rank 0 sent everything, rank 1 nothing), and failed once the same way as the DSA pairs below.
+# - On the first P/D request of a fresh pair with a two-worker engine (tp2 or pp2), one EngineCore stops
+#   answering the side channel for ~120 s (D logs "did not answer 'meta'/'reg'/'hb' within 10.0 s"; once P's
+#   EngineCore did not even run its SIGUSR1 stack dump within 3 s, an empty dump file; another time P's worker
+#   sat in NIXL add_remote_agent for > 25 s); D gives up after transfer_timeout_s. Seen 5 times, with DSA
+#   (tp1<->tp2, tp1<->pp2) and MLA (tp1<->tp2). tp1<->tp1 pairs (test_cpu_dsa_pd, test_block_size_pd) pass on the
+#   same host. Not yet understood: every pair set here needs >= MIN_CORES cores.
+MIN_CORES = int(os.environ.get("RESHARD_TEST_MIN_CORES", "4"))
 DIRECTIONS = [
     pytest.param("tp1", "tp2", id="tp1-tp2"),
     pytest.param("tp1", "pp2", id="pp1-pp2"),
-    pytest.param("tp2", "tp1", id="tp2-tp1", marks=MULTI_WORKER_P),
-    pytest.param("pp2", "tp1", id="pp2-pp1", marks=MULTI_WORKER_P),
+    pytest.param("tp2", "tp1", id="tp2-tp1"),
+    pytest.param("pp2", "tp1", id="pp2-pp1"),
 ]
 _FAILED: set[tuple[str, str, str]] = set()  # directions that failed (their load failures are expected)
 SEEDS = {("tp1", "tp2"): 12, ("tp1", "pp2"): 14, ("tp2", "tp1"): 11, ("pp2", "tp1"): 13}
 
 
 @pytest.mark.slow
-@NEEDS_CORES
 @pytest.mark.parametrize(("p_label", "d_label"), DIRECTIONS)
 def test_reshard_decode_identical_and_pages_moved_once(engines: Engines, p_label: str, d_label: str) -> None:
     if p_label not in engines.by_label or d_label not in engines.by_label:
@@ -328,14 +327,13 @@ def test_reshard_decode_identical_and_pages_moved_once(engines: Engines, p_label
     try:
         lines = _run_direction(engines, p_label, d_label, seed)
     except Exception:
-        _FAILED.add((engines.kind.name, p_label, d_label))
+        _FAILED.add((engines.name, p_label, d_label))
         raise
-    print(f"[reshard] {engines.kind.name} {p_label}->{d_label} in {time.monotonic() - t0:.1f} s:\n  "
+    print(f"[reshard] {engines.name} {p_label}->{d_label} in {time.monotonic() - t0:.1f} s:\n  "
           + "\n  ".join(lines))
 
 
 @pytest.mark.slow
-@NEEDS_CORES
 def test_send_and_receive_counters_agree(engines: Engines) -> None:
     """After every direction ran: per pair, what P ranks sent equals what D ranks received; nothing failed."""
     deadline = time.monotonic() + 15
@@ -351,14 +349,14 @@ def test_send_and_receive_counters_agree(engines: Engines) -> None:
             break
         time.sleep(0.5)
     assert recv and sent == recv, (sent, recv)
-    failed = sorted(x for x in _FAILED if x[0] == engines.kind.name)
+    failed = sorted(x for x in _FAILED if x[0] == engines.name)
     for eng in engines.by_label.values():
         m = scrape(eng.url)
         assert metric(m, "vllm:dsa_kv_checksum_mismatches_total") == 0
         if not failed:
             assert metric(m, "vllm:dsa_kv_requests_total", outcome="failed") == 0
             assert metric(m, "vllm:dsa_kv_requests_total", outcome="timeout") == 0
-    print(f"[reshard] {engines.kind.name}: engine start {engines.start_s:.0f} s, RSS MiB {engines.rss_mb}, "
+    print(f"[reshard] {engines.name}: engine start {engines.start_s:.0f} s, RSS MiB {engines.rss_mb}, "
           f"pairs {json.dumps({f'{s}->{d}': int(v) for (s, d), v in sorted(recv.items())})}, failed {failed}")
 
 
