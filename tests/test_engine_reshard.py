@@ -99,6 +99,7 @@ STALL_S = 25.0  # a D request still waiting after this: dump P's and D's stacks 
 
 
 def _group_pids(pgid: int) -> list[int]:
+    """Pids of every process of group ``pgid``."""
     out = []
     for pid in os.listdir("/proc"):
         try:
@@ -136,14 +137,10 @@ def _dump_stacks(e: Engines, labels: tuple[str, ...]) -> str:
 def _rss_mb(pgid: int) -> float:
     """Resident memory of every process of group ``pgid`` (MiB)."""
     total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in _group_pids(pgid):
         try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
             status = Path(f"/proc/{pid}/status").read_text()
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone meanwhile
             continue
         total += next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:")), 0)
     return total / 1024
