@@ -49,7 +49,7 @@ from vllm_dsa_connector.harness.engines import (
     engine_cmd,
     engine_env,
 )
-from vllm_dsa_connector.harness.procs import Proc, cluster, wait_healthy
+from vllm_dsa_connector.harness.procs import Proc, cluster, group_pids, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -143,17 +143,14 @@ def test_pd_works_with_the_shared_secret(trio: Trio) -> None:
 
 
 def _worker_pids(proc: Proc) -> list[int]:
-    pgid = os.getpgid(proc.popen.pid)
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in group_pids(os.getpgid(proc.popen.pid)):
         try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
             title = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone meanwhile
             continue
         if b"Worker" in title or b"worker" in title:
-            out.append(int(pid))
+            out.append(pid)
     return out
 
 

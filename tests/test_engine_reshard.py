@@ -55,7 +55,7 @@ from vllm_dsa_connector.harness.engines import (
     connector_config,
     start_engine,
 )
-from vllm_dsa_connector.harness.procs import cluster
+from vllm_dsa_connector.harness.procs import cluster, group_pids
 
 TURNS = 3
 MAX_TOKENS = 8
@@ -98,23 +98,11 @@ faulthandler.register(signal.SIGUSR1, file=_f, all_threads=True)
 STALL_S = 25.0  # a D request still waiting after this: dump P's and D's stacks once
 
 
-def _group_pids(pgid: int) -> list[int]:
-    """Pids of every process of group ``pgid``."""
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and os.getpgid(int(pid)) == pgid:
-                out.append(int(pid))
-        except (OSError, ProcessLookupError):
-            continue
-    return out
-
-
 def _dump_stacks(e: Engines, labels: tuple[str, ...]) -> str:
     """SIGUSR1 every process of these engines; a digest of where each process's threads are."""
     names = {}
     for label in labels:
-        for pid in _group_pids(e.by_label[label].proc.pid):
+        for pid in group_pids(e.by_label[label].proc.pid):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:60]
                 os.kill(pid, signal.SIGUSR1)
@@ -137,7 +125,7 @@ def _dump_stacks(e: Engines, labels: tuple[str, ...]) -> str:
 def _rss_mb(pgid: int) -> float:
     """Resident memory of every process of group ``pgid`` (MiB)."""
     total = 0
-    for pid in _group_pids(pgid):
+    for pid in group_pids(pgid):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:  # gone meanwhile

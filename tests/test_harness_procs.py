@@ -23,6 +23,7 @@ from vllm_dsa_connector.harness.procs import (
     NotReady,
     cluster,
     group_alive,
+    group_pids,
     kill_group,
     wait_healthy,
 )
@@ -76,12 +77,13 @@ def test_stop_kills_the_whole_group(tmp_path: Path, ignore_term: bool) -> None:
         wait_healthy(f"http://127.0.0.1:{port}", [proc], 30, poll_s=0.1)
         leader, grandchild = _pids(pidfile)
         assert leader == proc.pid and os.getpgid(grandchild) == proc.pid  # one group, led by the server
+        assert sorted(group_pids(proc.pid)) == sorted([leader, grandchild])
         assert os.getpgid(proc.pid) != os.getpgid(os.getpid())  # not ours: Ctrl-C at a terminal spares it
         t0 = time.monotonic()
         c.stop(proc)
         assert not group_alive(proc.pid), "the process group survived stop()"
         assert not _exists(leader) and not _exists(grandchild)
-        assert c.procs == []
+        assert c.procs == [] and group_pids(proc.pid) == []
         if ignore_term:
             assert time.monotonic() - t0 >= 1.0  # the grace period passed before SIGKILL
     finally:

@@ -101,28 +101,19 @@ class Cluster:
 
     def stop(self, proc: Proc, grace_s: float | None = None) -> None:
         """SIGTERM the process group of ``proc``, SIGKILL it after ``grace_s``, wait until it is gone."""
-        grace = self.grace_s if grace_s is None else grace_s
-        pgid = proc.pid
-        if group_alive(pgid):
-            kill_group(pgid, signal.SIGTERM)
-            _wait_group(proc, grace)
-        # the group may hold children (engine core, workers) even after the leader exited
-        if group_alive(pgid):
-            kill_group(pgid, signal.SIGKILL)
-            if not _wait_group(proc, self.kill_wait_s):
-                logger.warning("process group %d of %s still exists %.0f s after SIGKILL",
-                               pgid, proc.name, self.kill_wait_s)
-        if proc.popen.poll() is None:
-            proc.popen.wait(1.0)
-        if proc in self.procs:
-            self.procs.remove(proc)
+        self._stop_groups([proc], self.grace_s if grace_s is None else grace_s)
 
     def close(self) -> None:
-        """Stop every process still listed, all at once: SIGTERM to every group, one shared grace period,
-        SIGKILL to the groups left, one shared wait. (One by one, a Ctrl-C during start-up took over a
-        minute on a loaded host: up to grace + kill wait per server.)"""
-        procs = list(reversed(self.procs))
-        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, self.kill_wait_s)):
+        """Stop every process still listed, all at once (one shared grace period, then one shared kill
+        wait). One by one, a Ctrl-C during start-up took over a minute on a loaded host: up to grace + kill
+        wait per server."""
+        self._stop_groups(list(reversed(self.procs)), self.grace_s)
+
+    def _stop_groups(self, procs: list[Proc], grace_s: float) -> None:
+        """SIGTERM every group of ``procs``, wait up to ``grace_s`` for all, SIGKILL the groups left, wait up
+        to ``kill_wait_s``; reap the leaders and forget them. A group may outlive its leader (engine core,
+        workers), so the group, not the leader, decides."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, self.kill_wait_s)):
             alive = [p for p in procs if group_alive(p.pid)]
             for p in alive:
                 kill_group(p.pid, sig)
@@ -138,6 +129,20 @@ class Cluster:
                     p.popen.wait(1.0)
             if p in self.procs:
                 self.procs.remove(p)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Pids of every process of group ``pgid`` (from /proc; empty when the group is gone)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(name)) == pgid:
+                out.append(int(name))
+        except OSError:  # gone meanwhile
+            continue
+    return out
 
 
 def _wait_group(proc: Proc, timeout_s: float) -> bool:
