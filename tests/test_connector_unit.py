@@ -179,3 +179,48 @@ def test_receiver_progress_period_grows_with_the_wait() -> None:
     assert recv_poll_period(120.0) == pytest.approx(0.002)
     periods = [recv_poll_period(t / 1000) for t in range(0, 100)]
     assert periods == sorted(periods)
+
+
+def test_idle_pacer_grows_caps_by_kind_and_wakes() -> None:
+    """An engine only waiting on its peer pauses 1, 2, 4 ... ms per idle step: up to 2 ms while the workers
+    must report an outcome (urgent), up to 20 ms otherwise; a wake ends the pause and restarts at 1 ms."""
+    import threading
+
+    from vllm_dsa_connector.connector.pacing import IdlePacer
+
+    waited: list[float] = []
+    woken = [False]
+
+    def fake_wait(event: threading.Event, timeout: float) -> bool:  # records instead of sleeping
+        waited.append(timeout)
+        return woken[0] or event.is_set()
+
+    p = IdlePacer(wait=fake_wait)
+    for _ in range(8):
+        p.pause(urgent=False)
+    assert waited == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.02, 0.02, 0.02])
+    assert p.period(urgent=True) == pytest.approx(0.002)
+    p.busy()
+    assert p.period(urgent=False) == pytest.approx(0.001)
+    for _ in range(5):
+        p.pause(urgent=True)
+    assert waited[-5:] == pytest.approx([0.001, 0.002, 0.002, 0.002, 0.002])
+    p.wake()  # e.g. D's registration reached P's side channel during the pause
+    p.pause(urgent=False)
+    assert p.idle_steps == 0 and p.period(urgent=False) == pytest.approx(0.001)
+    p.pause(urgent=False)  # the wake was consumed: this pause runs its course
+    assert p.idle_steps == 1
+    with pytest.raises(ValueError, match="base_s <= urgent_cap_s <= cap_s"):
+        IdlePacer(base_s=0.01, urgent_cap_s=0.002)
+
+
+def test_idle_pacer_wake_ends_a_real_pause() -> None:
+    import threading
+
+    from vllm_dsa_connector.connector.pacing import IdlePacer
+
+    p = IdlePacer(cap_s=5.0, urgent_cap_s=5.0, base_s=5.0)
+    threading.Timer(0.05, p.wake).start()
+    t0 = time.monotonic()
+    p.pause(urgent=False)
+    assert time.monotonic() - t0 < 2.0

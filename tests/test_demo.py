@@ -81,7 +81,7 @@ def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
 
 def test_layout_flags_parse_and_refuse_zero(capsys: pytest.CaptureFixture[str]) -> None:
     from vllm_dsa_connector.commands import demo
-    from vllm_dsa_connector.harness.engines import Layout
+    from vllm_dsa_connector.harness.engines import NOBIND, Layout, engine_env
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
@@ -89,7 +89,14 @@ def test_layout_flags_parse_and_refuse_zero(capsys: pytest.CaptureFixture[str]) 
     assert (args.prefill_tp, args.prefill_pp, args.decode_tp, args.decode_pp) == (2, 1, 1, 2)
     assert Layout(args.decode_tp, args.decode_pp).args()[-4:] == ["--pipeline-parallel-size", "2",
                                                                    "--distributed-executor-backend", "mp"]
-    assert Layout(1, 2).label == "pp2" and Layout(2, 1).bind(0).count("|") == 1 and Layout().args() == []
+    assert Layout(1, 2).label == "pp2" and Layout().args() == []
+    ncpu = os.cpu_count() or 1
+    if ncpu >= 2:  # one core per rank while the host's ranks fit its cores ...
+        assert Layout(2, 1).bind(0) == "0|1" and Layout(2, 1).bind(1, host_ranks=2) == "1|0"
+    # ... else every engine leaves placement to the kernel, one OpenMP thread per rank
+    assert Layout(2, 1).bind(0, host_ranks=ncpu + 1) == NOBIND == Layout().bind(1, host_ranks=ncpu + 1)
+    assert engine_env(NOBIND)["OMP_NUM_THREADS"] == "1" and engine_env("0").get("OMP_NUM_THREADS") == \
+        os.environ.get("OMP_NUM_THREADS")
     assert demo.run(parser.parse_args(["--decode-tp", "0"])) == 2  # refused before anything starts
     assert "tp=0" in capsys.readouterr().err
 

@@ -1,19 +1,20 @@
 """Issue 21 items 1 and 3: P and D with different TP/PP layouts, real vLLM CPU engines, DSAConnector.
 
 Every engine is ``kv_both``, so one engine acts as P for one conversation and as D for another. The engines
-run one pair at a time (a module-scoped pair set: both directions between its two engines, then the counter
-check, then the next set), the reference ("one engine") is P's own plain request made before its prefill leg:
+of one model run together (a module-scoped engine set: every direction between them, then the counter check,
+then the next set), the reference ("one engine") is P's own plain request made before its prefill leg:
 
-- ``dsa-tp`` / ``dsa-pp`` (tiny GLM-MoE-DSA, ``index_topk_freq=2``: indexer layers 0, 1, 3 own their top-k,
-  layer 2 shares; CPU_DSA_SPARSE_MLA, float32, block 64, prefix caching on): tp1 with tp2, tp1 with pp2
-  (stages of 3 and 1 layers, ``VLLM_PP_LAYER_PARTITION=3,1``: a top-k-sharing layer cannot start a stage);
-  directions tp2->tp1, tp1->tp2, pp2->pp1, pp1->pp2.
-- ``mla-tp`` (tiny DeepSeek-V2 MLA, CPU_MLA, float32, block 16): tp1 with tp2; directions tp2->tp1 and
+- ``dsa`` (tiny GLM-MoE-DSA, ``index_topk_freq=2``: indexer layers 0, 1, 3 own their top-k, layer 2 shares;
+  CPU_DSA_SPARSE_MLA, float32, block 64, prefix caching on): engines tp1, tp2 and pp2 (stages of 3 and 1
+  layers, ``VLLM_PP_LAYER_PARTITION=3,1``: a top-k-sharing layer cannot start a stage); directions tp2->tp1,
+  tp1->tp2, pp2->pp1, pp1->pp2.
+- ``mla`` (tiny DeepSeek-V2 MLA, CPU_MLA, float32, block 16): engines tp1 and tp2; directions tp2->tp1 and
   tp1->tp2. vLLM CPU turns prefix caching off for MLA unless AMX_MLA runs ("MLA is enabled on a non-GPU
   platform; forcing chunked prefill and prefix caching to be disabled."): there D recomputes nothing but
   gets every block from P each turn.
 
-Every pair set needs >= 4 cores (``MIN_CORES``, env ``RESHARD_TEST_MIN_CORES``): see the comment there.
+Two cores host each engine set (see the comment above ``DIRECTIONS``): ranks placed by the kernel, one
+warm-up request per engine first.
 
 Each conversation has 3 turns (prompt token ids; turn k+1 = turn k's prompt + D's reply + new tokens), so
 from turn 2 a DSA decode engine serves the first blocks from its own prefix cache and only the rest comes
@@ -136,7 +137,7 @@ def _rss_mb(pgid: int) -> float:
 
 @dataclass
 class Engines:
-    """The two started engines of one pair set, both ``kv_both``."""
+    """The started engines of one set, all ``kv_both``."""
 
     name: str
     kind: Kind
@@ -147,12 +148,11 @@ class Engines:
     rss_mb: dict[str, float] = field(default_factory=dict)
 
 
-# One pair of engines at a time (two cores cannot host three: see MIN_CORES): every pair set starts its two
-# engines, runs both directions between them, checks the counters, and stops them before the next set.
+# One model at a time (memory: ~4 GB per tp1 engine, ~5-6 GB per two-rank engine): every engine set starts its
+# engines, runs every direction between them, checks the counters, and stops them before the next set.
 PAIR_SETS = {
-    "dsa-tp": ("dsa", (Layout(1, 1), Layout(2, 1))),
-    "dsa-pp": ("dsa", (Layout(1, 1), Layout(1, 2))),
-    "mla-tp": ("mla", (Layout(1, 1), Layout(2, 1))),
+    "dsa": ("dsa", (Layout(1, 1), Layout(2, 1), Layout(1, 2))),
+    "mla": ("mla", (Layout(1, 1), Layout(2, 1))),
 }
 
 
@@ -160,9 +160,6 @@ PAIR_SETS = {
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     kind_name, layouts = PAIR_SETS[request.param]
     kind = KINDS[kind_name]
-    if (os.cpu_count() or 1) < MIN_CORES:
-        pytest.skip(f"{request.param} needs >= {MIN_CORES} cores: on 2 cores the first P/D request with a "
-                    "two-worker engine stalls ~120 s (side channel unanswered; see MIN_CORES)")
     if kind.name == "dsa":
         from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
@@ -182,10 +179,11 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         t0 = time.monotonic()
         started = {}
         first_core = 0
+        host_ranks = sum(x.world for x in layouts)  # more ranks than cores: placed by the kernel (Layout.bind)
         for layout in layouts:
             cfg = connector_config("kv_both", True, LEAN, free_port())
             cfg["kv_load_failure_policy"] = "fail"
-            env = {**layout.env(model, first_core), "VLLM_CPU_KVCACHE_SPACE": "1",
+            env = {**layout.env(model, first_core, host_ranks), "VLLM_CPU_KVCACHE_SPACE": "1",
                    "PYTHONPATH": os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH")) if x)}
             started[layout.label] = start_engine(c, layout.label, model, free_port(), "float32", cfg, backend,
                                                  env, extra=layout.args())
@@ -195,6 +193,12 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         out = Engines(request.param, kind, str(model), started, time.monotonic() - t0, stacks=work / "stacks")
         out.rss_mb = {k: round(_rss_mb(e.proc.pid)) for k, e in started.items()}
         print(f"[reshard] {request.param}: engines {list(started)} up in {out.start_s:.0f} s, RSS MiB {out.rss_mb}")
+        # An engine's first forward with TP > 1 compiles vLLM's vocab-parallel embedding (torch.compile,
+        # inductor: tens of seconds on 2 cores); done here, one plain request each, not inside a transfer.
+        t1 = time.monotonic()
+        for e in started.values():
+            complete(e.url, str(model), list(range(1000, 1000 + kind.block)), 1)
+        print(f"[reshard] {request.param}: first forward of each engine (warm-up) {time.monotonic() - t1:.0f} s")
         yield out
 
 
@@ -280,18 +284,16 @@ def _run_direction(e: Engines, p_label: str, d_label: str, seed: int) -> list[st
     return lines
 
 
-# Two cores (2026-12-02, one pair at a time, other processes' load beside it), not yet reliable:
-# - Before, every waiting D worker progressed NIXL every 0.2 ms, i.e. burnt a core, and two tp2 D workers starved
-#   the P they waited for ("did not answer 'reg' within 10.0 s"); the receiver's progress period now grows with
-#   the wait (connector/receiving.py). With that, MLA tp1 <-> tp2 passed both directions once (P tp2 -> D tp1:
-#   the elected rank 0 sent everything, rank 1 nothing), and failed once the same way as the DSA pairs below.
-# - On the first P/D request of a fresh pair with a two-worker engine (tp2 or pp2), one EngineCore stops
-#   answering the side channel for ~120 s (D logs "did not answer 'meta'/'reg'/'hb' within 10.0 s"; once P's
-#   EngineCore did not even run its SIGUSR1 stack dump within 3 s, an empty dump file; another time P's worker
-#   sat in NIXL add_remote_agent for > 25 s); D gives up after transfer_timeout_s. Seen 5 times, with DSA
-#   (tp1<->tp2, tp1<->pp2) and MLA (tp1<->tp2). tp1<->tp1 pairs (test_cpu_dsa_pd, test_block_size_pd) pass on the
-#   same host. Not yet understood: every pair set here needs >= MIN_CORES cores.
-MIN_CORES = int(os.environ.get("RESHARD_TEST_MIN_CORES", "4"))
+# Two cores (2026-12-02). Three causes made the first P/D request of a fresh pair fail (a side channel unanswered
+# for 10-120 s, a WRITE timed out, a lease expired), each fixed where it lives:
+# - the D worker's receiver progressed NIXL every 0.2 ms, i.e. burnt a core per waiting worker (now growing to
+#   2 ms: connector/receiving.py);
+# - idle engines stepped every 1 ms while only waiting on the peer, each step a round trip through every worker
+#   (now paced, 1 -> 2/20 ms, woken by side-channel messages: connector/pacing.py);
+# - three ranks bound to two cores put two workers on one core while the kernel could not move them to the
+#   other; P's processes waited there for tens of seconds (Layout.bind: unbound when the host's ranks outnumber
+#   its cores);
+# and a tp2 engine compiles vLLM's vocab-parallel embedding on its first forward (the warm-up above).
 DIRECTIONS = [
     pytest.param("tp1", "tp2", id="tp1-tp2"),
     pytest.param("tp1", "pp2", id="pp1-pp2"),

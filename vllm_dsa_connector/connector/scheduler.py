@@ -35,6 +35,7 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
 from vllm_dsa_connector.handoff.messages import Authenticator, Reply, Request
 from vllm_dsa_connector.handoff.producer import Producer
@@ -59,8 +60,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request as VllmRequest
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
-
-_IDLE_SLEEP_S = 0.001
 
 
 def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
@@ -87,9 +86,10 @@ class DSAConnectorScheduler:
         self._local_payloads: list[bytes] = []
         self._local_sent = False
         settings = handoff_settings(options)
+        self.pacer = IdlePacer()
         self.producer = Producer(engine_id, settings, clock, block_size=self.block_size)
         self.consumer = Consumer(engine_id, settings, self.auth, lambda: self.local_payloads,
-                                 lambda: list(self._local_payloads), clock)
+                                 lambda: list(self._local_payloads), clock, on_reply=self.pacer.wake)
         self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle,
                                         self.auth, clock)
         logger.info("DSAConnector %s: side channel on %s:%d (role %s%s)", engine_id, self.server.host,
@@ -114,7 +114,10 @@ class DSAConnectorScheduler:
     # ---------------------------------------------------------------- side channel (its own thread)
 
     def _handle(self, req: Request) -> Reply:
-        return self.producer.handle(req, self._local_payloads)
+        try:
+            return self.producer.handle(req, self._local_payloads)
+        finally:
+            self.pacer.wake()  # a registration or cancel is handled by the next step
 
     # ---------------------------------------------------------------- D side
 
@@ -259,9 +262,13 @@ class DSAConnectorScheduler:
         meta.release.extend(dispatch.release)
         if (meta.is_empty() and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and (self.producer.pending() or self.consumer.loads)):
-            # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests
-            # waiting for remote KV); yield the core the other engine may need.
-            time.sleep(_IDLE_SLEEP_S)
+            # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests waiting
+            # for remote KV); pause, longer while nothing needs the workers (see connector.pacing).
+            self.pacer.pause(urgent=self.producer.in_flight() or any(
+                load.state is not LoadState.QUEUED and load.state is not LoadState.REGISTERING
+                for load in list(self.consumer.loads.values())))
+        else:
+            self.pacer.busy()
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

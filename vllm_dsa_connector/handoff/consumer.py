@@ -165,8 +165,10 @@ class Consumer:
 
     def __init__(self, engine_id: str, settings: HandoffSettings, auth: Authenticator,
                  local_payloads: Callable[[], list[RankPayload]], local_encoded: Callable[[], list[bytes]],
-                 clock: Callable[[], float] = time.monotonic, check_peer: PeerCheck = validate_peer) -> None:
+                 clock: Callable[[], float] = time.monotonic, check_peer: PeerCheck = validate_peer,
+                 on_reply: Callable[[], None] | None = None) -> None:
         self.engine_id = engine_id
+        self._on_reply = on_reply  # a handshake or registration finished on a background thread
         self.settings = settings
         self.check_peer = check_peer
         self.auth = auth
@@ -180,6 +182,13 @@ class Consumer:
         self._last_hb = 0.0
 
     # ------------------------------------------------------------ handshake
+
+    def _notifying(self, fut: Future) -> Future:
+        """``fut``, calling ``on_reply`` once it is done (the engine's idle pause ends: its next step reads it)."""
+        if self._on_reply is not None:
+            on_reply = self._on_reply
+            fut.add_done_callback(lambda _f: on_reply())
+        return fut
 
     def _handshake(self, peer: Peer) -> tuple[PeerMeta, Any]:
         meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth)
@@ -195,7 +204,7 @@ class Consumer:
             peer = Peer(host, port)
             peer.control = (self.peers[engine].control if engine in self.peers else
                             ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-control"))
-            peer.future = self._handshakes.submit(self._handshake, peer)
+            peer.future = self._notifying(self._handshakes.submit(self._handshake, peer))
             self.peers[engine] = peer
         if peer.future is not None and peer.future.done():
             try:
@@ -249,7 +258,7 @@ class Consumer:
                      dst_blocks, peer.meta.clock.to_peer_before(load.give_up_at, now),
                      self.settings.verify_transfers, slots)
         load.reg_body = reg
-        load.reg = self._regs.submit(self._register, peer, reg)
+        load.reg = self._notifying(self._regs.submit(self._register, peer, reg))
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
                        timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
                        src_blocks=src_blocks, slots=slots, first_token=first_token, num_tokens=num_tokens)
@@ -307,7 +316,7 @@ class Consumer:
                     if peer is not None and load.reg_body is not None and (
                             now + self.settings.handshake_timeout_s < load.give_up_at):
                         logger.warning("DSAConnector: registration of %s unanswered (%s); retrying", req_id, e)
-                        load.reg = self._regs.submit(self._register, peer, load.reg_body)
+                        load.reg = self._notifying(self._regs.submit(self._register, peer, load.reg_body))
                     else:
                         self.give_up(req_id, f"registration unanswered: {e}")
                     continue

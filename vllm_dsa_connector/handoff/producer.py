@@ -183,6 +183,11 @@ class Producer:
         """Whether any lease still holds blocks."""
         return bool(self._leases)
 
+    def in_flight(self) -> bool:
+        """Whether a lease needs the engine's next steps (to dispatch, release, or collect its WRITE's
+        outcome), rather than waiting for D's registration."""
+        return any(lease.state is not LeaseState.HELD for lease in list(self._leases.values()))
+
     def lease(self, req_id: str) -> Lease | None:
         """A lease (tests, diagnostics)."""
         return self._leases.get(req_id)

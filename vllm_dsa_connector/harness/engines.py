@@ -23,11 +23,18 @@ from vllm_dsa_connector.harness.procs import Cluster, Proc, wait_healthy
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
+#: ``VLLM_CPU_OMP_THREADS_BIND`` value that leaves placement to the kernel (:meth:`Layout.bind`).
+NOBIND = "nobind"
+
+
 def engine_env(bind: str) -> dict[str, str]:
-    """Environment of a CPU engine bound to the given cores (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    """Environment of a CPU engine bound to the given cores (``VLLM_CPU_OMP_THREADS_BIND``); with
+    :data:`NOBIND`, one OpenMP thread per rank placed by the kernel."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    if bind == NOBIND:
+        env["OMP_NUM_THREADS"] = "1"
     # check_backend reads vLLM's INFO line naming the attention backend: never quieter than INFO
     if env.get("VLLM_LOGGING_LEVEL", "INFO").upper() != "DEBUG":
         env["VLLM_LOGGING_LEVEL"] = "INFO"
@@ -231,14 +238,24 @@ class Layout:
         return ["--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp),
                 "--distributed-executor-backend", "mp"]
 
-    def bind(self, first_core: int = 0) -> str:
-        """``VLLM_CPU_OMP_THREADS_BIND``: rank i on core ``first_core + i`` (modulo the cores there are)."""
+    def bind(self, first_core: int = 0, host_ranks: int = 0) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND``: rank i on core ``first_core + i``, or :data:`NOBIND` when the
+        ranks of every engine on this host (``host_ranks``, default this engine's) outnumber its cores.
+
+        Bound ranks sharing a core cannot move to an idle one: on two cores a tp1 P and a tp2 D put two
+        workers on one core while the other had one, and the P engine's processes waited there for tens of
+        seconds (its side channel unanswered, its WRITE timed out; 2026-12-02); placed by the kernel, the
+        same pairs pass.
+        """
         ncpu = os.cpu_count() or 1
+        if max(host_ranks, self.world) > ncpu:
+            return NOBIND
         return "|".join(str((first_core + i) % ncpu) for i in range(self.world))
 
-    def env(self, model: Path, first_core: int = 0) -> dict[str, str]:
-        """:func:`engine_env` of this layout, with :func:`pp_layer_partition` for pipeline stages."""
-        env = engine_env(self.bind(first_core))
+    def env(self, model: Path, first_core: int = 0, host_ranks: int = 0) -> dict[str, str]:
+        """:func:`engine_env` of this layout (see :meth:`bind`), with :func:`pp_layer_partition` for pipeline
+        stages."""
+        env = engine_env(self.bind(first_core, host_ranks))
         env.pop("VLLM_PP_LAYER_PARTITION", None)
         partition = pp_layer_partition(model, self.pp)
         if partition:
@@ -262,10 +279,11 @@ def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, 
     extra_env = extra_env or {}
     backend = choose_backend(model, dtype, attention_backend)
     p_layout, d_layout = p_layout or Layout(), d_layout or Layout()
+    ranks = p_layout.world + d_layout.world
     p = start_engine(c, "prefill", model, base_port, dtype, p_cfg, backend,
-                     {**p_layout.env(model, 0), **extra_env.get("prefill", {})}, extra=p_layout.args())
+                     {**p_layout.env(model, 0, ranks), **extra_env.get("prefill", {})}, extra=p_layout.args())
     d = start_engine(c, "decode", model, base_port + 1, dtype, d_cfg, backend,
-                     {**d_layout.env(model, min(1, ncpu - 1)), **extra_env.get("decode", {})},
+                     {**d_layout.env(model, min(1, ncpu - 1), ranks), **extra_env.get("decode", {})},
                      extra=d_layout.args())
     x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2))
     p.ready(startup_timeout, watch=[d.proc, x])
