@@ -259,3 +259,47 @@ def test_malformed_kv_transfer_params_compute_locally(pd) -> None:
            "remote_host": "127.0.0.1", "remote_port": "not a port", "remote_block_ids": [1],
            "remote_num_tokens": 16, "remote_token": "t"}
     assert d.get_num_new_matched_tokens(_request("d-bad", 16, bad), 0) == (0, False)
+
+
+def test_idle_steps_pause_and_a_registration_wakes_p(pd) -> None:
+    """P only holding a lease pauses its idle steps longer and longer (up to 20 ms); D's registration reaching
+    P's side channel ends the pause; with the WRITE handed to the workers P pauses 2 ms at most, and D, its
+    load registered, too (both need steps to learn the outcome)."""
+    from types import SimpleNamespace
+
+    p, d, clock = pd
+    # earlier tests' requests are done: their workers report them (P frees its leases, D forgets its loads)
+    p.update_connector_output(_output(sending=set(p.producer._leases)))
+    d.update_connector_output(_output(recving=set(d.consumer.loads)))
+    assert not p.producer.pending() and not d.consumer.loads
+    idle = SimpleNamespace(total_num_scheduled_tokens=0)
+    waits: dict[str, list[tuple[float, bool]]] = {"P": [], "D": []}
+    for name, sched in (("P", p), ("D", d)):
+        sched.pacer.wait = lambda ev, t, name=name: waits[name].append((t, ev.is_set())) or ev.is_set()
+        sched.pacer.busy()
+        sched.pacer._event.clear()  # earlier tests' side-channel messages woke it
+    try:
+        params = _prefill(p, "p-idle", 2 * BLOCK, [25, 26])
+        for _ in range(7):
+            assert p.build_connector_meta(idle).is_empty()
+        assert [t for t, _ in waits["P"]] == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.02, 0.02])
+        assert not any(woken for _, woken in waits["P"])
+        _load(d, clock, "d-idle", params, 2 * BLOCK, 0, [54, 55])
+        d.build_connector_meta(None)
+        _wait(d.consumer.loads["d-idle"].reg)  # P's side channel answered: P's pause ends at once
+        assert p.pacer._event.is_set()
+        (job,) = p.build_connector_meta(idle).push  # the registration is dispatched on this step
+        assert p.pacer.idle_steps == 0
+        for _ in range(4):
+            p.build_connector_meta(idle)  # a WRITE in flight: short pauses
+        assert max(t for t, _ in waits["P"][-4:]) == pytest.approx(0.002)
+        d.build_connector_meta(idle)  # D takes the reply: its load is registered
+        for _ in range(4):
+            d.build_connector_meta(idle)
+        assert max(t for t, _ in waits["D"][-4:]) == pytest.approx(0.002)
+        p.update_connector_output(_output(sending={"p-idle"}))
+        d.update_connector_output(_output(recving={"d-idle"}))
+        assert not p.producer.pending() and "d-idle" not in d.consumer.loads
+    finally:
+        for sched in (p, d):
+            sched.pacer.wait = type(sched.pacer).wait
