@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=24400,
                         help="pair k uses ports base+10k .. base+10k+4; the one engine base+40")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may wait for the server before its connector counts as failed "
+                             "(its remaining requests are skipped)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--together", action="store_true",
@@ -138,7 +141,7 @@ def _one(key: str, url: str, model: Path, messages: list[dict[str, str]],
          args: argparse.Namespace) -> dict[str, Any]:
     """One request through ``key``'s proxy (or the one engine), with the metric deltas it caused."""
     if key == SINGLE:
-        reply = chat(url, str(model), messages, args.max_tokens)
+        reply = chat(url, str(model), messages, args.max_tokens, args.request_timeout)
         return {"text": reply.text, "ttft_ms": reply.ttft_s * 1000}
     proxy, prefill, decode = url.split("|")
     spec = CONNECTORS[key]
@@ -149,7 +152,7 @@ def _one(key: str, url: str, model: Path, messages: list[dict[str, str]],
                                                                                           "descs"))}
 
     before = sample()
-    reply = chat(proxy, str(model), messages, args.max_tokens)
+    reply = chat(proxy, str(model), messages, args.max_tokens, args.request_timeout)
     deadline = time.monotonic() + 10
     after = sample()
     while after["count"] <= before["count"] and time.monotonic() < deadline:
@@ -192,7 +195,8 @@ def _run_group(names: list[str], model: Path, args: argparse.Namespace, workdir:
                     errors[k] = f"start failed: {e}"
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        for i, messages in enumerate(_requests(args)):
+        requests = _requests(args)
+        for i, messages in enumerate(requests):
             live = [k for k in names if k in urls and k not in errors]
             turn = i % max(1, len(live))
             for k in live[turn:] + live[:turn]:
@@ -200,7 +204,11 @@ def _run_group(names: list[str], model: Path, args: argparse.Namespace, workdir:
                     row = _one(k, urls[k], model, messages, args)
                 except (RuntimeError, OSError) as e:  # OSError: a request that failed or timed out (urllib)
                     errors[k] = f"request {i} failed: {e}"
+                    print(f"[bench pd] {k}: request {i} failed, skipping its other requests: {e}", flush=True)
                     continue
+                print(f"[bench pd] {k}: request {i}/{len(requests) - 1}{' (warm-up)' if not i else ''}: TTFT "
+                      f"{row['ttft_ms']:.0f} ms" + (f", transfer {row['transfer_ms']:.2f} ms" if "transfer_ms" in row
+                                                    else ""), flush=True)
                 if i:
                     rows[k].append(row)
 

@@ -71,8 +71,9 @@ def complete(url: str, model: str, prompt_ids: list[int], max_tokens: int,
     return post_json(url + "/v1/completions", body, timeout_s)
 
 
-def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> Reply:
-    """A streamed greedy chat completion (TTFT measured at the first content chunk)."""
+def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int, timeout_s: float = 600.0) -> Reply:
+    """A streamed greedy chat completion (TTFT measured at the first content chunk); ``timeout_s`` bounds each
+    wait for the server (connect, first byte, every chunk)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -81,7 +82,7 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) 
     ttft = None
     parts: list[str] = []
     prompt_tokens = 0
-    with urllib.request.urlopen(req, timeout=600) as r:
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
