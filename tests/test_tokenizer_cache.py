@@ -111,6 +111,55 @@ def test_every_recorded_cut_is_exact_on_hostile_texts(qwen, spacing):
     assert n > 20
 
 
+def test_tails_encoded_without_offsets_record_exact_cuts(qwen):
+    """Chat-shaped growth (every request ends with the generation prompt) takes the ids-only path: anchor cuts
+    placed by counting occurrences. Hostile turns (anchor look-alikes, adjacent anchors, combining marks next
+    to anchors, an anchor at a line start and mid-line, CR/LF) give exact results and every recorded cut
+    splits its text's ids exactly; a tail with a line cut after its last anchor, or a long tail, keeps offsets."""
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64, cut_spacing=1, max_entries=64)
+    text = chat(2)
+    for i in range(2 * len(HOSTILE)):
+        a, b = HOSTILE[(i * 5) % len(HOSTILE)], HOSTILE[(i * 3 + 1) % len(HOSTILE)]
+        text += f"{a}reply {i} caf\u00e9<|im_end|>\n<|im_start|>user\n{b}{LINES[i]}<|im_end|>x<|im_end|>\n"
+        text += "<|im_start|>assistant\n"
+        assert cache.encode(text) == ref(qwen, text), i
+    s = cache.stats()
+    assert s["fast_tails"] >= len(HOSTILE) and s["fast_rejects"] == 0 and s["mismatches"] == 0
+    n = 0
+    for t, p, k in _recorded_cuts(cache):
+        ids = ref(qwen, t)
+        assert ref(qwen, t[:p]) == ids[:k] and ref(qwen, t[p:]) == ids[k:], (p, k, t[max(0, p - 20) : p + 20])
+        n += 1
+    assert n > 50
+    fast = s["fast_tails"]
+    text += "an open user turn\nwith a line cut after the last anchor\n"
+    assert cache.encode(text) == ref(qwen, text) and cache.stats()["fast_tails"] == fast
+    text += "<|im_end|>\n<|im_start|>user\n" + ("".join(LINES) * 2)[:20000] + "<|im_end|>\n<|im_start|>assistant\n"
+    assert cache.encode(text) == ref(qwen, text) and cache.stats()["fast_tails"] == fast  # > 16,384 chars
+    # a divergence inside a tail encoded without offsets re-encodes from the anchor before it
+    edited = text[: len(text) - 300] + "Q" + text[len(text) - 299 :]
+    assert cache.encode(edited) == ref(qwen, edited)
+
+
+def test_anchor_pairing_refuses_disagreeing_counts():
+    from vllm_dsa_connector.tokenizer.cache import _pair
+
+    anchors = {"<a>": 7, "<b>": 8}
+    found = [(0, "<a>"), (5, "<b>"), (9, "<a>")]
+    assert _pair(found, [7, 1, 8, 2, 7, 3], anchors) == [(0, 3, 0), (5, 3, 2), (9, 3, 4)]
+    assert _pair(found, [7, 1, 8, 2, 3], anchors) is None  # an occurrence without its id
+    assert _pair(found, [7, 1, 8, 2, 7, 7], anchors) is None  # an id without its occurrence
+    assert _pair(found, [7, 7, 1, 8, 2], anchors) is None  # ids out of the occurrences' order
+
+
+def test_anchors_the_model_can_emit_are_not_counted():
+    rules = analyze(_toy([AddedToken("<ok>", special=True, normalized=False)]))
+    assert rules.counted
+    in_vocab = _toy([AddedToken("<ok>", special=True, normalized=False), AddedToken("\u0100", normalized=False)])
+    rules = analyze(in_vocab)  # "\u0100" is a byte-level vocabulary token: its id can come from the model
+    assert "\u0100" in rules.anchors and not rules.counted
+
+
 def test_one_character_changed_deep_inside_the_cached_prefix(qwen):
     """A prompt equal to a cached one except for one character deep inside (replaced, inserted, deleted,
     a combining mark that NFC composes with its neighbour) is encoded exactly, not spliced from the cache."""

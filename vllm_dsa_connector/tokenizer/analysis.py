@@ -15,6 +15,13 @@ match (no other match can overlap it, no longer pattern can start at it), matche
 character, and the scan after ``A`` equals a fresh scan of ``T[p:]``. The condition on the text is local:
 ``T[p:p+len(A)] == A`` and ``T[:p]`` (shared with the cached text).
 
+**Counted anchors.** Each match of ``A`` becomes exactly one token, ``A``'s id, and no two added tokens share
+an id. When the model cannot emit ``A``'s id either (``model.id_to_token(id) is None``: BPE emits only ids of
+its vocabulary, its unknown token included), the tokens equal to ``A``'s id are exactly ``A``'s occurrences in
+text order, so the k-th occurrence of ``A`` in ``T`` starts at the k-th ``A`` id of ``encode(T)``:
+:attr:`CutRules.counted`, anchor cuts located from the ids alone (no offsets). Since anchors overlap neither
+each other nor themselves, one left-to-right regex scan for all of them finds every occurrence.
+
 **Line cuts** (``T[p-1] == "\\n"`` and ``T[p]`` printable ASCII ``!``..``~``), for pipelines built only from parts
 proved below:
 
@@ -105,6 +112,9 @@ class CutRules:
 
     anchors: dict[str, int] = field(default_factory=dict)  # added-token content -> id
     line_cuts: bool = False
+    # the model cannot emit an anchor's id: the k-th occurrence of an anchor in a text is its k-th id in the
+    # ids (anchor cuts can then be located without offsets)
+    counted: bool = False
     usable: bool = False  # False: the cache must not be used at all (every encode is a full encode)
     reasons: tuple[str, ...] = ()
 
@@ -262,4 +272,5 @@ def analyze(backend: Any, encode_special_tokens: bool | None = None) -> CutRules
                 line_cuts = False
                 reasons.append(f"added token {tok.content!r} can match across a line cut")
                 break
-    return CutRules(anchors=anchors, line_cuts=line_cuts, usable=True, reasons=tuple(reasons))
+    counted = bool(anchors) and all(model.id_to_token(i) is None for i in anchors.values())
+    return CutRules(anchors=anchors, line_cuts=line_cuts, usable=True, reasons=tuple(reasons), counted=counted)

@@ -14,7 +14,10 @@ Cost of a hit, besides encoding ``text[p:]`` (``p`` is usually the last anchor b
 strided slice and a few short hashes for the lookup, one memcmp of the shared prefix, and one list copy for
 the result: an entry's ids are a shared ``head`` plus a short ``rest``, so the result is ``head + rest``
 (the head is rebuilt only when ``rest`` grows past a sixteenth of it). Cuts of the new tail are located
-through the tail encoding's offsets for the few candidates kept, not by converting all of them.
+through the tail encoding's offsets for the few candidates kept, not by converting all of them. A tail whose
+last cut is an anchor (a chat prompt ending in its generation prompt) is encoded without offsets
+(``encode_batch_fast``) when the analysis proves anchor ids countable: the k-th occurrence of an anchor is its
+k-th id (:func:`_pair`, counts and order checked); only line cuts between that tail's anchors go unrecorded.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import threading
 import time
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from tokenizers import Tokenizer
 from vllm.logger import init_logger
 
 from .analysis import CutRules, analyze, last_line_cut
@@ -42,6 +46,9 @@ _POS = 40  # a packed cut: pos << 40 | token index << 8 | width
 _LOW = (1 << _POS) - 1
 _MAX_WIDTH = 255
 _OFFSETS_FROM = 2048  # tokens from which an encoding's offsets are converted at once instead of per cut
+_FAST_MAX_CHARS = 16384  # longer tails keep their line cuts (encoded with offsets)
+
+_HAS_FAST = hasattr(Tokenizer, "encode_batch_fast")
 
 _CLONE_LOCK = threading.Lock()
 _CLONES: OrderedDict[tuple[Any, ...], tuple[Any, Any, CutRules]] = OrderedDict()
@@ -106,7 +113,7 @@ class PrefixTokenCache:
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(
             ("hits", "misses", "fallbacks", "bypassed", "verified", "mismatches", "cut_rejects",
-             "reused_tokens", "tail_tokens", "lookup_probes", "probe_fallbacks"), 0)
+             "reused_tokens", "tail_tokens", "lookup_probes", "probe_fallbacks", "fast_tails", "fast_rejects"), 0)
         self._disabled_reason = ""
         self._last_log = time.monotonic()
         self._load()
@@ -119,11 +126,13 @@ class PrefixTokenCache:
         _, rules = _shared_state(self.tokenizer, need_clone=False)
         anchors = {a: i for a, i in rules.anchors.items() if len(a) <= _MAX_WIDTH} if self.options.anchors else {}
         self.rules = CutRules(anchors=anchors, line_cuts=rules.line_cuts and self.options.line_cuts,
-                              usable=rules.usable, reasons=rules.reasons)
+                              usable=rules.usable, reasons=rules.reasons, counted=rules.counted)
         # all anchors in one alternation, longest first (a match only proposes: each is checked per encoding)
         self._anchor_re = re.compile("|".join(re.escape(a) for a in sorted(anchors, key=len, reverse=True))
                                      ) if anchors else None
         self._index = PrefixIndex(self.options.chunk_chars)
+        # tails of hits may be encoded without offsets (``encode_batch_fast``, tokenizers >= 0.21)
+        self._counted = self.rules.counted and self._anchor_re is not None and _HAS_FAST
         if not rules.usable:
             logger.warning("prefix token cache off for this tokenizer: %s", "; ".join(rules.reasons))
 
@@ -162,7 +171,8 @@ class PrefixTokenCache:
         """Counters: hits, misses, fallbacks (a shared prefix without a usable cut), bypassed (short text or
         cache off), entries, chars, reused/tail tokens, verified, mismatches, cut_rejects, lookup_probes (index
         dict probes, flat in the number of entries), probe_fallbacks (lookups decided by content keys),
-        enabled."""
+        fast_tails (hit tails encoded without offsets), fast_rejects (anchor counts that disagreed: never
+        expected; the tail is then re-encoded with offsets), enabled."""
         with self._lock:
             out: dict[str, Any] = dict(self._stats)
         out["entries"] = len(self._index)
@@ -228,8 +238,16 @@ class PrefixTokenCache:
 
         p, k = cuts[j] >> _POS, (cuts[j] & _LOW) >> 8
         tail_text = text[p:]
-        enc = backend.encode(tail_text, add_special_tokens=False)
-        tail = enc.ids
+        located = None
+        found = self._fast_plan(tail_text)
+        if found is not None:  # ids only; anchor cuts paired by occurrence
+            tail = backend.encode_batch_fast([tail_text], add_special_tokens=False)[0].ids
+            located = _pair(found, tail, self.rules.anchors)
+            if located is None:  # cannot happen (analysis: counted anchors); kept as a check
+                self._count(fast_rejects=1)
+        if located is None:
+            enc = backend.encode(tail_text, add_special_tokens=False)
+            tail = enc.ids
         head = entry.head
         if k >= len(head):
             rest = entry.rest[: k - len(head)] + tail if k > len(head) else tail
@@ -239,13 +257,17 @@ class PrefixTokenCache:
             keep = min(_REST_KEEP, len(rest))
             head, rest = head + rest[: len(rest) - keep], rest[len(rest) - keep :]
         out = head + rest
-        new_cuts = cuts[: j + 1] + self._cuts_of(tail_text, enc, tail, p, k)
+        if located is None:
+            new_cuts = cuts[: j + 1] + self._cuts_of(tail_text, enc, tail, p, k)
+        else:
+            new_cuts = cuts[: j + 1] + self._keep(tail_text, located, None, p, k)
         if len(text) <= self.options.max_chars and generation == self._generation:
             probe, content = self._index.keys_for(text, match)
             replace = entry if common == len(entry.text) else None
             self._index.insert(text, head, rest, new_cuts, probe, content, replace, self.options.max_entries,
                                self.options.max_chars)
-        n_hits = self._count(hits=1, reused_tokens=k, tail_tokens=len(tail), **looked)
+        n_hits = self._count(hits=1, reused_tokens=k, tail_tokens=len(tail), fast_tails=int(located is not None),
+                             **looked)
         every = self.options.verify_every
         if every and n_hits % every == 0:
             self._verify(text, out)
@@ -265,10 +287,8 @@ class PrefixTokenCache:
 
     def _cuts_of(self, text: str, enc: Any, ids: list[int], offset: int, base_tok: int) -> list[int]:
         """Exact cuts in a freshly encoded ``text`` (positions shifted by ``offset``, token indexes by
-        ``base_tok``), packed; the last one, then one per ``cut_spacing`` chars going left (at one position a
-        line cut goes before an anchor: it needs fewer shared characters). Every kept cut is checked against
-        the encoding's offsets (a token starts there and the one before ends by then). Line starts are
-        searched backwards from the end, only as far as the kept cuts reach (not every line of ``text``)."""
+        ``base_tok``), packed (see :meth:`_keep`). Anchor matches and line starts are located and checked
+        through the encoding's offsets: a token starts there and the one before ends by then."""
         offsets = enc.offsets if len(ids) >= _OFFSETS_FROM else None
 
         def token_at(p: int) -> int:  # the token starting at ``p`` after one that ends by ``p`` (-1: none)
@@ -289,13 +309,23 @@ class PrefixTokenCache:
                 i = token_at(p)
                 if i > 0 and ids[i] == anchor_of[a]:  # i == 0 is where this text starts: not a new cut
                     anchors.append((p, len(a), i))  # in ascending positions
-        line_cuts = self.rules.line_cuts
+        return self._keep(text, anchors, token_at if self.rules.line_cuts else None, offset, base_tok)
+
+    def _keep(self, text: str, anchors: list[tuple[int, int, int]], token_at: Callable[[int], int] | None,
+              offset: int, base_tok: int) -> list[int]:
+        """The cuts kept among ``anchors`` ((pos, width, token index), ascending) and, with ``token_at``, line
+        starts: the last one, then one per ``cut_spacing`` chars going left (at one position a line cut goes
+        before an anchor: it needs fewer shared characters). Line starts are searched backwards from the end,
+        only as far as the kept cuts reach. Without ``token_at`` (a tail encoded without offsets) an anchor
+        that starts a line is still recorded as that line cut (same position and token)."""
+        line_cuts = token_at is not None
         out: list[int] = []
         rejects = 0
         spacing = self.options.cut_spacing
         bound = len(text)  # the next cut kept lies at or before this position
         ai = len(anchors) - 1
-        line = last_line_cut(text, bound) if line_cuts else -1
+        line = last_line_cut(text, bound) if token_at is not None else -1
+        starts = self.rules.line_cuts and not line_cuts
         while True:
             while ai >= 0 and anchors[ai][0] > bound:
                 ai -= 1
@@ -304,7 +334,7 @@ class PrefixTokenCache:
             at = anchors[ai][0] if ai >= 0 else -1
             if line < 0 and at < 0:
                 break
-            if line >= at:  # a line cut (width 1)
+            if token_at is not None and line >= at:  # a line cut (width 1)
                 p = line
                 i = token_at(p)
                 if i < 0:
@@ -314,12 +344,32 @@ class PrefixTokenCache:
                 w = 1
             else:
                 p, w, i = anchors[ai]
+                if i == 0:  # where this text starts: not a new cut
+                    break
+                if starts and p and text[p - 1] == "\n" and "!" <= text[p] <= "~":
+                    w = 1
             out.append(((p + offset) << _POS) | ((i + base_tok) << 8) | w)
             bound = p - spacing
         if rejects:
             self._count(cut_rejects=rejects)
         out.reverse()
         return out
+
+    def _fast_plan(self, text: str) -> list[tuple[int, str]] | None:
+        """The anchor matches of a tail ``text`` when its ids alone are enough to place its cuts, else None.
+
+        That takes counted anchors (:attr:`CutRules.counted`), a tail of at most ``_FAST_MAX_CHARS`` and no
+        line cut after its last anchor: then the last cut, the one the next extending request uses, is the
+        same as with offsets, and only line cuts between the tail's anchors are not recorded (a later request
+        that diverges inside one re-encodes from the anchor before, at most this tail)."""
+        if not self._counted or len(text) > _FAST_MAX_CHARS:
+            return None
+        found = [(m.start(), m.group()) for m in self._anchor_re.finditer(text)]  # type: ignore[union-attr]
+        if not found or found[-1][0] == 0:
+            return None
+        if self.rules.line_cuts and last_line_cut(text, len(text)) > found[-1][0]:
+            return None
+        return found
 
     def _verify(self, text: str, got: list[int]) -> None:
         full = self._encoder().encode(text, add_special_tokens=False).ids
@@ -331,6 +381,36 @@ class PrefixTokenCache:
             logger.error("prefix token cache: cached ids differ from a full encode (%d chars); cache disabled",
                          len(text))
             got[:] = full
+
+
+def _pair(found: list[tuple[int, str]], ids: list[int], anchor_of: dict[str, int]) -> list[tuple[int, int, int]] | None:
+    """(pos, width, token index) of each anchor match in ``found`` (ascending): the k-th occurrence of an
+    anchor is its k-th id in ``ids`` (analysis, counted anchors). None when the counts or the order disagree."""
+    where: dict[str, list[int]] = {}
+    for _, a in found:
+        where.setdefault(a, [])
+    for a, idx in where.items():
+        aid, i = anchor_of[a], -1
+        try:
+            while True:
+                i = ids.index(aid, i + 1)
+                idx.append(i)
+        except ValueError:
+            pass
+    seen = dict.fromkeys(where, 0)
+    out: list[tuple[int, int, int]] = []
+    last = -1
+    for p, a in found:
+        n = seen[a]
+        idx = where[a]
+        if n >= len(idx) or idx[n] <= last:
+            return None
+        last = idx[n]
+        seen[a] = n + 1
+        out.append((p, len(a), last))
+    if any(len(where[a]) != n for a, n in seen.items()):
+        return None
+    return out
 
 
 __all__ = ["PrefixTokenCache", "CacheOptions"]
