@@ -93,6 +93,16 @@ def _recorded_cuts(cache):
             yield entry.text, c >> cache_mod._POS, (c & cache_mod._LOW) >> 8
 
 
+def _exact_cuts(cache, qwen) -> int:
+    """Assert every recorded cut splits its text's ids exactly; the number of cuts."""
+    n = 0
+    for t, p, k in _recorded_cuts(cache):
+        ids = ref(qwen, t)
+        assert ref(qwen, t[:p]) == ids[:k] and ref(qwen, t[p:]) == ids[k:], (p, k, t[max(0, p - 20) : p + 20])
+        n += 1
+    return n
+
+
 @pytest.mark.parametrize("spacing", [1, 64])
 def test_every_recorded_cut_is_exact_on_hostile_texts(qwen, spacing):
     """Anchor look-alikes, adjacent and partial anchors, anchors at the start, combining marks, CR/LF and
@@ -103,12 +113,7 @@ def test_every_recorded_cut_is_exact_on_hostile_texts(qwen, spacing):
     for i in range(3 * len(HOSTILE)):
         text += HOSTILE[(i * 7) % len(HOSTILE)] + LINES[i % 400]
         assert cache.encode(text) == ref(qwen, text), i
-    n = 0
-    for t, p, k in _recorded_cuts(cache):
-        ids = ref(qwen, t)
-        assert ref(qwen, t[:p]) == ids[:k] and ref(qwen, t[p:]) == ids[k:], (p, k, t[max(0, p - 20) : p + 20])
-        n += 1
-    assert n > 20
+    assert _exact_cuts(cache, qwen) > 20
 
 
 def test_tails_encoded_without_offsets_record_exact_cuts(qwen):
@@ -125,12 +130,7 @@ def test_tails_encoded_without_offsets_record_exact_cuts(qwen):
         assert cache.encode(text) == ref(qwen, text), i
     s = cache.stats()
     assert s["fast_tails"] >= len(HOSTILE) and s["fast_rejects"] == 0 and s["mismatches"] == 0
-    n = 0
-    for t, p, k in _recorded_cuts(cache):
-        ids = ref(qwen, t)
-        assert ref(qwen, t[:p]) == ids[:k] and ref(qwen, t[p:]) == ids[k:], (p, k, t[max(0, p - 20) : p + 20])
-        n += 1
-    assert n > 50
+    assert _exact_cuts(cache, qwen) > 50
     fast = s["fast_tails"]
     text += "an open user turn\nwith a line cut after the last anchor\n"
     assert cache.encode(text) == ref(qwen, text) and cache.stats()["fast_tails"] == fast
