@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,25 @@ def test_make_model_writes_a_loadable_model(tmp_path) -> None:
     assert json.loads(info.stdout)["stages"][0]["layers"] == [0]
     bad = _cli("make-model", "--num-layers", "0")
     assert bad.returncode == 2 and "--num-layers" in bad.stdout
+
+
+def test_make_model_dsa_with_an_mtp_layer(tmp_path) -> None:
+    """``make-model --kind dsa --mtp-layers 1``: the MTP layer follows the backbone (global id 2 of a 2-layer
+    model), owns its indexer, and its weights carry the names vLLM's DeepSeek MTP loader reads."""
+    from safetensors import safe_open
+
+    out = _cli("make-model", "--kind", "dsa", "--num-layers", "2", "--mtp-layers", "1", "--out", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = Path(out.stdout.strip().splitlines()[-1])
+    info = _cli("inspect", str(path), "--json")
+    assert info.returncode == 0, info.stderr[-2000:]
+    model = json.loads(info.stdout)
+    assert model["stages"][0]["layers"] == [0, 1, 2] and model["num_mtp_layers"] == 1, model
+    assert 2 in model["owning_layers"], model
+    with safe_open(str(path / "mtp.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.hnorm.weight",
+            "model.layers.2.shared_head.norm.weight", "model.layers.2.self_attn.indexer.wk.weight"} <= names
+    assert all(n.startswith("model.layers.2.") for n in names), names
+    bad = _cli("make-model", "--kind", "mla", "--mtp-layers", "1")
+    assert bad.returncode == 2 and "--mtp-layers" in bad.stdout

@@ -287,6 +287,7 @@ def test_idle_steps_pause_and_a_registration_wakes_p(pd) -> None:
         _load(d, clock, "d-idle", params, 2 * BLOCK, 0, [54, 55])
         d.build_connector_meta(None)
         _wait(d.consumer.loads["d-idle"].reg)  # P's side channel answered: P's pause ends at once
+        assert not d.consumer.in_flight()  # D has not taken the reply yet: still only waiting on P
         assert p.pacer._event.is_set()
         (job,) = p.build_connector_meta(idle).push  # the registration is dispatched on this step
         assert p.pacer.idle_steps == 0
@@ -294,6 +295,7 @@ def test_idle_steps_pause_and_a_registration_wakes_p(pd) -> None:
             p.build_connector_meta(idle)  # a WRITE in flight: short pauses
         assert max(t for t, _ in waits["P"][-4:]) == pytest.approx(0.002)
         d.build_connector_meta(idle)  # D takes the reply: its load is registered
+        assert d.consumer.in_flight() and not d.consumer.giving_up() and p.producer.in_flight()
         for _ in range(4):
             d.build_connector_meta(idle)
         assert max(t for t, _ in waits["D"][-4:]) == pytest.approx(0.002)

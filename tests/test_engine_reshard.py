@@ -8,6 +8,11 @@ then the next set), the reference ("one engine") is P's own plain request made b
   CPU_DSA_SPARSE_MLA, float32, block 64, prefix caching on): engines tp1, tp2 and pp2 (stages of 3 and 1
   layers, ``VLLM_PP_LAYER_PARTITION=3,1``: a top-k-sharing layer cannot start a stage); directions tp2->tp1,
   tp1->tp2, pp2->pp1, pp1->pp2.
+- ``dsa_mtp``: the same backbone plus one MTP layer (layer 4, owns its indexer), run as the draft model of
+  speculative decoding (``--speculative-config '{"method": "mtp", ...}'``, one token): engines tp1 and tp2;
+  directions tp2->tp1, tp1->tp2. Not pp2: vLLM 0.32 cannot run MTP with pipeline parallelism on any platform
+  (``patches/README.md``, "Not patched: MTP ... with pipeline parallelism"); the MTP layer under PP reshard is
+  proven at worker level (``tests/test_connector_reshard.py``).
 - ``mla`` (tiny DeepSeek-V2 MLA, CPU_MLA, float32, block 16): engines tp1 and tp2; directions tp2->tp1 and
   tp1->tp2. vLLM CPU turns prefix caching off for MLA unless AMX_MLA runs ("MLA is enabled on a non-GPU
   platform; forcing chunked prefill and prefix caching to be disabled."): there D recomputes nothing but
@@ -25,7 +30,13 @@ from P. Per turn D's greedy tokens must equal the reference, and D's per-(P rank
   ``matching.elected_sender``) writes, rank 1 writes nothing; D gets ``blocks x (4 MLA + 3 indexer pages)``.
 - tp1 -> tp2: P rank 0 writes a whole copy into each D rank.
 - pp2 -> pp1 / pp1 -> pp2: stage 0 (layers 0-2) moves 3 MLA + 2 indexer pages per block, stage 1 (layer 3)
-  1 MLA + 1 indexer page: each owning layer's indexer page once.
+  1 MLA + 1 indexer page (with MTP: layers 3-4, 2 + 2): each owning layer's indexer page once.
+
+On the DSA sets the KV probe (:mod:`vllm_dsa_connector.kv_probe`, ``collective_rpc``) then reads the last
+turn's prompt blocks on every rank of P and D (block lists from each engine's own scheduler): every layer's
+page, MTP layer included, must be the same bytes on D as on P. Byte checksums of a transfer prove only that
+bytes arrived; this proves D holds what P computed, at the same positions, after P's MTP draft step wrote
+its layer (vLLM runs the drafter after the target forward of the same step).
 
 At the end P's send-side counters must equal D's receive-side ones per pair, with no failure or mismatch.
 Run under the engine lock: ``flock /tmp/vllm-dsa-engine.lock pytest -m slow tests/test_engine_reshard.py``.
@@ -48,7 +59,7 @@ import pytest
 from conftest import free_port
 
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, pair_bytes, pair_key
-from vllm_dsa_connector.harness.client import complete, metric, scrape
+from vllm_dsa_connector.harness.client import complete, metric, probe_running, scrape
 from vllm_dsa_connector.harness.engines import (
     Engine,
     Layout,
@@ -71,24 +82,38 @@ LEAN = {"prefault_kv_cache": False, "bounce_arena_bytes": 32 << 20, "transfer_ti
 
 @dataclass(frozen=True)
 class Kind:
-    """One tiny model and its engines."""
+    """One tiny model and its engines (an engine set: started together, every direction between them)."""
 
     name: str
     block: int
     layouts: tuple[Layout, ...]
+    layers: tuple[int, ...]  # global layer ids with KV pages (MTP layers after the backbone)
     owning: tuple[int, ...]  # layers whose indexer pages travel
     stages: tuple[tuple[int, ...], ...]  # layers per pipeline stage of a pp2 engine
+    mtp: bool = False  # one MTP layer, run as the draft model of speculative decoding
+
+    @property
+    def prefix_caching(self) -> bool:
+        """vLLM CPU keeps prefix caching on for DSA (our backend) only, not for MLA (see module docstring)."""
+        return self.name.startswith("dsa")
 
     def page_bytes(self, layers: tuple[int, ...]) -> int:
         """Bytes per block of these layers' MLA pages plus their owning layers' indexer pages."""
         return self.block * (len(layers) * ROW + sum(x in self.owning for x in layers) * INDEXER_ROW)
 
 
+# One engine set at a time (memory: ~4 GB per tp1 engine, ~5-6 GB per two-rank engine): every set starts its
+# engines, runs every direction between them, checks the counters, and stops them before the next set.
 KINDS = {
-    "dsa": Kind("dsa", 64, (Layout(1, 1), Layout(2, 1), Layout(1, 2)), (0, 1, 3), ((0, 1, 2), (3,))),
-    "mla": Kind("mla", 16, (Layout(1, 1), Layout(2, 1)), (), ((0, 1), (2, 3))),
+    "dsa": Kind("dsa", 64, (Layout(1, 1), Layout(2, 1), Layout(1, 2)), (0, 1, 2, 3), (0, 1, 3), ((0, 1, 2), (3,))),
+    # the same backbone plus MTP layer 4 (owns its indexer; on the last PP stage), speculative decoding on;
+    # TP only: vLLM 0.32 cannot run MTP with pipeline parallelism (module docstring)
+    "dsa_mtp": Kind("dsa_mtp", 64, (Layout(1, 1), Layout(2, 1)), (0, 1, 2, 3, 4), (0, 1, 3, 4),
+                    ((0, 1, 2), (3, 4)), mtp=True),
+    "mla": Kind("mla", 16, (Layout(1, 1), Layout(2, 1)), (0, 1, 2, 3), (), ((0, 1), (2, 3))),
 }
-ALL_LAYERS = (0, 1, 2, 3)
+PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 
 
 # Every engine process dumps all its threads' stacks to <stacks>/<pid>.txt on SIGUSR1 (diagnosing stalls).
@@ -148,22 +173,14 @@ class Engines:
     rss_mb: dict[str, float] = field(default_factory=dict)
 
 
-# One model at a time (memory: ~4 GB per tp1 engine, ~5-6 GB per two-rank engine): every engine set starts its
-# engines, runs every direction between them, checks the counters, and stops them before the next set.
-PAIR_SETS = {
-    "dsa": ("dsa", (Layout(1, 1), Layout(2, 1), Layout(1, 2))),
-    "mla": ("mla", (Layout(1, 1), Layout(2, 1))),
-}
-
-
-@pytest.fixture(scope="module", params=list(PAIR_SETS))
+@pytest.fixture(scope="module", params=list(KINDS))
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    kind_name, layouts = PAIR_SETS[request.param]
-    kind = KINDS[kind_name]
-    if kind.name == "dsa":
+    kind = KINDS[request.param]
+    layouts = kind.layouts
+    if kind.prefix_caching:
         from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
-        model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
+        model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16, num_mtp_layers=int(kind.mtp))
     else:
         from vllm_dsa_connector.tiny_models import make_tiny_mla
 
@@ -184,9 +201,11 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             cfg = connector_config("kv_both", True, LEAN, free_port())
             cfg["kv_load_failure_policy"] = "fail"
             env = {**layout.env(model, first_core, host_ranks), "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_SERVER_DEV_MODE": "1",  # POST /collective_rpc for the KV probe
                    "PYTHONPATH": os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH")) if x)}
+            extra = layout.args() + PROBE + (SPEC if kind.mtp else [])
             started[layout.label] = start_engine(c, layout.label, model, free_port(), "float32", cfg, backend,
-                                                 env, extra=layout.args())
+                                                 env, extra=extra)
             first_core = (first_core + layout.world) % ncpu
         for e in started.values():
             e.ready(900, watch=[x.proc for x in started.values()])
@@ -222,11 +241,11 @@ def _expected(kind: Kind, p: Layout, d: Layout, blocks: int) -> dict[tuple[int, 
     """Bytes per (P rank, D rank) for ``blocks`` blocks: replicated TP ranks send through the elected
     rank (``dst_rank % tp`` of P: D rank 0 -> P rank 0); PP stages send their own layers."""
     if p.world == 1 and d.world == 1:
-        return {(0, 0): blocks * kind.page_bytes(ALL_LAYERS)}
+        return {(0, 0): blocks * kind.page_bytes(kind.layers)}
     if p.tp == 2:  # D tp1 rank 0 is fed by P's elected rank 0 only
-        return {(0, 0): blocks * kind.page_bytes(ALL_LAYERS)}
+        return {(0, 0): blocks * kind.page_bytes(kind.layers)}
     if d.tp == 2:  # every D rank holds all layers: a whole copy each, from P's only rank
-        return {(0, r): blocks * kind.page_bytes(ALL_LAYERS) for r in range(2)}
+        return {(0, r): blocks * kind.page_bytes(kind.layers) for r in range(2)}
     if p.pp == 2:
         return {(s, 0): blocks * kind.page_bytes(kind.stages[s]) for s in range(2)}
     return {(0, s): blocks * kind.page_bytes(kind.stages[s]) for s in range(2)}
@@ -244,6 +263,7 @@ def _run_direction(e: Engines, p_label: str, d_label: str, seed: int) -> list[st
     ids = new(2 * kind.block + 10)
     lines = []
     hits = 0
+    drafts0 = metric(scrape(d.url), "vllm:spec_decode_num_drafts_total")
     for turn in range(1, TURNS + 1):
         want = complete(ref_engine.url, e.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
         before = _pairs(d.url, "recv")
@@ -278,10 +298,50 @@ def _run_direction(e: Engines, p_label: str, d_label: str, seed: int) -> list[st
         assert blocks <= prompt_blocks, (blocks, prompt_blocks)
         hits += blocks < prompt_blocks
         lines.append(f"turn {turn}: prompt {len(ids)} tok, {blocks}/{prompt_blocks} block(s) moved {moved}")
-        ids = ids + got + new(kind.block // 2 + 3)
-    if kind.name == "dsa":  # prefix caching is on: D served the first blocks itself from turn 2
+        last, ids = ids, ids + got + new(kind.block // 2 + 3)
+    if kind.prefix_caching:  # D served the first blocks itself from turn 2; D's cache holds what P computed
         assert hits >= TURNS - 1, lines
+        lines.append(_check_pages_equal(e, p, d, last))
+    if kind.mtp:  # D ran the MTP draft layer on the pages it got (draft tokens of a random MTP layer: rejected)
+        drafts = metric(scrape(d.url), "vllm:spec_decode_num_drafts_total") - drafts0
+        assert drafts > 0, f"{p_label}->{d_label}: D made no MTP drafts"
+        lines.append(f"D made {drafts:.0f} MTP drafts")
     return lines
+
+
+def _check_pages_equal(e: Engines, p: Engine, d: Engine, ids: list[int]) -> str:
+    """Every layer's page of every full block of ``ids`` (a prompt D got from P, whole or after its own
+    prefix-cache hit) is the same bytes on every D rank holding that layer as on every P rank holding it,
+    read through ``collective_rpc`` by the KV probe (block lists from each engine's own scheduler).
+
+    With MTP (an EAGLE-type drafter) vLLM drops the last block of a prefix-cache hit ("EAGLE groups ... match and
+    drop back", ``kv_cache_coordinator.replay_boundaries``): each probe request recomputes that block locally
+    (TP numerics differ from layer 1 on), so only the blocks before it are compared there."""
+    full = (len(ids) - 1) // e.kind.block
+    checked = full - 1 if e.kind.mtp else full
+    assert checked >= 1, (len(ids), full)
+
+    def by_layer(entries: list[dict]) -> dict[str, list[tuple[int, list[int]]]]:
+        out: dict[str, list[tuple[int, list[int]]]] = {}
+        for rank, entry in enumerate(entries):
+            for name, digests in entry["layer_digests"].items():
+                out.setdefault(name, []).append((rank, digests))
+        return out
+
+    on_p = by_layer(probe_running(p.url, e.model, ids))
+    on_d = by_layer(probe_running(d.url, e.model, ids))
+    assert set(on_p) == set(on_d), (sorted(on_p), sorted(on_d))
+    for name in sorted(on_p):
+        ref_rank, ref = on_p[name][0]
+        assert len(ref) == full, (name, len(ref), full)
+        for side, ranks in (("P", on_p[name][1:]), ("D", on_d[name])):
+            for rank, digests in ranks:
+                bad = [j for j in range(checked) if digests[j] != ref[j]]
+                assert not bad, (f"layer {name}: blocks {bad} on {side} rank {rank} differ from P rank {ref_rank}'s "
+                                 f"(positions {[(j * e.kind.block, (j + 1) * e.kind.block) for j in bad]})")
+    layers = sorted({int(n.split("layers.")[1].split(".")[0]) for n in on_p})
+    assert tuple(layers) == e.kind.layers, (layers, sorted(on_p))
+    return f"pages equal on P and D: {len(on_p)} KV layers (layers {layers}) x {checked} full block(s)"
 
 
 # Two cores (2026-12-02). Three causes made the first P/D request of a fresh pair fail (a side channel unanswered
@@ -308,7 +368,8 @@ SEEDS = {("tp1", "tp2"): 12, ("tp1", "pp2"): 14, ("tp2", "tp1"): 11, ("pp2", "tp
 @pytest.mark.parametrize(("p_label", "d_label"), DIRECTIONS)
 def test_reshard_decode_identical_and_pages_moved_once(engines: Engines, p_label: str, d_label: str) -> None:
     if p_label not in engines.by_label or d_label not in engines.by_label:
-        pytest.skip(f"{engines.kind.name}: no {p_label}/{d_label} engine in this set (PP runs on the DSA model)")
+        pytest.skip(f"{engines.kind.name}: no {p_label}/{d_label} engine in this set (pp2 only in set 'dsa': "
+                    "vLLM 0.32 runs no MTP with PP, and MLA's tp pair covers its layout)")
     seed = SEEDS[(p_label, d_label)]
     t0 = time.monotonic()
     try:
@@ -362,7 +423,7 @@ def test_pair_bytes_counters_aggregate_across_workers() -> None:
 
 def test_expected_bytes_per_pair() -> None:
     dsa = KINDS["dsa"]
-    per = dsa.page_bytes(ALL_LAYERS)
+    per = dsa.page_bytes(dsa.layers)
     assert per == 64 * (4 * ROW + 3 * INDEXER_ROW)
     assert _expected(dsa, Layout(2, 1), Layout(1, 1), 2) == {(0, 0): 2 * per}
     assert _expected(dsa, Layout(1, 1), Layout(2, 1), 1) == {(0, 0): per, (0, 1): per}
@@ -370,3 +431,7 @@ def test_expected_bytes_per_pair() -> None:
     assert pp == {(0, 0): 64 * (3 * ROW + 2 * INDEXER_ROW), (1, 0): 64 * (ROW + INDEXER_ROW)}
     assert sum(pp.values()) == per  # each owning layer's indexer page once
     assert _expected(dsa, Layout(1, 1), Layout(1, 2), 1) == {(0, 0): pp[(0, 0)], (0, 1): pp[(1, 0)]}
+    mtp = KINDS["dsa_mtp"]  # MTP layer 4 rides on the last stage with its own indexer page
+    pp = _expected(mtp, Layout(1, 2), Layout(1, 1), 1)
+    assert pp == {(0, 0): 64 * (3 * ROW + 2 * INDEXER_ROW), (1, 0): 64 * (2 * ROW + 2 * INDEXER_ROW)}
+    assert sum(pp.values()) == mtp.page_bytes(mtp.layers) == 64 * (5 * ROW + 4 * INDEXER_ROW)

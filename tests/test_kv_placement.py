@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ from typing import Any
 import pytest
 from conftest import free_port
 
-from vllm_dsa_connector.harness.client import metric, scrape
+from vllm_dsa_connector.harness.client import metric, probe_running, scrape
 from vllm_dsa_connector.harness.engines import (
     BackendChoice,
     check_backend,
@@ -107,53 +105,13 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         yield _start(c, tmp, model, dtype, backend, extra)
 
 
-def _probe_while_running(url: str, model: str, ids: list[int], kv_params: dict[str, Any] | None) -> dict:
-    """Run a long greedy completion of ``ids`` on ``url``; while it runs, return the probe's entry for it."""
-    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": 400, "ignore_eos": True,
-                            "temperature": 0.0, "stream": True}
-    if kv_params is not None:
-        body["kv_transfer_params"] = kv_params
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    resp = urllib.request.urlopen(req, timeout=300)
-    done = threading.Event()
-
-    def drain() -> None:
-        try:
-            for _ in resp:
-                if done.is_set():
-                    break
-        except (OSError, ValueError, AttributeError):  # the connection closed under the reader
-            pass
-        done.set()
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            out = _post(url, "/collective_rpc", {"method": "dsa_probe_running"})
-            for worker in out["results"]:
-                for entry in worker or []:
-                    if entry["prompt_token_ids"] == ids:
-                        return entry
-            if done.is_set():
-                raise AssertionError(f"request on {url} finished before the probe saw it")
-            time.sleep(0.05)
-        raise AssertionError(f"request on {url} never seen running")
-    finally:
-        done.set()
-        resp.close()  # aborts the rest of the generation
-        reader.join(timeout=10)
-
-
 def _turn(pair: Pair, ids: list[int]) -> tuple[dict, dict]:
     out = _post(pair.p_url, "/v1/completions", {"model": pair.model, "prompt": ids, "max_tokens": 1,
                                                 "kv_transfer_params": {"do_remote_decode": True}})
     params = out["kv_transfer_params"]
     assert params and params["remote_block_ids"], out
-    d = _probe_while_running(pair.d_url, pair.model, ids, params)
-    p = _probe_while_running(pair.p_url, pair.model, ids, None)
+    (d,) = probe_running(pair.d_url, pair.model, ids, params)
+    (p,) = probe_running(pair.p_url, pair.model, ids, None)
     return p, d
 
 

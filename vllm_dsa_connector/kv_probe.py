@@ -10,7 +10,9 @@ Comparing the digests of block ``j`` on P and on D checks that D holds, at token
 ``[j*B, (j+1)*B)``, the bytes P computed for those positions: the block lists come from each engine's
 scheduler, not from the connector, so a connector that pairs blocks wrongly cannot hide it (byte
 checksums of a transfer only prove that the bytes arrived, not where). The last prompt token is
-excluded (D recomputes it locally), and so is the partial last block.
+excluded (D recomputes it locally), and so is the partial last block. ``layer_digests`` gives the same per
+layer (by vLLM's layer name), so engines with different TP/PP layouts, whose workers hold different layers,
+can be compared layer by layer.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class KVProbe:
 
     def dsa_probe_running(self) -> list[dict[str, Any]]:
         """Every running request: prompt ids, block ids, block size and digests of its full prompt blocks
-        (positions ``< num_prompt_tokens - 1``)."""
+        (positions ``< num_prompt_tokens - 1``), over all layers and per layer."""
         runner = self.model_runner  # type: ignore[attr-defined]
         caches = _layer_caches(self)
         block_size = int(self.vllm_config.cache_config.block_size)  # type: ignore[attr-defined]
@@ -62,7 +64,9 @@ class KVProbe:
             blocks = [int(b) for b in state.block_ids[0]]
             full = max(len(prompt) - 1, 0) // block_size
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
-                        "block_size": block_size, "digests": block_digests(caches, blocks[:full])})
+                        "block_size": block_size, "digests": block_digests(caches, blocks[:full]),
+                        "layer_digests": {name: block_digests({name: cache}, blocks[:full])
+                                          for name, cache in caches.items()}})
         return out
 
     def dsa_probe_digest_all(self) -> list[int]:

@@ -1,7 +1,8 @@
 """``vllm-dsa make-model``: write a tiny random test model (made locally and deterministically).
 
 ``--kind mla``: a DeepSeek-V2-architecture MLA model; ``--kind dsa``: a GLM-MoE-DSA model with the
-indexer (IndexCache masking by ``--index-topk-freq``). Both carry the DeepSeek tokenizer and a chat
+indexer (IndexCache masking by ``--index-topk-freq``; ``--mtp-layers 1`` adds a DeepSeek MTP layer for
+``--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'``). Both carry the DeepSeek tokenizer and a chat
 template, and vLLM's CPU build runs them (DSA through the plugin's CPU backends). Without ``--out`` the
 model goes where the demo and tests look for it (``$VLLM_DSA_MODEL_DIR`` or ``~/.cache/vllm-dsa-connector``).
 """
@@ -20,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-topk-freq", type=int, default=2,
                    help="dsa: a layer computes its own top-k every N layers, the others reuse it (default 2)")
     p.add_argument("--index-topk", type=int, default=16, help="dsa: tokens each query attends to (default 16)")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="dsa: MTP (nextn) layers after the backbone, for MTP speculative decoding (default 0)")
     p.add_argument("--force", action="store_true", help="rewrite a complete existing model")
 
 
@@ -28,11 +31,15 @@ def run(args: argparse.Namespace) -> int:
     if args.num_layers < 1:
         print(f"vllm-dsa make-model: --num-layers must be >= 1, got {args.num_layers}")
         return 2
+    if args.mtp_layers < 0 or (args.mtp_layers and args.kind != "dsa"):
+        print(f"vllm-dsa make-model: --mtp-layers must be >= 0 and needs --kind dsa, got {args.mtp_layers} "
+              f"with --kind {args.kind}")
+        return 2
     if args.kind == "dsa":
         from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
         path = make_tiny_glm_dsa(args.out, num_layers=args.num_layers, index_topk_freq=args.index_topk_freq,
-                                 index_topk=args.index_topk, force=args.force)
+                                 index_topk=args.index_topk, num_mtp_layers=args.mtp_layers, force=args.force)
     else:
         from vllm_dsa_connector.tiny_models import make_tiny_mla
 

@@ -264,9 +264,7 @@ class DSAConnectorScheduler:
                 and (self.producer.pending() or self.consumer.loads)):
             # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests waiting
             # for remote KV); pause, longer while nothing needs the workers (see connector.pacing).
-            self.pacer.pause(urgent=self.producer.in_flight() or any(
-                load.state is not LoadState.QUEUED and load.state is not LoadState.REGISTERING
-                for load in list(self.consumer.loads.values())))
+            self.pacer.pause(urgent=self.producer.in_flight() or self.consumer.in_flight())
         else:
             self.pacer.busy()
         return meta
@@ -284,8 +282,7 @@ class DSAConnectorScheduler:
     def has_pending_push_work(self) -> bool:
         """P keeps stepping while it holds leased blocks (their release needs steps); D while it waits to
         hand back blocks of a give-up."""
-        return self.producer.pending() or any(
-            load.state in (LoadState.GIVING_UP, LoadState.FAILED) for load in self.consumer.loads.values())
+        return self.producer.pending() or self.consumer.giving_up()
 
     def shutdown(self) -> None:
         """Stop the side channel and the background threads."""

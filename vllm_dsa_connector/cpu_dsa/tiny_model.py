@@ -5,6 +5,12 @@ real DeepSeek tokenizer: hidden 256, 4 layers, IndexCache masking with ``index_t
 (layers F F S F: layer 2 reuses layer 1's top-k), ``index_topk=16`` (smaller than the test
 prompts, so the indexer really selects), 16 indexer heads, interleaved indexer RoPE (GLM-5).
 
+``num_mtp_layers=1`` adds a DeepSeek MTP (nextn) layer after the backbone, as DeepSeek-V3.2/GLM-5
+checkpoints carry it: ``model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}`` plus a full decoder layer
+with its own indexer (vLLM's MTP layers always own one), in a second safetensors file beside the
+backbone's. vLLM runs it as the draft model of ``--speculative-config '{"method": "mtp", ...}'``;
+transformers ignores it (the reference below is the backbone alone).
+
 ``transformers_greedy`` runs transformers' own ``GlmMoeDsaForCausalLM`` (eager, no KV cache,
 full recompute each step) as the reference. vLLM's indexer stores K in fp8 e4m3 with a power-of-two
 per-token scale and quantizes Q the same way per head; transformers scores with unquantized
@@ -58,16 +64,21 @@ def make_tiny_glm_dsa(
     num_layers: int = 4,
     index_topk: int = 16,
     index_n_heads: int = 16,
+    num_mtp_layers: int = 0,
     force: bool = False,
 ) -> Path:
     """Create (once) the tiny random GLM-MoE-DSA model directory and return its path.
 
-    Deterministic: the same arguments give the same weights (bf16 on disk). An existing complete
-    directory is reused unless ``force``.
+    Deterministic: the same arguments give the same weights (bf16 on disk); ``num_mtp_layers`` MTP layers
+    are added without changing the backbone's weights. An existing complete directory is reused unless
+    ``force``.
     """
     from transformers import GlmMoeDsaForCausalLM
 
+    if num_mtp_layers < 0:
+        raise ValueError(f"num_mtp_layers must be >= 0, got {num_mtp_layers}")
     name = f"tiny-glm-dsa-{num_layers}l-f{index_topk_freq}-k{index_topk}-h{index_n_heads}"
+    name += f"-mtp{num_mtp_layers}" if num_mtp_layers else ""
     path = Path(path) if path else default_model_root() / name
     done = path / ".complete"
     if done.exists() and not force:
@@ -78,13 +89,55 @@ def make_tiny_glm_dsa(
         index_topk_freq=index_topk_freq,
         index_topk=index_topk,
         index_n_heads=index_n_heads,
+        num_nextn_predict_layers=num_mtp_layers,
+        # vLLM makes every layer from first_k_dense_replace on an MoE layer, MTP layers included
+        first_k_dense_replace=num_layers + num_mtp_layers,
     )
     torch.manual_seed(TINY_GLM_DSA_SEED)
     model = GlmMoeDsaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)
+    if num_mtp_layers:
+        _save_mtp_layers(path, cfg, num_mtp_layers)
     save_tokenizer(path)
     done.write_text("ok\n")
     return path
+
+
+def _save_mtp_layers(path: Path, cfg: Any, count: int) -> None:
+    """Write ``count`` random MTP layers (global ids ``num_hidden_layers`` on) as ``mtp.safetensors``.
+
+    Each is a full decoder layer that owns its indexer (taken from a seeded model whose every layer computes
+    its own top-k) plus DeepSeek's MTP projections; names follow the DeepSeek-V3/GLM-5 checkpoints that
+    vLLM's ``DeepSeekMTP.load_weights`` reads.
+    """
+    from safetensors.torch import save_file
+    from transformers import GlmMoeDsaForCausalLM
+
+    n = cfg.num_hidden_layers
+    hidden = cfg.hidden_size
+    std = cfg.initializer_range
+    full = tiny_glm_dsa_config(
+        num_layers=n + count, index_topk_freq=1, index_topk=cfg.index_topk,
+        index_n_heads=cfg.index_n_heads,
+    )
+    torch.manual_seed(TINY_GLM_DSA_SEED + 1)
+    donor = GlmMoeDsaForCausalLM(full).to(torch.bfloat16)
+    tensors: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(TINY_GLM_DSA_SEED + 2)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    for layer in range(n, n + count):
+        prefix = f"model.layers.{layer}."
+        for key, value in donor.model.layers[layer].state_dict().items():
+            tensors[prefix + key] = value.contiguous()
+        tensors[prefix + "enorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[prefix + "hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[prefix + "eh_proj.weight"] = normal(hidden, 2 * hidden)
+        tensors[prefix + "shared_head.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[prefix + "shared_head.head.weight"] = normal(cfg.vocab_size, hidden)
+    save_file(tensors, str(path / "mtp.safetensors"), metadata={"format": "pt"})
 
 
 def _fp8_indexer_forward(

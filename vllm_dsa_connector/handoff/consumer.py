@@ -300,6 +300,16 @@ class Consumer:
         return peer.control.submit(request, peer.host, peer.port, CancelReq(refs), self.settings.handshake_timeout_s,
                                    self.auth)
 
+    def in_flight(self) -> bool:
+        """Whether a load needs the engine's next steps (its workers report the outcome of a registered
+        load, or a give-up hands blocks back), rather than waiting for the handshake or P's reply."""
+        return any(load.state not in (LoadState.QUEUED, LoadState.REGISTERING)
+                   for load in list(self.loads.values()))
+
+    def giving_up(self) -> bool:
+        """Whether a given-up load still waits for its workers to hand its blocks back."""
+        return any(load.state in (LoadState.GIVING_UP, LoadState.FAILED) for load in list(self.loads.values()))
+
     def finished(self, req_id: str) -> Loading | None:
         """The workers reported the request (loaded or failed): forget it."""
         return self.loads.pop(req_id, None)

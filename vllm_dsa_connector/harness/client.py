@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -98,3 +99,50 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int, 
                     parts.append(content)
     total = time.perf_counter() - t0
     return Reply("".join(parts), ttft if ttft is not None else total, total, prompt_tokens)
+
+
+def probe_running(url: str, model: str, prompt_ids: list[int], kv_transfer_params: dict[str, Any] | None = None,
+                  timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Start a long greedy streamed completion of ``prompt_ids`` on ``url`` and, while it runs, return every
+    worker's :meth:`~vllm_dsa_connector.kv_probe.KVProbe.dsa_probe_running` entry for it (rank order).
+
+    The engine needs ``--worker-extension-cls vllm_dsa_connector.kv_probe.KVProbe`` and
+    ``VLLM_SERVER_DEV_MODE=1`` (``POST /collective_rpc``). The completion is aborted once probed. Raises
+    AssertionError when the request finishes, or ``timeout_s`` passes, before any worker reports it.
+    """
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": 400, "ignore_eos": True,
+                            "temperature": 0.0, "stream": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=timeout_s)
+    done = threading.Event()
+
+    def drain() -> None:
+        try:
+            for _ in resp:
+                if done.is_set():
+                    break
+        except (OSError, ValueError, AttributeError):  # the connection closed under the reader
+            pass
+        done.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = post_json(url + "/collective_rpc", {"method": "dsa_probe_running"}, timeout_s)
+            found = [entry for worker in out["results"] for entry in worker or []
+                     if entry["prompt_token_ids"] == list(prompt_ids)]
+            if found:
+                return found
+            if done.is_set():
+                raise AssertionError(f"request on {url} finished before the probe saw it")
+            time.sleep(0.05)
+        raise AssertionError(f"request on {url} not seen running within {timeout_s} s")
+    finally:
+        done.set()
+        resp.close()  # aborts the rest of the generation
+        reader.join(timeout=10)
