@@ -10,8 +10,8 @@ then the next set), the reference ("one engine") is P's own plain request made b
   tp1->tp2, pp2->pp1, pp1->pp2.
 - ``dsa_mtp``: the same backbone plus one MTP layer (layer 4, owns its indexer), run as the draft model of
   speculative decoding (``--speculative-config '{"method": "mtp", ...}'``, one token): engines tp1 and tp2;
-  directions tp2->tp1, tp1->tp2. Not pp2: vLLM 0.32 cannot run MTP with pipeline parallelism on any platform
-  (``patches/README.md``, "Not patched: MTP ... with pipeline parallelism"); the MTP layer under PP reshard is
+  directions tp2->tp1, tp1->tp2. Not pp2: vLLM 0.32's V1 model runner (vLLM CPU's) cannot run MTP with
+  pipeline parallelism (``patches/README.md``, "Not patched: MTP ... with pipeline parallelism"); the MTP layer under PP reshard is
   proven at worker level (``tests/test_connector_reshard.py``).
 - ``mla`` (tiny DeepSeek-V2 MLA, CPU_MLA, float32, block 16): engines tp1 and tp2; directions tp2->tp1 and
   tp1->tp2. vLLM CPU turns prefix caching off for MLA unless AMX_MLA runs ("MLA is enabled on a non-GPU
@@ -107,7 +107,7 @@ class Kind:
 KINDS = {
     "dsa": Kind("dsa", 64, (Layout(1, 1), Layout(2, 1), Layout(1, 2)), (0, 1, 2, 3), (0, 1, 3), ((0, 1, 2), (3,))),
     # the same backbone plus MTP layer 4 (owns its indexer; on the last PP stage), speculative decoding on;
-    # TP only: vLLM 0.32 cannot run MTP with pipeline parallelism (module docstring)
+    # TP only: vLLM 0.32's V1 runner cannot run MTP with pipeline parallelism (module docstring)
     "dsa_mtp": Kind("dsa_mtp", 64, (Layout(1, 1), Layout(2, 1)), (0, 1, 2, 3, 4), (0, 1, 3, 4),
                     ((0, 1, 2), (3, 4)), mtp=True),
     "mla": Kind("mla", 16, (Layout(1, 1), Layout(2, 1)), (0, 1, 2, 3), (), ((0, 1), (2, 3))),
