@@ -108,7 +108,7 @@ def probe_running(url: str, model: str, prompt_ids: list[int], kv_transfer_param
 
     The engine needs ``--worker-extension-cls vllm_dsa_connector.kv_probe.KVProbe`` and
     ``VLLM_SERVER_DEV_MODE=1`` (``POST /collective_rpc``). The completion is aborted once probed. Raises
-    AssertionError when the request finishes, or ``timeout_s`` passes, before any worker reports it.
+    RuntimeError when the request finishes, or ``timeout_s`` passes, before any worker reports it.
     """
     body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": 400, "ignore_eos": True,
                             "temperature": 0.0, "stream": True}
@@ -139,9 +139,9 @@ def probe_running(url: str, model: str, prompt_ids: list[int], kv_transfer_param
             if found:
                 return found
             if done.is_set():
-                raise AssertionError(f"request on {url} finished before the probe saw it")
+                raise RuntimeError(f"request on {url} finished before the probe saw it")
             time.sleep(0.05)
-        raise AssertionError(f"request on {url} not seen running within {timeout_s} s")
+        raise RuntimeError(f"request on {url} not seen running within {timeout_s} s")
     finally:
         done.set()
         resp.close()  # aborts the rest of the generation
