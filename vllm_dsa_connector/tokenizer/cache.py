@@ -318,14 +318,13 @@ class PrefixTokenCache:
         before an anchor: it needs fewer shared characters). Line starts are searched backwards from the end,
         only as far as the kept cuts reach. Without ``token_at`` (a tail encoded without offsets) an anchor
         that starts a line is still recorded as that line cut (same position and token)."""
-        line_cuts = token_at is not None
         out: list[int] = []
         rejects = 0
         spacing = self.options.cut_spacing
         bound = len(text)  # the next cut kept lies at or before this position
         ai = len(anchors) - 1
         line = last_line_cut(text, bound) if token_at is not None else -1
-        starts = self.rules.line_cuts and not line_cuts
+        starts = self.rules.line_cuts and token_at is None
         while True:
             while ai >= 0 and anchors[ai][0] > bound:
                 ai -= 1
