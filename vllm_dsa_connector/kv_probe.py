@@ -38,15 +38,19 @@ def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> list[int]:
-    """CRC32 per block over every layer's page of that block (layers in name order)."""
+def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> tuple[list[int], dict[str, list[int]]]:
+    """CRC32 per block over every layer's page of that block (layers in name order), and per layer (by name);
+    each page is read once for both."""
     digests = []
+    per_layer: dict[str, list[int]] = {name: [] for name in caches}
     for b in block_ids:
         crc = 0
-        for cache in caches.values():
-            crc = zlib.crc32(cache[b].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        for name, cache in caches.items():
+            page = cache[b].contiguous().view(torch.uint8).numpy().tobytes()
+            crc = zlib.crc32(page, crc)
+            per_layer[name].append(zlib.crc32(page))
         digests.append(crc)
-    return digests
+    return digests, per_layer
 
 
 class KVProbe:
@@ -63,10 +67,9 @@ class KVProbe:
             prompt = list(state.prompt_token_ids or [])
             blocks = [int(b) for b in state.block_ids[0]]
             full = max(len(prompt) - 1, 0) // block_size
+            digests, per_layer = block_digests(caches, blocks[:full])
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
-                        "block_size": block_size, "digests": block_digests(caches, blocks[:full]),
-                        "layer_digests": {name: block_digests({name: cache}, blocks[:full])
-                                          for name, cache in caches.items()}})
+                        "block_size": block_size, "digests": digests, "layer_digests": per_layer})
         return out
 
     def dsa_probe_digest_all(self) -> list[int]:
