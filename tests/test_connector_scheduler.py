@@ -245,12 +245,68 @@ def test_dead_producer_is_a_load_failure_and_cancels_do_not_queue_behind_it(pd) 
     _wait(fut)
     assert fut.result().ok and time.monotonic() - t0 < 1.5
     deadline = time.monotonic() + 10
+    while not d.consumer.peers["P-dead"].error:  # the first attempt goes unanswered (2 s)
+        assert d.get_num_new_matched_tokens(req, 0) == (None, False)  # inside its budget: still waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    clock.t += 1.0  # past the retry pause: a second attempt
+    assert d.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert d.consumer.peers["P-dead"].attempt == 2
+    clock.t += 5.0  # the request's transfer budget (5 s) is spent while the second attempt runs
+    deadline = time.monotonic() + 10
     while (res := d.get_num_new_matched_tokens(req, 0))[0] is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert res == (40, True)  # policy fail (the default): claimed, then failed at allocation
-    assert "did not answer" in d.consumer.peers["P-dead"].error
+    assert "did not answer" in d.consumer.peers["P-dead"].error and d.consumer.peers["P-dead"].attempt == 2
     d.update_state_after_alloc(req, _blocks(0, [60, 61, 62]), 40)
     assert "did not answer" in d.build_connector_meta(None).fail_recv["d-dead"]
+
+
+def test_unanswered_handshake_is_retried_inside_the_transfer_budget(pd, tiny_mla_dir: Path) -> None:
+    """P's side channel silent for one handshake timeout (closed, then bound again on its port: what a
+    starved or restarting P looks like from D): the waiting request is not failed; the next attempt
+    succeeds, and the load registers and is pushed as usual."""
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+    from vllm_dsa_connector.handoff.side_channel import SideChannelServer
+
+    _, d, clock = pd
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    p2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-late",
+                               ConnectorOptions.from_config(extra), clock)
+    try:
+        p2.set_local_payloads([_payload("P-late")])
+        params = _prefill(p2, "p-late", 2 * BLOCK, [21, 22])
+        host, port = p2.server.host, p2.server.port
+        p2.server.close()
+        req = _request("d-late", 2 * BLOCK, dict(params))
+        deadline = time.monotonic() + 10
+        while not (d.consumer.peers.get("P-late") and d.consumer.peers["P-late"].error):
+            assert d.get_num_new_matched_tokens(req, 0) == (None, False)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert "did not answer" in d.consumer.peers["P-late"].error
+        assert d.get_num_new_matched_tokens(req, 0) == (None, False)  # failed, but inside its 5 s budget
+        p2.server = SideChannelServer(host, port, p2._handle, p2.auth, clock)
+        clock.t += 1.0
+        deadline = time.monotonic() + 10
+        while (res := d.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert time.monotonic() < deadline, "second handshake did not finish"
+            time.sleep(0.05)
+        peer = d.consumer.peers["P-late"]
+        assert res == (2 * BLOCK, True) and peer.error is None and peer.attempt == 2
+        d.update_state_after_alloc(req, _blocks(0, [70, 71]), 2 * BLOCK)
+        meta = d.build_connector_meta(None)
+        assert [j.blocks for j in meta.recv] == [[70, 71]] and not meta.fail_recv
+        _wait(d.consumer.loads["d-late"].reg)
+        d.build_connector_meta(None)
+        push = p2.build_connector_meta(None).push
+        assert [(j.src_blocks, j.dst_blocks) for j in push] == [([21, 22], [70, 71])]
+        p2.update_connector_output(_output(sending={"p-late"}))
+        d.update_connector_output(_output(recving={"d-late"}))
+        assert "d-late" not in d.consumer.loads
+    finally:
+        p2.shutdown()
 
 
 def test_malformed_kv_transfer_params_compute_locally(pd) -> None:

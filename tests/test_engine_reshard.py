@@ -124,6 +124,13 @@ faulthandler.register(signal.SIGUSR1, file=_f, all_threads=True)
 STALL_S = 25.0  # a D request still waiting after this: dump P's and D's stacks once
 
 
+def _log_excerpt(eng: Engine, scan: int = 3000, keep: int = 60) -> str:
+    """The last ``keep`` lines of the engine's log that are errors, warnings or DSAConnector lines."""
+    lines = eng.proc.tail(scan).splitlines()
+    hits = [x for x in lines if any(w in x for w in ("ERROR", "WARNING", "DSAConnector", "Traceback", "Error"))]
+    return "\n".join(hits[-keep:])
+
+
 def _dump_stacks(e: Engines, labels: tuple[str, ...]) -> str:
     """SIGUSR1 every process of these engines; a digest of where each process's threads are."""
     names = {}
@@ -376,6 +383,8 @@ def test_reshard_decode_identical_and_pages_moved_once(engines: Engines, p_label
         lines = _run_direction(engines, p_label, d_label, seed)
     except Exception:
         _FAILED.add((engines.name, p_label, d_label))
+        for label in (p_label, d_label):  # what the engines said: a 500 from D names its reason only there
+            print(f"[reshard] {label} log, connector/error lines:\n{_log_excerpt(engines.by_label[label])}")
         raise
     print(f"[reshard] {engines.name} {p_label}->{d_label} in {time.monotonic() - t0:.1f} s:\n  "
           + "\n  ".join(lines))

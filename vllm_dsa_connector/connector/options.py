@@ -67,7 +67,9 @@ class ConnectorOptions:
         doc="D gives up on a transfer (load failure, kv_load_failure_policy applies) after this (s)",
     )
     handshake_timeout_s: float = option(
-        "handshake_timeout_s", _seconds, 10.0, doc="side-channel request timeout (s)",
+        "handshake_timeout_s", _seconds, 10.0,
+        doc="side-channel request timeout (s); an unanswered handshake is tried again while the waiting "
+        "request is inside transfer_timeout_s",
     )
     verify_transfers: bool = option(
         "verify_transfers", parse_bool, False,

@@ -136,9 +136,10 @@ class DSAConnectorScheduler:
             logger.error("DSAConnector: request %s: %s; computing locally", request.request_id, e)
             params["do_remote_prefill"] = False
             return 0, False
-        peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port)
         self.consumer.queue(request.request_id, rp)
-        if peer.future is not None:
+        since = self.consumer.loads[request.request_id].queued_at
+        peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since)
+        if self.consumer.waits_for(peer, since):
             return None, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:

@@ -13,6 +13,10 @@ Each request that takes its prompt's KV from P is a :class:`Loading` with an exp
     REGISTERING -> FAILED (P refused the registration: it will never write it)
     QUEUED -> (gone) when the request will not load (nothing was registered, nothing to wait for)
 
+A handshake that fails transiently (unanswered, or P still starting) is tried again while a request waits
+for it inside its transfer budget (``transfer_timeout_s`` from when it was queued); a refused peer (layout,
+engine id) fails its requests at once.
+
 Guarantee "no WRITE lands in blocks D gave back": D hands its blocks back to the engine only by reporting
 the request finished, and after a give-up it does so only when no WRITE can still arrive:
 
@@ -64,7 +68,10 @@ logger = logging.getLogger(__name__)
 PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], Any]
 
 SAFETY_MARGIN_S = 1.0
-_RETRY_UNREACHABLE_S = 5.0
+# A request inside its transfer budget tries an unanswered handshake again this soon (one attempt in flight per
+# peer): on a loaded host a P's side channel can stay unanswered past handshake_timeout_s (2 cores, CI: P's
+# engine starved), and one slow answer must not fail every request that was waiting for it.
+_RETRY_S = 0.5
 
 
 class RemoteParams(msgspec.Struct, frozen=True):
@@ -131,8 +138,10 @@ class Peer:
     expected: dict[int, list[int]] = field(default_factory=dict)
     max_block: int = 0
     error: str | None = None
-    failed_at: float = 0.0
+    failed_at: float = 0.0  # when a transient handshake failure happened (0: refused, never retried)
     control: ThreadPoolExecutor | None = None  # cancels and heartbeats to this peer only
+    started_at: float = 0.0  # the current handshake attempt
+    attempt: int = 1
 
 
 @dataclass
@@ -150,6 +159,7 @@ class Loading:
     cancel: Future | None = None
     slots: list[tuple[int, Any]] = field(default_factory=list)
     req_id: str = ""
+    queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
 
     def to(self, new: LoadState) -> None:
         """The one place a load changes state."""
@@ -194,47 +204,66 @@ class Consumer:
         meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth)
         return meta, self.check_peer(meta.payloads, self._local())
 
-    def peer(self, engine: str, host: str, port: int) -> Peer:
-        """The peer (its handshake started on first use, retried after an unreachable spell)."""
+    def peer(self, engine: str, host: str, port: int, waiting_since: float | None = None) -> Peer:
+        """The peer (its handshake started on first use). After a transient failure (no answer, or P still
+        starting) the handshake is tried again ``_RETRY_S`` later for a request queued at ``waiting_since``
+        whose transfer budget is not spent (:meth:`patient`)."""
         now = self.clock()
         peer = self.peers.get(engine)
-        if peer is not None and peer.error and peer.failed_at and now - peer.failed_at > _RETRY_UNREACHABLE_S:
-            peer = None
+        attempt = 1
+        if (peer is not None and peer.error and peer.failed_at and self.patient(waiting_since)
+                and now - peer.failed_at >= _RETRY_S):
+            attempt, peer = peer.attempt + 1, None
         if peer is None:
-            peer = Peer(host, port)
+            peer = Peer(host, port, started_at=now, attempt=attempt)
             peer.control = (self.peers[engine].control if engine in self.peers else
                             ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-control"))
             peer.future = self._notifying(self._handshakes.submit(self._handshake, peer))
             self.peers[engine] = peer
         if peer.future is not None and peer.future.done():
-            try:
-                peer.meta, peer.plan = peer.future.result()
-                if peer.meta.engine_id != engine:
-                    raise HandshakeError(f"DSAConnector peer {host}:{port} is engine {peer.meta.engine_id!r}, "
-                                         f"kv_transfer_params name {engine!r}")
-                peer.payloads = [encode(p) for p in peer.meta.payloads]
-                peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self._local()}
-                peer.max_block = max_block_id(peer.meta.payloads)
-                logger.info("DSAConnector %s: handshake with %s done (%d workers, plan %s)",
-                            self.engine_id, engine, len(peer.payloads), peer.expected)
-            except HandshakeError as e:
-                peer.error = str(e)
-                # an unreachable peer may come back; a refused layout will not
-                peer.failed_at = now if "did not answer" in str(e) or "failed:" in str(e) else 0.0
-                logger.error("%s", e)
-            except Exception as e:  # noqa: BLE001 - any handshake bug becomes a load failure, not a crash
-                peer.error = f"DSAConnector handshake with {engine} failed: {e!r}"
-                peer.failed_at = now
-                logger.exception("DSAConnector handshake with %s failed", engine)
-            peer.future = None
+            self._settle_handshake(engine, peer, peer.future, now)
         return peer
+
+    def patient(self, waiting_since: float | None) -> bool:
+        """Whether a request queued at ``waiting_since`` may still wait for a handshake to be retried."""
+        return waiting_since is not None and self.clock() - waiting_since < self.settings.transfer_timeout_s
+
+    def waits_for(self, peer: Peer, waiting_since: float) -> bool:
+        """Whether a request queued at ``waiting_since`` should ask again later: the handshake is in flight,
+        or it went unanswered and will be retried inside the request's transfer budget."""
+        return peer.future is not None or bool(peer.error and peer.failed_at and self.patient(waiting_since))
+
+    def _settle_handshake(self, engine: str, peer: Peer, done: Future, now: float) -> None:
+        host, port = peer.host, peer.port
+        took = now - peer.started_at
+        try:
+            peer.meta, peer.plan = done.result()
+            if peer.meta.engine_id != engine:
+                raise HandshakeError(f"DSAConnector peer {host}:{port} is engine {peer.meta.engine_id!r}, "
+                                     f"kv_transfer_params name {engine!r}")
+            peer.payloads = [encode(p) for p in peer.meta.payloads]
+            peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self._local()}
+            peer.max_block = max_block_id(peer.meta.payloads)
+            logger.info("DSAConnector %s: handshake with %s done in %.2f s (attempt %d; %d workers, plan %s)",
+                        self.engine_id, engine, took, peer.attempt, len(peer.payloads), peer.expected)
+        except HandshakeError as e:
+            peer.error = str(e)
+            # an unreachable or starting peer may come back; a refused layout will not
+            peer.failed_at = now if e.transient else 0.0
+            logger.error("%s (attempt %d, after %.2f s%s)", e, peer.attempt, took,
+                         "; waiting requests retry within their transfer budget" if e.transient else "")
+        except Exception as e:  # noqa: BLE001 - any handshake bug becomes a load failure, not a crash
+            peer.error = f"DSAConnector handshake with {engine} failed: {e!r}"
+            peer.failed_at = now
+            logger.exception("DSAConnector handshake with %s failed", engine)
+        peer.future = None
 
     # ------------------------------------------------------------ requests
 
     def queue(self, req_id: str, rp: RemoteParams) -> None:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile."""
         if req_id not in self.loads:
-            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id)
+            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock())
 
     def forget_queued(self, req_id: str) -> None:
         """A queued request that will not load from P."""

@@ -99,6 +99,10 @@ class CancelState:
     POSTED = "posted"  # a WRITE was handed to P's workers: it may land until the post deadline + write timeout
 
 
+#: A producer's refusal of a handshake before its workers registered their KV caches (it is starting up).
+NOT_READY = "workers have not registered their KV caches yet"
+
+
 class Reply(msgspec.Struct, frozen=True):
     """Every answer. ``clock`` is P's monotonic clock when it answered (for :class:`ClockEstimate`)."""
 

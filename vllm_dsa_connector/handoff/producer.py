@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from vllm_dsa_connector.handoff.messages import (
+    NOT_READY,
     CancelReq,
     CancelState,
     HeartbeatReq,
@@ -205,7 +206,7 @@ class Producer:
         handshake's answer; empty while the workers have not registered their KV caches)."""
         if isinstance(req, MetaReq):
             if not payloads:
-                return Reply(False, error="workers have not registered their KV caches yet", clock=self.clock())
+                return Reply(False, error=NOT_READY, clock=self.clock())
             return Reply(True, clock=self.clock(), engine_id=self.engine_id, payloads=list(payloads),
                          write_timeout_s=self.settings.transfer_timeout_s)
         if isinstance(req, RegReq):

@@ -35,6 +35,7 @@ import zmq
 
 from vllm_dsa_connector.handoff.messages import (
     MAX_MESSAGE_BYTES,
+    NOT_READY,
     Authenticator,
     ClockEstimate,
     MessageError,
@@ -53,7 +54,15 @@ __all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "fetch_payloads", 
 
 
 class HandshakeError(RuntimeError):
-    """The peer cannot be used: unreachable, or its KV layout would corrupt ours. The message says why."""
+    """The peer cannot be used: unreachable, or its KV layout would corrupt ours. The message says why.
+
+    ``transient``: a later attempt may succeed (no answer: timeout or socket error; or the peer's workers
+    are not up yet); otherwise the peer refused, or its answer was unusable, and asking again changes nothing.
+    """
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 Handler = Callable[[Request], Reply]
@@ -159,10 +168,10 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
         received = time.monotonic()
     except zmq.Again:
         raise HandshakeError(
-            f"DSAConnector peer {host}:{port} did not answer {kind!r} within {timeout_s:.1f} s"
+            f"DSAConnector peer {host}:{port} did not answer {kind!r} within {timeout_s:.1f} s", transient=True
         ) from None
     except zmq.ZMQError as e:
-        raise HandshakeError(f"DSAConnector peer {host}:{port} {kind!r} failed: {e}") from None
+        raise HandshakeError(f"DSAConnector peer {host}:{port} {kind!r} failed: {e}", transient=True) from None
     finally:
         sock.close()
     try:
@@ -189,7 +198,8 @@ def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator |
     clock = ClockEstimate()
     reply = request(host, port, MetaReq(), timeout_s, auth, clock)
     if not reply.ok:
-        raise HandshakeError(f"DSAConnector peer {host}:{port} refused the handshake: {reply.error}")
+        raise HandshakeError(f"DSAConnector peer {host}:{port} refused the handshake: {reply.error}",
+                             transient=reply.error == NOT_READY)
     try:
         payloads = [decode_payload(p) for p in reply.payloads]
     except ValueError as e:
