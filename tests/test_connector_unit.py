@@ -102,9 +102,38 @@ def test_side_channel_dead_peer_times_out_fast() -> None:
     finally:
         server.close()
     t0 = time.monotonic()
-    with pytest.raises(HandshakeError, match="did not answer"):
+    with pytest.raises(HandshakeError, match="did not answer") as e:
         request("127.0.0.1", 24991, MetaReq(), 0.5)  # nobody listens: a timeout, never a hang
     assert time.monotonic() - t0 < 3
+    assert e.value.transient  # D tries again while a waiting request's transfer budget lasts
+
+
+def test_handshake_refusals_say_whether_asking_again_can_help() -> None:
+    """A producer whose workers have not registered yet (starting up) refuses transiently; a wrong secret is
+    final. Real producers behind real side channels."""
+    from vllm_dsa_connector.handoff.messages import Authenticator
+    from vllm_dsa_connector.handoff.producer import Producer
+    from vllm_dsa_connector.handoff.settings import HandoffSettings
+    from vllm_dsa_connector.handoff.side_channel import (
+        HandshakeError,
+        SideChannelServer,
+        fetch_payloads,
+    )
+
+    producer = Producer("P-start", HandoffSettings(), block_size=16)
+    secret = Authenticator("s" * 32)
+    starting = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, []))
+    locked = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, [b"x"]), secret)
+    try:
+        with pytest.raises(HandshakeError, match="not registered their KV caches") as e:
+            fetch_payloads("127.0.0.1", starting.port, 5.0)
+        assert e.value.transient
+        with pytest.raises(HandshakeError, match="auth_secret differs") as e:
+            fetch_payloads("127.0.0.1", locked.port, 5.0, Authenticator("t" * 32))
+        assert not e.value.transient
+    finally:
+        starting.close()
+        locked.close()
 
 
 def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
