@@ -136,8 +136,7 @@ class DSAConnectorScheduler:
             logger.error("DSAConnector: request %s: %s; computing locally", request.request_id, e)
             params["do_remote_prefill"] = False
             return 0, False
-        self.consumer.queue(request.request_id, rp)
-        since = self.consumer.loads[request.request_id].queued_at
+        since = self.consumer.queue(request.request_id, rp)
         peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since)
         if self.consumer.waits_for(peer, since):
             return None, False

@@ -143,6 +143,11 @@ class Peer:
     started_at: float = 0.0  # the current handshake attempt
     attempt: int = 1
 
+    @property
+    def retryable(self) -> bool:
+        """The last handshake failed transiently (no answer, or P still starting): another may succeed."""
+        return bool(self.error and self.failed_at)
+
 
 @dataclass
 class Loading:
@@ -211,8 +216,7 @@ class Consumer:
         now = self.clock()
         peer = self.peers.get(engine)
         attempt = 1
-        if (peer is not None and peer.error and peer.failed_at and self.patient(waiting_since)
-                and now - peer.failed_at >= _RETRY_S):
+        if peer is not None and peer.retryable and self.patient(waiting_since) and now - peer.failed_at >= _RETRY_S:
             attempt, peer = peer.attempt + 1, None
         if peer is None:
             peer = Peer(host, port, started_at=now, attempt=attempt)
@@ -231,7 +235,7 @@ class Consumer:
     def waits_for(self, peer: Peer, waiting_since: float) -> bool:
         """Whether a request queued at ``waiting_since`` should ask again later: the handshake is in flight,
         or it went unanswered and will be retried inside the request's transfer budget."""
-        return peer.future is not None or bool(peer.error and peer.failed_at and self.patient(waiting_since))
+        return peer.future is not None or (peer.retryable and self.patient(waiting_since))
 
     def _settle_handshake(self, engine: str, peer: Peer, done: Future, now: float) -> None:
         host, port = peer.host, peer.port
@@ -260,10 +264,12 @@ class Consumer:
 
     # ------------------------------------------------------------ requests
 
-    def queue(self, req_id: str, rp: RemoteParams) -> None:
-        """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile."""
+    def queue(self, req_id: str, rp: RemoteParams) -> float:
+        """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile. Returns when
+        it was first queued (its transfer budget runs from there)."""
         if req_id not in self.loads:
             self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock())
+        return self.loads[req_id].queued_at
 
     def forget_queued(self, req_id: str) -> None:
         """A queued request that will not load from P."""
