@@ -38,18 +38,27 @@ def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _host_pages(cache: torch.Tensor, block_ids: list[int]) -> memoryview:
+    """The pages of ``block_ids`` of one layer's cache as host bytes, page after page: one index op and
+    one copy for all of them (the cache may be device memory)."""
+    index = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
+    pages = cache.index_select(0, index).contiguous().view(torch.uint8)
+    return memoryview(pages.cpu().numpy().reshape(-1))
+
+
 def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> tuple[list[int], dict[str, list[int]]]:
     """CRC32 per block over every layer's page of that block (layers in name order), and per layer (by name);
-    each page is read once for both."""
-    digests = []
-    per_layer: dict[str, list[int]] = {name: [] for name in caches}
-    for b in block_ids:
-        crc = 0
-        for name, cache in caches.items():
-            page = cache[b].contiguous().view(torch.uint8).numpy().tobytes()
-            crc = zlib.crc32(page, crc)
-            per_layer[name].append(zlib.crc32(page))
-        digests.append(crc)
+    each layer's pages are read once for both."""
+    if not block_ids:
+        return [], {name: [] for name in caches}
+    digests = [0] * len(block_ids)
+    per_layer: dict[str, list[int]] = {}
+    for name, cache in caches.items():
+        host = _host_pages(cache, block_ids)
+        size = len(host) // len(block_ids)
+        pages = [host[j * size:(j + 1) * size] for j in range(len(block_ids))]
+        per_layer[name] = [zlib.crc32(page) for page in pages]
+        digests = [zlib.crc32(page, crc) for page, crc in zip(pages, digests, strict=True)]
     return digests, per_layer
 
 
@@ -74,5 +83,5 @@ class KVProbe:
 
     def dsa_probe_digest_all(self) -> list[int]:
         """CRC32 of every KV cache layer's whole tensor (layers in name order): a snapshot to compare."""
-        return [zlib.crc32(cache.contiguous().view(torch.uint8).numpy().tobytes())
+        return [zlib.crc32(memoryview(cache.contiguous().view(torch.uint8).cpu().numpy().reshape(-1)))
                 for cache in _layer_caches(self).values()]

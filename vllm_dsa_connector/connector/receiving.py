@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.pages import crc_at
+from vllm_dsa_connector.connector.pages import crc_runs
 from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX, Notice, RecvJob, decode_notice
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
 
@@ -89,13 +89,17 @@ class ReceiveSide:
         if not n.checks and n.nbytes:
             ok = False
             logger.error("DSAConnector: %s: sender sent no checksums", n.req_id)
+        by_pool: dict[int, list[tuple[int, int, int]]] = {}
         for pool, off, length, crc in n.checks:
             region = self.regions[pool] if 0 <= pool < len(self.regions) else None
-            if region is None or off < 0 or off + length > region.size:
+            if region is None or off < 0 or length < 0 or off + length > region.size:
                 ok = False
                 continue
-            self.stats.add("checksummed_runs")
-            if crc_at(region.addr + off, length) != crc:
+            by_pool.setdefault(pool, []).append((off, length, crc))
+        for pool, runs in by_pool.items():
+            got = crc_runs(self.regions[pool].tensor, [r[0] for r in runs], [r[1] for r in runs])
+            self.stats.add("checksummed_runs", len(runs))
+            if any(g != r[2] for g, r in zip(got, runs, strict=True)):
                 ok = False
         if not ok:
             self.stats.add("checksum_mismatches")

@@ -29,7 +29,7 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.pages import crc_at, pool_tensor
+from vllm_dsa_connector.connector.pages import crc_runs, pool_tensor
 from vllm_dsa_connector.connector.receiving import ReceiveSide
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_peer
@@ -283,9 +283,9 @@ class DSAConnectorWorker(ReceiveSide):
         nruns = sum(r.num_runs for _, _, r in parts)
         if job.verify:
             for sp, dp, runs in parts:
-                base = self.regions[sp].addr
-                checks.extend((dp, int(o), int(n), crc_at(base + int(a), int(n)))
-                              for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True))
+                crcs = crc_runs(self.regions[sp].tensor, runs.src_offsets, runs.lengths)
+                checks.extend((dp, int(o), int(n), crc)
+                              for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs, strict=True))
         notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
         slot = job.slots.get(dst.rank, {}).get(me)
         staging = None

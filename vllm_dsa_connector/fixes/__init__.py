@@ -15,6 +15,9 @@ Fixes:
   to one token per request.
 * ``cpu-pp-intermediate-tensors`` (:mod:`.pp_intermediate`): vLLM's CPU runner has no pipeline
   receive buffer on stages after the first when the warm-up run is skipped.
+* ``deep-gemm-mqa-logits-api`` (:mod:`.deep_gemm_api`): vLLM's DeepGEMM MQA-logits wrappers call
+  ``clean_logits=`` kernels while the DeepGEMM they resolve takes ``max_seqlen_k`` and returns
+  compressed rows (the DSA indexer then dies on the first prefill).
 
 :func:`apply_runtime_fixes` returns one :class:`FixReport` per fix (:func:`report_for` picks
 one by name); :func:`revert_runtime_fixes` undoes all of them and the guards.
@@ -37,7 +40,7 @@ from vllm_dsa_connector.options import runtime_fixes_disabled
 __all__ = ["FIX_NAMES", "FixReport", "apply_runtime_fixes", "report_for", "revert_runtime_fixes"]
 
 # The fixes, in the order of apply_runtime_fixes()'s reports (each module's FIX_NAME).
-FIX_NAMES: tuple[str, ...] = ("mtp-draft-token-map", "cpu-pp-intermediate-tensors")
+FIX_NAMES: tuple[str, ...] = ("mtp-draft-token-map", "cpu-pp-intermediate-tensors", "deep-gemm-mqa-logits-api")
 
 _LOCK = threading.Lock()
 _LOGGER_NAME = "vllm.plugins." + __name__
@@ -80,7 +83,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
     """
     import vllm
 
-    from vllm_dsa_connector.fixes import pp_intermediate
+    from vllm_dsa_connector.fixes import deep_gemm_api, pp_intermediate
 
     version = getattr(vllm, "__version__", "unknown")
     with _LOCK:
@@ -92,7 +95,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
             )
             return tuple(FixReport(name, "disabled", version, "env") for name in FIX_NAMES)
         _install_guards(version)
-        return (_apply_mtp_token_map(version), pp_intermediate.apply(version))
+        return (_apply_mtp_token_map(version), pp_intermediate.apply(version), deep_gemm_api.apply(version))
 
 
 def report_for(reports: Iterable[FixReport], name: str) -> FixReport:
@@ -211,11 +214,12 @@ def revert_runtime_fixes() -> bool:
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_dsa_connector.fixes import mtp_token_map, pp_intermediate
+    from vllm_dsa_connector.fixes import deep_gemm_api, mtp_token_map, pp_intermediate
     from vllm_dsa_connector.fixes import multi_connector as guard
 
     with _LOCK:
-        changed = mtp_token_map.uninstall(CommonAttentionMetadata)
+        changed = deep_gemm_api.revert()
+        changed = mtp_token_map.uninstall(CommonAttentionMetadata) or changed
         runner = pp_intermediate.runner_class()
         if runner is not None:
             changed = pp_intermediate.uninstall(runner) or changed
