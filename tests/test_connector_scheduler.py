@@ -320,6 +320,44 @@ def test_malformed_kv_transfer_params_compute_locally(pd) -> None:
     assert d.get_num_new_matched_tokens(_request("d-bad", 16, bad), 0) == (0, False)
 
 
+def test_one_p_request_feeds_one_d_request(pd, tiny_mla_dir: Path) -> None:
+    """Issue 29 item 3. vLLM forks ``n > 1`` into children sharing the parent's kv_transfer_params (and a
+    prompt list sent as one request hands the first prompt's params to every prompt): on one D, the first
+    child takes P's KV and the others compute the prompt locally. A second D engine handed the same params
+    is refused by P, and its load fails naming the D request that has the lease."""
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+
+    p, d, clock = pd
+    params = _prefill(p, "p-fork", 2 * BLOCK, [33, 34])
+    _load(d, clock, "0_fork", params, 2 * BLOCK, 0, [90, 91])
+    sibling = _request("1_fork", 2 * BLOCK, dict(params))
+    assert d.get_num_new_matched_tokens(sibling, 0) == (0, False)  # computed locally, not a second load
+    assert not sibling.kv_transfer_params["do_remote_prefill"] and "1_fork" not in d.consumer.loads
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["0_fork"].reg)
+    assert not d.build_connector_meta(None).fail_recv
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    d2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D2", ConnectorOptions.from_config(extra),
+                               clock)
+    try:
+        d2.set_local_payloads([_payload("D2")])
+        d2.consumer.check_peer = lambda src, dst: _Plan()
+        _load(d2, clock, "d2-fork", params, 2 * BLOCK, 0, [92, 93])
+        d2.build_connector_meta(None)
+        _wait(d2.consumer.loads["d2-fork"].reg)
+        reason = d2.build_connector_meta(None).fail_recv["d2-fork"]
+        assert "P refused the registration" in reason and "already registered by D request '0_fork'" in reason
+        assert "refusing D request 'd2-fork' of engine 'D2'" in reason
+        (job,) = p.build_connector_meta(None).push  # P writes for the first D request only
+        assert (job.dst_engine, job.dst_req_id, job.dst_blocks) == ("D", "0_fork", [90, 91])
+        p.update_connector_output(_output(sending={"p-fork"}))
+        d.update_connector_output(_output(recving={"0_fork"}))
+        d2.update_connector_output(_output(recving={"d2-fork"}, failed={"d2-fork"}))
+    finally:
+        d2.shutdown()
+
+
 def _wait_for(cond, what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():

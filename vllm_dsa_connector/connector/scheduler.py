@@ -136,6 +136,12 @@ class DSAConnectorScheduler:
             logger.error("DSAConnector: request %s: %s; computing locally", request.request_id, e)
             params["do_remote_prefill"] = False
             return 0, False
+        if (other := self.consumer.taken_by(request.request_id, rp)) is not None:
+            logger.warning("DSAConnector: request %s names P request %s of %s, which D request %s already takes "
+                           "(n > 1, or a prompt list sent as one request); computing it locally",
+                           request.request_id, rp.remote_request_id, rp.remote_engine_id, other)
+            params["do_remote_prefill"] = False
+            return 0, False
         since = self.consumer.queue(request.request_id, rp)
         peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since)
         refused = self.consumer.loads[request.request_id].error  # P refused a heartbeat for it

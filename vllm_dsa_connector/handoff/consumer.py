@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ SAFETY_MARGIN_S = 1.0
 # peer): on a loaded host a P's side channel can stay unanswered past handshake_timeout_s (2 cores, CI: P's
 # engine starved), and one slow answer must not fail every request that was waiting for it.
 _RETRY_S = 0.5
+_TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings arrive within steps)
 
 
 class RemoteParams(msgspec.Struct, frozen=True):
@@ -203,6 +205,7 @@ class Consumer:
         self._regs = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-register")
         self._last_hb = 0.0
         self._heartbeats: list[tuple[str, list[ReqRef], Future]] = []  # (engine, refs, reply) in flight
+        self._taken: OrderedDict[tuple[str, str], str] = OrderedDict()  # (P engine, P request) -> D request
         self.heartbeats_refused = 0  # heartbeats P answered with a refusal (each an error, logged)
 
     # ------------------------------------------------------------ handshake
@@ -273,11 +276,25 @@ class Consumer:
 
     # ------------------------------------------------------------ requests
 
+    def taken_by(self, req_id: str, rp: RemoteParams) -> str | None:
+        """The other D request that already loads (or loaded) the P request ``rp`` names, else ``None``.
+
+        One P request feeds one D request: vLLM forks a request with ``n > 1`` into children that share its
+        ``kv_transfer_params``, and a completion with a prompt list hands the first prompt's params to all
+        of them. The first D request to come takes the KV; the caller computes the others itself."""
+        other = self._taken.get((rp.remote_engine_id, rp.remote_request_id))
+        return other if other is not None and other != req_id else None
+
     def queue(self, req_id: str, rp: RemoteParams) -> float:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile. Returns when
         it was first queued (its transfer budget runs from there)."""
         if req_id not in self.loads:
             self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock())
+            key = (rp.remote_engine_id, rp.remote_request_id)
+            self._taken.setdefault(key, req_id)
+            self._taken.move_to_end(key)
+            while len(self._taken) > _TAKEN:
+                self._taken.popitem(last=False)
         return self.loads[req_id].queued_at
 
     def forget_queued(self, req_id: str) -> None:
