@@ -348,6 +348,29 @@ def test_a_retried_registration_gets_the_same_answer(producer) -> None:
     assert len(meta.push) == 1
 
 
+def test_a_second_d_request_registering_a_lease_is_refused_naming_both(producer) -> None:
+    """Issue 29 item 3: one P request feeds one D request. A second D request (same engine or another one)
+    presenting the same kv_transfer_params is refused by name, before and after dispatch; the first D
+    request's retry still gets its answer."""
+    import msgspec
+
+    prod, clock = producer
+    token = prod.add_lease("p1", [7, 8])
+    first = _reg(token, clock.t + 5, [1, 2])
+    assert prod.handle_reg(first).ok
+    for d_engine, d_req in (("D", "d2"), ("D-other", "d1")):
+        second = msgspec.structs.replace(first, d_engine=d_engine, d_req=d_req)
+        reply = prod.handle_reg(second)
+        assert not reply.ok
+        assert "already registered by D request 'd1' of engine 'D'" in reply.error
+        assert f"refusing D request {d_req!r} of engine {d_engine!r}" in reply.error
+    (job,) = prod.step().push
+    assert job.dst_req_id == "d1"
+    assert "already registered by D request 'd1'" in prod.handle_reg(
+        msgspec.structs.replace(first, d_req="d3")).error  # dispatched: still refused by name
+    assert prod.handle_reg(first).ok  # the first D request's retry
+
+
 # ------------------------------------------------------------------------------------------ state machines
 
 

@@ -316,20 +316,28 @@ def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
         _close(P, D)
 
 
-def h_corrupt_notice(key: str, blocks: list[int]) -> dict[str, Any]:
-    """Arm a receive, then feed it a notice whose checksum cannot match (a fault we cannot cause on a
-    real wire: the notice is fabricated, the rest is the worker's real receive path)."""
+def h_corrupt_notice(key: str, src_engine: str, src_payloads: list[bytes], src_blocks: list[int],
+                     blocks: list[int]) -> dict[str, Any]:
+    """Arm a receive, then feed it a notice whose entries are the runs D's plan expects from rank 0 but whose
+    first checksum cannot match (a fault we cannot cause on a real wire: the notice is fabricated, the rest is
+    the worker's real receive path)."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import Notice, RecvJob, encode
+    from vllm_dsa_connector.handoff.wire import Notice, PeerInfo, RecvJob, encode
     from vllm_dsa_connector.transport.notices import encode_notif
 
     worker = _STATE[key][0]
     me = worker.table.rank
-    worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("bad-req", "P-x", blocks, {me: [7]}, 30.0, True)]))
+    worker.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(src_engine, src_payloads, as_source=True)],
+                                              recv=[RecvJob("bad-req", src_engine, blocks, {me: [0]}, 30.0, True,
+                                                            src_blocks=src_blocks)]))
     region = worker.regions[0]
-    bad = Notice("bad-req", 7, True, 4096, 1, checks=[(0, 0, 4096, 12345)])
+    plan = worker.remotes[src_engine].plan
+    checks = [(dp, int(o), int(n), 12345) for _, dp, runs in plan.runs(0, me, src_blocks, blocks)
+              for o, n in zip(runs.dst_offsets, runs.lengths, strict=True)]
+    bad = Notice("bad-req", 0, True, sum(c[2] for c in checks), len(checks), checks=checks)
+    agent = next(p.agent_name for p in worker.remotes[src_engine].payloads if p.rank == 0)
     with worker._lock:  # as the worker's own progress thread does
-        worker.receiver.handle(None, encode_notif("direct", 7, encode(bad)))  # None: not from a NIXL agent
+        worker.receiver.handle(agent, encode_notif("direct", 0, encode(bad)))
     done = worker.get_transfer_results()
     return {"done": done, "error_blocks": worker.get_block_ids_with_load_errors(),
             "mismatches": worker.stats.data["checksum_mismatches"], "region": region.size}
@@ -340,7 +348,7 @@ def test_checksum_mismatch_is_a_load_failure(hosts: list[Host]) -> None:
     P, D = _setup(hosts, {**case, "p": (1, 1)}, "default", "crc")
     try:
         h, key, _ = D[0]
-        out = h.call("h_corrupt_notice", key, DST_BLOCKS)
+        out = h.call("h_corrupt_notice", key, "P-crc", [p for _, _, p in P], SRC_BLOCKS, DST_BLOCKS)
         assert "bad-req" in out["done"][1]  # finished receiving (vLLM then applies the policy) ...
         assert out["error_blocks"] == set(DST_BLOCKS)  # ... on these blocks, reported the vLLM way
         assert out["mismatches"] == 1

@@ -67,6 +67,9 @@ def pd(tiny_mla_dir: Path):
     d.set_local_payloads([_payload("D")])
     # the page tables are fakes: skip the layout check, keep the real handshake round trip
     d.consumer.check_peer = lambda src, dst: _Plan()
+    # the clock estimate pairs the injected clock with real round trips: start it now, not before the
+    # (seconds-long, on a cold host) config set-up, or the first registration is past its post deadline
+    clock.t = time.monotonic()
     yield p, d, clock
     p.shutdown()
     d.shutdown()
@@ -315,6 +318,117 @@ def test_malformed_kv_transfer_params_compute_locally(pd) -> None:
            "remote_host": "127.0.0.1", "remote_port": "not a port", "remote_block_ids": [1],
            "remote_num_tokens": 16, "remote_token": "t"}
     assert d.get_num_new_matched_tokens(_request("d-bad", 16, bad), 0) == (0, False)
+
+
+def test_one_p_request_feeds_one_d_request(pd, tiny_mla_dir: Path) -> None:
+    """Issue 29 item 3. vLLM forks ``n > 1`` into children sharing the parent's kv_transfer_params (and a
+    prompt list sent as one request hands the first prompt's params to every prompt): on one D, the first
+    child takes P's KV and the others compute the prompt locally. A second D engine handed the same params
+    is refused by P, and its load fails naming the D request that has the lease."""
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+
+    p, d, clock = pd
+    params = _prefill(p, "p-fork", 2 * BLOCK, [33, 34])
+    _load(d, clock, "0_fork", params, 2 * BLOCK, 0, [90, 91])
+    sibling = _request("1_fork", 2 * BLOCK, dict(params))
+    assert d.get_num_new_matched_tokens(sibling, 0) == (0, False)  # computed locally, not a second load
+    assert not sibling.kv_transfer_params["do_remote_prefill"] and "1_fork" not in d.consumer.loads
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["0_fork"].reg)
+    assert not d.build_connector_meta(None).fail_recv
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    d2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D2", ConnectorOptions.from_config(extra),
+                               clock)
+    try:
+        d2.set_local_payloads([_payload("D2")])
+        d2.consumer.check_peer = lambda src, dst: _Plan()
+        _load(d2, clock, "d2-fork", params, 2 * BLOCK, 0, [92, 93])
+        d2.build_connector_meta(None)
+        _wait(d2.consumer.loads["d2-fork"].reg)
+        reason = d2.build_connector_meta(None).fail_recv["d2-fork"]
+        assert "P refused the registration" in reason and "already registered by D request '0_fork'" in reason
+        assert "refusing D request 'd2-fork' of engine 'D2'" in reason
+        (job,) = p.build_connector_meta(None).push  # P writes for the first D request only
+        assert (job.dst_engine, job.dst_req_id, job.dst_blocks) == ("D", "0_fork", [90, 91])
+        p.update_connector_output(_output(sending={"p-fork"}))
+        d.update_connector_output(_output(recving={"0_fork"}))
+        d2.update_connector_output(_output(recving={"d2-fork"}, failed={"d2-fork"}))
+    finally:
+        d2.shutdown()
+
+
+def _wait_for(cond, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_heartbeats_of_many_queued_requests_stay_under_p_s_cap(pd) -> None:
+    """Issue 29 item 5: more queued loads than P takes in one message (4,096) are heartbeated in chunks
+    under the cap; one heartbeat of them all was refused whole and every lease expired."""
+    from vllm_dsa_connector.handoff.consumer import parse_remote_params
+    from vllm_dsa_connector.handoff.messages import MAX_REQS_PER_MESSAGE
+
+    p, d, clock = pd
+    template = _prefill(p, "p-many-0", BLOCK, [30])
+    n = MAX_REQS_PER_MESSAGE + 5
+    ids = [f"p-many-{i}" for i in range(1, n)]
+    for i, p_req in enumerate(ids, 1):
+        token = p.producer.add_lease(p_req, [30 + i % 100])
+        d.consumer.queue(f"d-many-{i}", parse_remote_params({**template, "remote_request_id": p_req,
+                                                             "remote_token": token}))
+    ids.append("p-many-0")
+    d.consumer.queue("d-many-0", parse_remote_params(template))
+    try:
+        leases = [p.producer.lease(i) for i in ids]
+        start = clock.t
+        clock.t += 6  # a heartbeat is due; the 10 s leases end at start + 10
+        d.build_connector_meta(None)
+        _wait_for(lambda: all(lease.deadline >= clock.t + 9 for lease in leases), "leases not extended")
+        clock.t = start + 12
+        assert not set(p.build_connector_meta(None).release) & set(ids)
+        assert all(lease.state is LeaseState.HELD for lease in leases)
+        d.build_connector_meta(None)
+        assert d.consumer.heartbeats_refused == 0
+    finally:
+        for i in range(n):
+            d.consumer.forget_queued(f"d-many-{i}")
+        p.update_connector_output(_output(sending=set(ids)))
+
+
+def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
+    """Issue 29 item 5: P refusing a heartbeat (here P's real check refusing a request id over 512 characters
+    in it, the D load queued directly: kv_transfer_params with such an id are now computed locally) is logged,
+    counted, and the loads it covered fail by name at allocation instead of waiting for expired leases."""
+    import msgspec
+
+    from vllm_dsa_connector.handoff.consumer import parse_remote_params
+
+    p, d, clock = pd
+    params = _prefill(p, "p-victim", BLOCK, [40])
+    req = _request("d-victim", BLOCK, dict(params))
+    assert d.get_num_new_matched_tokens(req, 0) == (BLOCK, True)  # handshake done; no blocks yet: queued
+    long_id = {**params, "remote_request_id": "x" * 600}
+    assert d.get_num_new_matched_tokens(_request("d-long", BLOCK, long_id), 0) == (0, False)  # refused by name
+    d.consumer.queue("d-poison", msgspec.structs.replace(parse_remote_params(params), remote_request_id="x" * 600))
+    before = d.consumer.heartbeats_refused
+    try:
+        clock.t += 2
+        d.build_connector_meta(None)  # the heartbeat goes out
+        _wait_for(lambda: all(f.done() for _, _, f in d.consumer._heartbeats), "heartbeat unanswered")
+        d.build_connector_meta(None)  # its refusal is collected
+        assert d.consumer.heartbeats_refused == before + 1
+        assert "refused the heartbeat" in d.consumer.loads["d-victim"].error
+        assert "p_req must be 1..512" in d.consumer.loads["d-victim"].error
+        assert d.get_num_new_matched_tokens(req, 0) == (BLOCK, True)
+        d.update_state_after_alloc(req, _blocks(0, [80]), BLOCK)
+        assert "refused the heartbeat" in d.build_connector_meta(None).fail_recv["d-victim"]
+    finally:
+        d.consumer.forget_queued("d-poison")
+        d.consumer.forget_queued("d-victim")
+        p.update_connector_output(_output(sending={"p-victim"}))
 
 
 def test_idle_steps_pause_and_a_registration_wakes_p(pd) -> None:

@@ -268,6 +268,80 @@ def test_completions_non_stream(h: Harness) -> None:
     assert h.decode.bodies[0]["max_tokens"] == 4
 
 
+async def prefill_per_prompt(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """P's params name the prompt they were computed for."""
+    return web.json_response({"id": "p", "choices": [{"text": "x"}],
+                              "kv_transfer_params": {**P_PARAMS, "remote_request_id": f"p-{body['prompt']}"}})
+
+
+async def decode_echo_params(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """D's n choices say which P request's KV they decoded."""
+    n = body.get("n", 1)
+    name = body["kv_transfer_params"]["remote_request_id"]
+    return web.json_response({
+        "id": f"d-{name}", "object": "text_completion", "model": "m",
+        "choices": [{"index": j, "text": f"{name}/{j}", "finish_reason": "length"} for j in range(n)],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2 * n, "total_tokens": 3 + 2 * n,
+                  "prompt_tokens_details": None}})
+
+
+def test_prompt_list_is_split_into_one_p_d_pair_per_prompt(h: Harness) -> None:
+    """Issue 29 item 3: vLLM returns kv_transfer_params for the first prompt of a list only; sent as one
+    request, every prompt's D request would name that one P request. Split: one pair per prompt, each D leg
+    with its own prompt's params; choices indexed i * n + j as vLLM does, usage summed."""
+    h.prefill.handler, h.decode.handler = prefill_per_prompt, decode_echo_params
+    url = h.proxy()
+    body = {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 4, "n": 2}
+    r = requests.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "cli"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kv-transfer"] == "1" and float(r.headers["x-prefill-ms"]) >= 0
+    out = r.json()
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [
+        (0, "p-a/0"), (1, "p-a/1"), (2, "p-b/0"), (3, "p-b/1"), (4, "p-c/0"), (5, "p-c/1")]
+    assert out["usage"] == {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21,
+                            "prompt_tokens_details": None}
+    assert out["id"] == "d-p-a" and out["object"] == "text_completion"
+    assert sorted(b["prompt"] for b in h.prefill.bodies) == ["a", "b", "c"]
+    assert all(b["n"] == 1 and b["max_tokens"] == 1 for b in h.prefill.bodies)
+    assert sorted((b["prompt"], b["kv_transfer_params"]["remote_request_id"], b["n"]) for b in h.decode.bodies) == [
+        ("a", "p-a", 2), ("b", "p-b", 2), ("c", "p-c", 2)]
+    assert sorted(h.prefill.ids) == sorted(h.decode.ids) == ["cli-0", "cli-1", "cli-2"]
+    pairs = {b["prompt"]: i for b, i in zip(h.prefill.bodies, h.prefill.ids, strict=True)}
+    assert {b["prompt"]: i for b, i in zip(h.decode.bodies, h.decode.ids, strict=True)} == pairs  # one id per pair
+
+
+def test_token_prompts_split_and_one_token_list_does_not(h: Harness) -> None:
+    h.prefill.handler, h.decode.handler = prefill_per_prompt, decode_echo_params
+    url = h.proxy()
+    r = requests.post(url + "/v1/completions", json={"model": "m", "prompt": [[1, 2], [3, 4]]}, timeout=10)
+    assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == ["p-[1, 2]/0", "p-[3, 4]/0"]
+    h.reset()
+    h.prefill.handler, h.decode.handler = prefill_per_prompt, decode_echo_params
+    r = requests.post(url + "/v1/completions", json={"model": "m", "prompt": [5, 6, 7]}, timeout=10)
+    assert r.status_code == 200 and len(h.prefill.bodies) == len(h.decode.bodies) == 1
+    assert h.decode.bodies[0]["prompt"] == [5, 6, 7]
+
+
+def test_streamed_prompt_list_is_refused_by_name(h: Harness) -> None:
+    url = h.proxy()
+    r = requests.post(url + "/v1/completions", json={"model": "m", "prompt": ["a", "b"], "stream": True}, timeout=10)
+    err = error_of(r, 400, "proxy")
+    assert err["param"] == "prompt" and "list of 2 prompts" in err["message"]
+    assert not h.prefill.bodies and not h.decode.bodies
+
+
+def test_split_prompt_failing_on_one_side_is_that_side_s_error(h: Harness) -> None:
+    async def decode_fails_b(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if body["prompt"] == "b":
+            return web.json_response({"error": {"message": "no KV", "type": "x"}}, status=500)
+        return await decode_echo_params(request, body)
+
+    h.prefill.handler, h.decode.handler = prefill_per_prompt, decode_fails_b
+    r = requests.post(h.proxy() + "/v1/completions", json={"model": "m", "prompt": ["a", "b"]}, timeout=10)
+    err = error_of(r, 502, "decode")
+    assert err["message"] == "no KV" and len(h.decode.bodies) == 2
+
+
 @pytest.mark.parametrize("path,extra,local", [
     ("/v1/completions", {"prompt_logprobs": 1}, True),
     ("/v1/completions", {"echo": True, "logprobs": 2}, True),

@@ -635,6 +635,64 @@ def test_direct_and_bounce_transports_called_the_same_way_one_receiver() -> None
         b.close()
 
 
+def test_post_deadline_is_checked_before_every_write_after_staging_waits() -> None:
+    """Issue 29 item 10: a bounced post that waits for staging space (the sender's arena is held full) until
+    past its deadline must not WRITE; the direct transport checks each part before posting it. Two real
+    NIXL agents; the receiver sees no bytes and no notification."""
+    from vllm_dsa_connector.transport import (
+        BounceSender,
+        BounceTransport,
+        DirectTransport,
+        NixlEngine,
+        PostState,
+        StagingSlot,
+    )
+
+    stamp = time.monotonic_ns()
+    a, b = NixlEngine(f"dl-s-{stamp}"), NixlEngine(f"dl-r-{stamp}")
+    try:
+        src = torch.full((1 << 16,), 7, dtype=torch.uint8)
+        dst = torch.zeros(1 << 16, dtype=torch.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        recv_arena = StagingArena(1 << 16)
+        recv_region = b.register(recv_arena.buffer)
+        local = StagingArena(1 << 16)
+        held = local.reserve(local.size)  # every byte of the sender's arena taken: the bounce waits
+        assert held is not None
+        snd = BounceSender(a, local, BounceGate(BounceSettings(mode="always"), environ={}), reserve_timeout_s=1.0)
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        runs = runs_from_blocks([0, 1], [2, 3], 4096)
+        slot = StagingSlot(recv_region.desc(), 0, runs.total_bytes)
+        bounce = BounceTransport(snd, 20.0)
+        started = time.monotonic()
+        post = bounce.post(peer, [(rs, rd.desc(), runs)], writer=0, tag=b"late", slot=slot,
+                           deadline=started + 0.3)
+        assert time.monotonic() - started >= 0.3  # it did wait for staging past the deadline ...
+        assert bounce.progress(post) and post.state is PostState.FAILED  # ... and then posted nothing
+        assert "post deadline passed" in post.error and not post._inflight
+        direct = DirectTransport(a, 20.0)
+        post = direct.post(peer, [(rs, rd.desc(), runs)], writer=0, tag=b"late2", deadline=time.monotonic())
+        assert direct.progress(post) and post.state is PostState.FAILED and "post deadline passed" in post.error
+        # before the deadline the same post goes through
+        post = direct.post(peer, [(rs, rd.desc(), runs)], writer=0, tag=b"ok", deadline=time.monotonic() + 20)
+        wait_until = time.monotonic() + 20
+        while not direct.progress(post):
+            b.progress()
+            assert time.monotonic() < wait_until, "direct post did not complete"
+        assert post.state is PostState.DONE and bool((dst[2 * 4096 : 4 * 4096] == 7).all())
+        notes = []
+        wait_until = time.monotonic() + 5
+        while not notes and time.monotonic() < wait_until:
+            notes = [m for _, m in b.poll_notifications()]
+        assert notes == [encode_notif("direct", 0, b"ok")]  # nothing from the refused posts
+        local.release(held)
+        assert local.free_bytes == local.size  # the refused bounce gave its (never taken) space back
+    finally:
+        a.close()
+        b.close()
+
+
 def test_engine_progress_keeps_notifications_for_poll() -> None:
     """``progress()`` moves UCX along without losing what arrived: poll_notifications returns it later."""
     from vllm_dsa_connector.transport import NixlEngine

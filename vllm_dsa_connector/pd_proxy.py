@@ -18,6 +18,16 @@ client's sampling fields as sent. Prompt logprobs (``prompt_logprobs``, or ``ech
 the prompt's logits where the answer is made and vLLM ignores external KV for them
 (``skip_reading_prefix_cache``): such requests go to D alone rather than leave P's blocks held for nothing.
 
+One P request feeds one D request. vLLM answers a ``/v1/completions`` request with a list of prompts with
+the ``kv_transfer_params`` of the first prompt only, so the proxy splits such a list into one P/D pair per
+prompt (run concurrently, each with its own ``X-Request-Id``: the client's or a fresh one, ``-<i>``
+appended) and merges D's answers into one response: choice ``j`` of prompt ``i`` gets index ``i * n + j``
+(vLLM's order), ``usage`` is the sum, the rest is the first answer's; ``x-prefill-ms`` is the slowest
+prefill leg, ``x-kv-transfer`` is ``1`` when every D leg got P's params. A streamed prompt list is refused
+with a 400 naming ``prompt`` (send one request per prompt). ``n > 1`` stays one D request: vLLM forks it
+into ``n`` children sharing P's params; D's connector lets the first take P's KV and the others compute
+the prompt themselves.
+
 Errors are JSON ``{"error": {"message", "type", "side", "upstream_status", "param"}}``, ``side`` being
 ``prefill``, ``decode`` or ``proxy``: a malformed client body is a 400; an upstream 4xx keeps its status and
 message (vLLM's 400 for a bad request stays a 400); an upstream 5xx, unreachable upstream or bad upstream
@@ -32,6 +42,7 @@ Alone: ``python -m vllm_dsa_connector.pd_proxy --prefill http://127.0.0.1:8100 -
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -46,7 +57,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.logger import init_logger
 
-__all__ = ["make_app", "main", "prefill_body", "decode_body", "needs_local_prefill"]
+__all__ = ["make_app", "main", "prefill_body", "decode_body", "needs_local_prefill", "prompt_list",
+           "merge_completions"]
 
 logger = init_logger("vllm." + __name__)
 
@@ -85,6 +97,45 @@ def needs_local_prefill(body: dict[str, Any], chat: bool) -> bool:
     """Whether the request asks for prompt logprobs (then D must compute the prompt itself)."""
     echo_lp = body.get("top_logprobs", 0) if chat else body.get("logprobs")
     return body.get("prompt_logprobs") is not None or (bool(body.get("echo")) and echo_lp is not None)
+
+
+def prompt_list(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a ``/v1/completions`` body that holds several (strings or token lists), else ``None``
+    (one string, one token list, or a list of one prompt: one P/D pair serves it)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2 or all(isinstance(t, int) for t in prompt):
+        return None
+    return prompt
+
+
+def _sum_usage(a: Any, b: Any) -> Any:
+    """Two ``usage`` objects added field by field (nested objects too; a field one lacks is the other's)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _sum_usage(a.get(k), b.get(k)) if k in a and k in b else a.get(k, b.get(k))
+                for k in {**a, **b}}
+    numbers = [x for x in (a, b) if isinstance(x, int | float) and not isinstance(x, bool)]
+    if len(numbers) == 2:
+        return a + b
+    return a if a is not None else b
+
+
+def merge_completions(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """D's answers to the prompts of one split request as one completion: prompt ``i``'s choice ``j`` has
+    index ``i * n + j``, ``usage`` summed, every other field from the first answer."""
+    out = dict(answers[0])
+    choices = []
+    usage: Any = None
+    for i, answer in enumerate(answers):
+        for choice in answer.get("choices") or []:
+            c = dict(choice)
+            c["index"] = i * n + int(c.get("index") or 0)
+            choices.append(c)
+        if answer.get("usage") is not None:
+            usage = answer["usage"] if usage is None else _sum_usage(usage, answer["usage"])
+    out["choices"] = sorted(choices, key=lambda c: c["index"])
+    if usage is not None:
+        out["usage"] = usage
+    return out
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:
@@ -197,6 +248,43 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
 
     app = FastAPI(title="vllm-dsa P/D proxy", lifespan=lifespan)
 
+    async def prefill(session: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                      ids: dict[str, str]) -> tuple[dict[str, Any] | None, float]:
+        """The prefill leg: P's ``kv_transfer_params`` (``None`` when it returned none) and its time in ms."""
+        t0 = time.perf_counter()
+        _, pre = await _post_json(session, "prefill", prefill_url + path, prefill_body(body), ids)
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        params = pre.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise ProxyError(502, "prefill", "bad_upstream_response",
+                             f"kv_transfer_params is not an object: {params!r}", 200)
+        if not params:
+            logger.warning_once("P/D proxy: the prefill server returned no kv_transfer_params "
+                                "(no KV connector on P?): D computes the prompt itself")
+        return params or None, prefill_ms
+
+    async def split(session: aiohttp.ClientSession, path: str, body: dict[str, Any], prompts: list[Any],
+                    request_id: str) -> Response:
+        """One P/D pair per prompt (concurrently), D's answers merged into one completion."""
+
+        async def pair(i: int, prompt: Any) -> tuple[dict[str, Any], bool, float]:
+            one = {**body, "prompt": prompt}
+            ids = {"X-Request-Id": f"{request_id}-{i}"}
+            params, prefill_ms = await prefill(session, path, one, ids)
+            _, answer = await _post_json(session, "decode", decode_url + path, decode_body(one, params), ids)
+            return answer, params is not None, prefill_ms
+
+        done = []
+        for r in await asyncio.gather(*(pair(i, p) for i, p in enumerate(prompts)), return_exceptions=True):
+            if isinstance(r, BaseException):  # every pair has ended: the first failure answers the client
+                raise r
+            done.append(r)
+        n = body.get("n")
+        merged = merge_completions([answer for answer, _, _ in done], n if isinstance(n, int) and n > 0 else 1)
+        headers = {"x-prefill-ms": f"{max(ms for _, _, ms in done):.3f}",
+                   "x-kv-transfer": "1" if all(got for _, got, _ in done) else "0"}
+        return JSONResponse(merged, headers=headers)
+
     async def forward(path: str, request: Request) -> Response:
         session: aiohttp.ClientSession = request.app.state.session
         try:
@@ -206,18 +294,18 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
             params, prefill_ms = None, 0.0
             # One request id on both legs (the client's, else a fresh one): vLLM's NixlPushConnector
             # matches D's registration to P's finished request by it.
-            ids = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            ids = {"X-Request-Id": request_id}
             if not needs_local_prefill(body, chat=path == "/v1/chat/completions"):
-                t0 = time.perf_counter()
-                _, pre = await _post_json(session, "prefill", prefill_url + path, prefill_body(body), ids)
-                prefill_ms = (time.perf_counter() - t0) * 1000
-                params = pre.get("kv_transfer_params")
-                if params is not None and not isinstance(params, dict):
-                    raise ProxyError(502, "prefill", "bad_upstream_response",
-                                     f"kv_transfer_params is not an object: {params!r}", 200)
-                if not params:
-                    logger.warning_once("P/D proxy: the prefill server returned no kv_transfer_params "
-                                        "(no KV connector on P?): D computes the prompt itself")
+                prompts = prompt_list(body) if path == "/v1/completions" else None
+                if prompts is not None:
+                    if body.get("stream"):
+                        raise ProxyError(400, "proxy", "invalid_request_error",
+                                         f"the P/D proxy does not stream a list of {len(prompts)} prompts (P "
+                                         "hands KV to D per prompt): send one request per prompt, or "
+                                         "stream=false", param="prompt")
+                    return await split(session, path, body, prompts, request_id)
+                params, prefill_ms = await prefill(session, path, body, ids)
             headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0"}
             dbody = decode_body(body, params)
             if body.get("stream"):

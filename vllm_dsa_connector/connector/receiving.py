@@ -7,7 +7,8 @@ with the NIXL agent its notifications must come from and, when the scheduler gav
 runs to scatter (from the peer's plan, built once at the handshake). Every source rank's notification is
 ``dsa1:<path><rank>:<Notice>`` whatever the path; this module supplies the receiver's hooks: the tag is a
 :class:`~vllm_dsa_connector.handoff.wire.Notice` keyed by D's request id (:meth:`ReceiveSide.split`),
-a malformed or failed notice is ignored or fails its writer (:meth:`ReceiveSide.admit`), and with
+a malformed notice is ignored, a failed or invalid one (any field out of range, checksum entries that
+are not the runs the plan expects) fails its writer (:meth:`ReceiveSide.admit`), and with
 ``verify_transfers`` the landed bytes are checksummed (:meth:`ReceiveSide.landed`; a mismatch makes the
 request CORRUPT: its blocks go through ``get_block_ids_with_load_errors``, vLLM's block-level path, so
 ``kv_load_failure_policy`` decides). ``finished_recving`` when the request settles; ``failed_recving`` too
@@ -69,32 +70,79 @@ class ReceiveSide:
         return (n.req_id.encode(), n) if n is not None else None
 
     def admit(self, job: RecvJob, writer: int, n: Notice) -> tuple[Verdict, str]:
-        """Ignore a notice naming another rank or with negative counts; fail the writer on a failure notice."""
-        if n.src_rank != writer:
-            return Verdict.IGNORE, f"notice names rank {n.src_rank}, notification rank {writer}"
-        if n.nbytes < 0 or n.runs < 0:
-            return Verdict.IGNORE, f"malformed notice from rank {n.src_rank}"
+        """Fail the writer on a failure notice or on a notice with any field out of range (its rank, counts,
+        and with ``verify`` every checksum entry: exactly the runs D's plan expects from that rank, each
+        inside its pool). The notification came from the writer's own agent (the receiver checked): a bad
+        notice is that writer's failure, never ignored and never a crash in the engine's step."""
+        problem = self._notice_problem(job, writer, n)
+        if problem:
+            logger.error("DSAConnector: %s: bad notice from rank %d: %s", job.req_id, writer, problem)
+            return Verdict.FAIL, f"bad notice from rank {writer}: {problem}"
         if not n.ok:
-            return Verdict.FAIL, n.error or "sender reported a failure"
+            return Verdict.FAIL, n.error[:500] or "sender reported a failure"
         return Verdict.ACCEPT, ""
 
+    def _notice_problem(self, job: RecvJob, writer: int, n: Notice) -> str:
+        """What is wrong with notice ``n`` of ``writer`` for ``job`` (``""``: nothing), naming field and value."""
+        if n.src_rank != writer:
+            return f"src_rank {n.src_rank} != the notification's writer {writer}"
+        if n.req_id != job.req_id:
+            return f"req_id {n.req_id[:80]!r} != the armed request {job.req_id!r}"
+        if not n.ok:
+            return ""
+        if n.nbytes < 0 or n.runs < 0:
+            return f"nbytes {n.nbytes} / runs {n.runs}: counts must be >= 0"
+        if not job.verify:
+            return ""
+        if len(n.checks) != n.runs:
+            return f"{len(n.checks)} checksum entries for runs {n.runs}"
+        total = 0
+        for i, (pool, off, length, crc) in enumerate(n.checks):
+            size = self.regions[pool].size if 0 <= pool < len(self.regions) else None
+            if size is None:
+                return f"checks[{i}]: pool {pool} not in 0..{len(self.regions) - 1}"
+            if off < 0 or length <= 0 or off + length > size:
+                return f"checks[{i}]: [offset {off}, length {length}) outside pool {pool} ({size} B)"
+            if not 0 <= crc <= 0xFFFFFFFF:
+                return f"checks[{i}]: crc32 {crc} out of range"
+            total += length
+        if total != n.nbytes:
+            return f"checksum entries cover {total} B, nbytes {n.nbytes}"
+        return self._expected_checks_problem(job, writer, n)
+
+    def _expected_checks_problem(self, job: RecvJob, writer: int, n: Notice) -> str:
+        """``""`` when the checksum entries name exactly the (pool, offset, length) runs of D's plan for
+        ``writer`` (the sender's plan is the same one); else what differs. Without a plan nothing can be checked."""
+        remote = self.remotes.get(job.src_engine)
+        if remote is None or remote.plan is None:
+            return f"no transfer plan for {job.src_engine!r} to check the checksums against"
+        try:
+            parts = remote.plan.runs(writer, self.table.rank, job.src_blocks, job.blocks,
+                                     first_token=job.first_token, num_tokens=job.num_tokens)
+        except Exception as e:  # noqa: BLE001 - the load fails, the step goes on
+            return f"runs of rank {writer}: {e}"
+        want = [(dp, int(o), int(ln)) for _, dp, runs in parts
+                for o, ln in zip(runs.dst_offsets, runs.lengths, strict=True)]
+        got = [(pool, off, length) for pool, off, length, _ in n.checks]
+        if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                         min(len(got), len(want)))
+            return (f"checksum entries differ from the expected runs at entry {first} (notice "
+                    f"{got[first] if first < len(got) else None}, expected {want[first] if first < len(want) else None}; "
+                    f"{len(got)} vs {len(want)} runs)")
+        return ""
+
     def landed(self, job: RecvJob, writer: int, n: Notice) -> bool:
-        """Count the bytes; with ``verify`` check every run's CRC32 (``False``: corrupt)."""
+        """Count the bytes; with ``verify`` check every run's CRC32 (``False``: corrupt). :meth:`admit` has
+        validated every entry against the pools and the plan."""
         self.stats.add("recv_bytes", n.nbytes)
         self.stats.add_pair_bytes("recv", n.src_rank, self.table.rank, n.nbytes)
         self.stats.add("recv_runs", n.runs)
         if not job.verify:
             return True
         ok = True
-        if not n.checks and n.nbytes:
-            ok = False
-            logger.error("DSAConnector: %s: sender sent no checksums", n.req_id)
         by_pool: dict[int, list[tuple[int, int, int]]] = {}
         for pool, off, length, crc in n.checks:
-            region = self.regions[pool] if 0 <= pool < len(self.regions) else None
-            if region is None or off < 0 or length < 0 or off + length > region.size:
-                ok = False
-                continue
             by_pool.setdefault(pool, []).append((off, length, crc))
         for pool, runs in by_pool.items():
             got = crc_runs(self.regions[pool].tensor, [r[0] for r in runs], [r[1] for r in runs])

@@ -136,16 +136,23 @@ class DSAConnectorScheduler:
             logger.error("DSAConnector: request %s: %s; computing locally", request.request_id, e)
             params["do_remote_prefill"] = False
             return 0, False
+        if (other := self.consumer.taken_by(request.request_id, rp)) is not None:
+            logger.warning("DSAConnector: request %s names P request %s of %s, which D request %s already takes "
+                           "(n > 1, or a prompt list sent as one request); computing it locally",
+                           request.request_id, rp.remote_request_id, rp.remote_engine_id, other)
+            params["do_remote_prefill"] = False
+            return 0, False
         since = self.consumer.queue(request.request_id, rp)
         peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since)
-        if self.consumer.waits_for(peer, since):
+        refused = self.consumer.loads[request.request_id].error  # P refused a heartbeat for it
+        if not refused and self.consumer.waits_for(peer, since):
             return None, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
             params["do_remote_prefill"] = False
             self.consumer.give_up(request.request_id, "not loading from P")
             return 0, False
-        # A refused/unreachable peer too: claimed here, failed at allocation (update_state_after_alloc),
+        # A refused/unreachable peer or heartbeat too: claimed here, failed at allocation (update_state_after_alloc),
         # so vLLM applies its (top-level) kv_load_failure_policy, the one place the policy is read.
         return count, True
 
@@ -164,10 +171,10 @@ class DSAConnectorScheduler:
             self.consumer.give_up(req_id, "no external tokens")
             return
         self.consumer.forget_queued(req_id)
-        if peer.error:
+        if peer.error or load.error:
             logger.warning("DSAConnector: request %s: %s; failing the load (vLLM applies "
-                           "kv_load_failure_policy)", req_id, peer.error)
-            self._fail[req_id] = peer.error
+                           "kv_load_failure_policy)", req_id, peer.error or load.error)
+            self._fail[req_id] = peer.error or load.error
             self.consumer.cancel(load.engine, [load.ref])
             return
         rp = parse_remote_params(params)

@@ -9,7 +9,8 @@ P (sender): a ``PushJob`` becomes, per destination rank this rank feeds in the p
 transport (``transport.transports``: :class:`DirectTransport`, or :class:`BounceTransport` when bouncing is
 allowed; called the same way, polled from the engine's steps; never after the job's post deadline) whose
 tag is a :class:`~vllm_dsa_connector.handoff.wire.Notice` (bytes, runs, and with ``verify_transfers`` a
-CRC32 per run): D gets it once the data landed. ``finished_sending`` is reported once, when every WRITE of
+CRC32 per run): D gets it once the data landed. The job's post deadline is checked before every
+destination rank's post and, inside the transport, before every WRITE (after any staging wait). ``finished_sending`` is reported once, when every WRITE of
 the request completed, failed or was aborted; a failure notice goes only when no part of that
 destination's post is in flight any more.
 
@@ -263,6 +264,14 @@ class DSAConnectorWorker(ReceiveSide):
             if dst.rank not in remote.agents:
                 continue
             agent = remote.agents[dst.rank]
+            if (now := time.monotonic()) >= job.post_deadline:
+                # an earlier rank's post (its staging wait) took the job past the deadline: no later rank posts
+                logger.error("DSAConnector: push of %s to %s rank %d: post deadline passed %.3f s ago; not "
+                             "writing", job.req_id, job.dst_engine, dst.rank, now - job.post_deadline)
+                send.failed = True
+                self.stats.add("send_late")
+                self._notify_failure(agent, job.dst_req_id, "P's post deadline passed before the post")
+                continue
             try:
                 parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks, first_token=job.first_token,
                                   num_tokens=job.num_tokens)
@@ -295,7 +304,7 @@ class DSAConnectorWorker(ReceiveSide):
 
             staging = StagingSlot(RegionDesc.from_dict(dst.staging), int(slot[0]), int(slot[1]))
         post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts],
-                                   writer=me, tag=encode(notice), slot=staging)
+                                   writer=me, tag=encode(notice), slot=staging, deadline=job.post_deadline)
         if post.path == "bounce":
             self.stats.add("bounce_bytes", nbytes)
         send.groups.append(_Group(agent, dst.rank, post))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from typing import Any
 import msgspec
 
 from vllm_dsa_connector.handoff.messages import (
+    MAX_ID_CHARS,
+    MAX_REQS_PER_MESSAGE,
     Authenticator,
     CancelReq,
     CancelState,
@@ -72,6 +75,7 @@ SAFETY_MARGIN_S = 1.0
 # peer): on a loaded host a P's side channel can stay unanswered past handshake_timeout_s (2 cores, CI: P's
 # engine starved), and one slow answer must not fail every request that was waiting for it.
 _RETRY_S = 0.5
+_TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings arrive within steps)
 
 
 class RemoteParams(msgspec.Struct, frozen=True):
@@ -102,6 +106,10 @@ def parse_remote_params(params: dict[str, Any]) -> RemoteParams:
         raise ValueError(f"remote_port {rp.remote_port} out of range")
     if rp.remote_num_tokens < 0 or any(b < 0 for b in rp.remote_block_ids):
         raise ValueError("negative remote_num_tokens or block id")
+    for name in ("remote_engine_id", "remote_request_id", "remote_token"):
+        # P refuses a whole heartbeat or cancel naming one id it cannot take: never let one through
+        if not 0 < len(getattr(rp, name)) <= MAX_ID_CHARS:
+            raise ValueError(f"{name} must be 1..{MAX_ID_CHARS} characters, got {len(getattr(rp, name))}")
     return rp
 
 
@@ -165,6 +173,7 @@ class Loading:
     slots: list[tuple[int, Any]] = field(default_factory=list)
     req_id: str = ""
     queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
+    error: str = ""  # QUEUED: P refused a heartbeat for it (its lease is not kept); the load fails
 
     def to(self, new: LoadState) -> None:
         """The one place a load changes state."""
@@ -195,6 +204,9 @@ class Consumer:
         self._handshakes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-handshake")
         self._regs = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-register")
         self._last_hb = 0.0
+        self._heartbeats: list[tuple[str, list[ReqRef], Future]] = []  # (engine, refs, reply) in flight
+        self._taken: OrderedDict[tuple[str, str], str] = OrderedDict()  # (P engine, P request) -> D request
+        self.heartbeats_refused = 0  # heartbeats P answered with a refusal (each an error, logged)
 
     # ------------------------------------------------------------ handshake
 
@@ -264,11 +276,25 @@ class Consumer:
 
     # ------------------------------------------------------------ requests
 
+    def taken_by(self, req_id: str, rp: RemoteParams) -> str | None:
+        """The other D request that already loads (or loaded) the P request ``rp`` names, else ``None``.
+
+        One P request feeds one D request: vLLM forks a request with ``n > 1`` into children that share its
+        ``kv_transfer_params``, and a completion with a prompt list hands the first prompt's params to all
+        of them. The first D request to come takes the KV; the caller computes the others itself."""
+        other = self._taken.get((rp.remote_engine_id, rp.remote_request_id))
+        return other if other is not None and other != req_id else None
+
     def queue(self, req_id: str, rp: RemoteParams) -> float:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile. Returns when
         it was first queued (its transfer budget runs from there)."""
         if req_id not in self.loads:
             self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock())
+            key = (rp.remote_engine_id, rp.remote_request_id)
+            self._taken.setdefault(key, req_id)
+            self._taken.move_to_end(key)
+            while len(self._taken) > _TAKEN:
+                self._taken.popitem(last=False)
         return self.loads[req_id].queued_at
 
     def forget_queued(self, req_id: str) -> None:
@@ -393,24 +419,52 @@ class Consumer:
         fail[req_id] = reason
 
     def _heartbeat(self, now: float) -> None:
+        """Collect heartbeat replies, then, every ``heartbeat_s``, renew P's leases of the loads still waiting:
+        one heartbeat per :data:`MAX_REQS_PER_MESSAGE` requests (P refuses a larger one whole)."""
+        self._collect_heartbeats()
         if now - self._last_hb < self.settings.heartbeat_s:
             return
         self._last_hb = now
         by_engine: dict[str, list[ReqRef]] = {}
         for load in self.loads.values():
-            if load.state in (LoadState.QUEUED, LoadState.REGISTERING, LoadState.REGISTERED):
+            if load.state in (LoadState.QUEUED, LoadState.REGISTERING, LoadState.REGISTERED) and not load.error:
                 by_engine.setdefault(load.engine, []).append(load.ref)
         for engine, refs in by_engine.items():
             peer = self.peers.get(engine)
             if peer is not None and peer.control is not None and not peer.error:
-                peer.control.submit(self._send_heartbeat, peer, refs)
+                for i in range(0, len(refs), MAX_REQS_PER_MESSAGE):
+                    chunk = refs[i : i + MAX_REQS_PER_MESSAGE]
+                    self._heartbeats.append((engine, chunk, peer.control.submit(self._send_heartbeat, peer, chunk)))
 
-    def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> None:
-        try:
-            request(peer.host, peer.port, HeartbeatReq(refs), self.settings.handshake_timeout_s, self.auth,
-                    peer.meta.clock if peer.meta else None)
-        except HandshakeError as e:
-            logger.warning("DSAConnector heartbeat: %s", e)
+    def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> Reply:
+        return request(peer.host, peer.port, HeartbeatReq(refs), self.settings.handshake_timeout_s, self.auth,
+                       peer.meta.clock if peer.meta else None)
+
+    def _collect_heartbeats(self) -> None:
+        """An unanswered heartbeat is a warning (the next one may pass, the lease has slack); a refused one is
+        an error: P keeps none of those leases, so the loads of it still queued fail (at allocation, where
+        vLLM applies ``kv_load_failure_policy``) instead of waiting for KV P will have released."""
+        pending = []
+        for engine, refs, fut in self._heartbeats:
+            if not fut.done():
+                pending.append((engine, refs, fut))
+                continue
+            try:
+                reply = fut.result()
+            except Exception as e:  # noqa: BLE001 - unanswered (HandshakeError) or cancelled at shutdown
+                logger.warning("DSAConnector heartbeat of %d requests to %s: %s", len(refs), engine, e)
+                continue
+            if reply.ok:
+                continue
+            self.heartbeats_refused += 1
+            reason = f"P {engine} refused the heartbeat: {reply.error}"
+            logger.error("DSAConnector %s: %s (%d requests; their queued loads fail)", self.engine_id, reason,
+                         len(refs))
+            refused = {ref.p_req for ref in refs}
+            for load in self.loads.values():
+                if load.engine == engine and load.state is LoadState.QUEUED and load.ref.p_req in refused:
+                    load.error = load.error or reason
+        self._heartbeats = pending
 
     def shutdown(self) -> None:
         """Stop background threads."""

@@ -17,7 +17,8 @@ posting (same host, same monotonic clock), so a P whose workers were stalled pas
 the job instead of writing. A cancel is answered with ``not_posted`` (nothing was or will be posted:
 D may reuse its blocks at once) or ``posted`` (D keeps them until the deadline plus P's write timeout,
 after which P's workers have completed or aborted the WRITE). Ended requests leave a tombstone, so a
-registration that arrives after its cancel is refused.
+registration that arrives after its cancel is refused. A lease is registered by one D request: another
+D request registering it (kv_transfer_params handed to several) is refused, naming both.
 """
 
 from __future__ import annotations
@@ -235,6 +236,12 @@ class Producer:
                     == (reg.d_engine, reg.d_req, reg.first_token, reg.num_tokens, reg.d_blocks)):
                 # D retried a registration whose reply it missed: same answer, nothing changes
                 return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+            if prev is not None and (prev.d_engine, prev.d_req) != (reg.d_engine, reg.d_req):
+                # one P request feeds one D request: a second one would get (or take) KV that is not its own
+                return Reply(False, clock=now, error=(
+                    f"request {reg.p_req} is already registered by D request {prev.d_req!r} of engine "
+                    f"{prev.d_engine!r}; refusing D request {reg.d_req!r} of engine {reg.d_engine!r} (one P "
+                    "request feeds one D request: were its kv_transfer_params given to several?)"))
             if lease.state is not LeaseState.HELD:
                 return Reply(False, error=f"request {reg.p_req} is {lease.state.value}", clock=now)
             if now >= reg.post_deadline:

@@ -17,6 +17,8 @@ Notifications before :meth:`~Receiver.arm` are kept (bounded, expired after ``ea
 settled request dropped. A tag is opaque here: ``hooks.split`` maps it to the request key and a payload (the
 connector's Notice), ``hooks.admit`` accepts, ignores or fails a writer's notification on its payload,
 ``hooks.landed`` checks the landed bytes. :class:`PlainTags` (the default) keys requests by the tag itself.
+A hook that raises never escapes :meth:`Receiver.handle` (an engine step): ``split`` raising makes the
+notification malformed (ignored), ``admit`` raising fails the writer, ``landed`` raising marks it CORRUPT.
 """
 
 from __future__ import annotations
@@ -222,7 +224,11 @@ class Receiver:
             if peer is not None:
                 self.other.append((peer, msg))
             return False
-        got = self.hooks.split(n.tag)
+        try:
+            got = self.hooks.split(n.tag)
+        except Exception as e:  # noqa: BLE001 - an unreadable tag is a malformed notification
+            logger.warning("receiver: reading a notification's tag raised %r", e)
+            got = None
         if got is None:
             logger.warning("receiver: malformed notification from %r ignored", peer)
             return True
@@ -259,7 +265,10 @@ class Receiver:
             if n.path != "ipc":  # ipc: the other half of the event signal, nothing to do
                 logger.warning("receiver: duplicate notification from writer %d of %r", w, exp.key)
             return
-        verdict, why = self.hooks.admit(exp.context, w, payload)
+        try:
+            verdict, why = self.hooks.admit(exp.context, w, payload)
+        except Exception as e:  # noqa: BLE001 - a notification the caller cannot judge fails its writer
+            verdict, why = Verdict.FAIL, f"writer {w}'s notification could not be checked: {e!r}"
         if verdict is Verdict.IGNORE:
             logger.warning("receiver: notification from writer %d of %r ignored: %s", w, exp.key, why)
             return
@@ -316,7 +325,12 @@ class Receiver:
 
     def _landed(self, exp: _Armed, w: int) -> None:
         self._mark(exp, w, WriterState.LANDED)
-        if not self.hooks.landed(exp.context, w, exp.payloads.get(w)):
+        try:
+            good = self.hooks.landed(exp.context, w, exp.payloads.get(w))
+        except Exception as e:  # noqa: BLE001 - a check that cannot run proves nothing: corrupt, not a crash
+            logger.warning("receiver: checking writer %d of %r raised %r", w, exp.key, e)
+            good = False
+        if not good:
             self._mark(exp, w, WriterState.CORRUPT, f"writer {w}'s bytes failed the check")
 
     def _mark(self, exp: _Armed, w: int, state: WriterState, reason: str = "") -> None:

@@ -38,7 +38,13 @@ from vllm_dsa_connector.transport.staging import StagingArena, gather, sync
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BounceSender"]
+__all__ = ["BounceSender", "check_deadline"]
+
+
+def check_deadline(deadline: float | None, what: str) -> None:
+    """:class:`TransferError` when ``deadline`` (``time.monotonic()``) has passed: ``what`` must not be posted."""
+    if deadline is not None and (now := time.monotonic()) >= deadline:
+        raise TransferError(f"{what}: post deadline passed {now - deadline:.3f} s ago; not writing")
 
 
 class BounceSender(IpcSendPath):
@@ -89,6 +95,7 @@ class BounceSender(IpcSendPath):
         ipc: torch.Tensor | None = None,
         ipc_impl: str | None = None,
         ipc_signal: str | None = None,
+        deadline: float | None = None,
     ) -> Send:
         """Send ``runs`` of ``src`` to ``dst`` on ``peer``; bounce through ``slot`` when the gate says so.
 
@@ -100,7 +107,9 @@ class BounceSender(IpcSendPath):
         kernel, measured faster than one copy-engine DMA per run across GPUs too; ``"ce"`` forces those);
         ``ipc_signal`` overrides the sender's completion signal of the ``ipc`` path (``"event"`` /
         ``"event+notify"`` / ``"notify"``, see the module docstring). Pass the same ``runs`` object to send the same request
-        again: its merge and the copy's launch plan are cached on it.
+        again: its merge and the copy's launch plan are cached on it. ``deadline`` (``time.monotonic()``):
+        the bounce and direct WRITEs are not posted at or after it (checked after the wait for staging
+        space, right before posting; :class:`TransferError`).
         Falls back to direct when the receiver gave no slot, the slot is too small, or the local arena
         has no room within the bounded wait.
         """
@@ -161,6 +170,7 @@ class BounceSender(IpcSendPath):
             try:
                 gather(src.tensor, merged, self.arena.view(res))
                 sync(self.arena.buffer)
+                check_deadline(deadline, f"bounce to {peer!r}")
                 one = Runs(
                     np.array([res.offset]), np.array([staging.offset]), np.array([merged.total_bytes])
                 )
@@ -169,6 +179,7 @@ class BounceSender(IpcSendPath):
                 self.arena.release(res)
                 raise
         else:
+            check_deadline(deadline, f"direct write to {peer!r}")
             xfer = self.engine.write(peer, src, dst, merged, notif)
         return Send(xfer, path, decision, reason, res)
 

@@ -3,7 +3,7 @@
 A caller describes one writer's part of a request as ``parts``: ``[(local Region, remote region, Runs)]``
 (one per pool pair), and calls every transport the same way::
 
-    post = transport.post(peer, parts, writer=rank, tag=tag, slot=slot_or_None)
+    post = transport.post(peer, parts, writer=rank, tag=tag, slot=slot_or_None, deadline=t_or_None)
     while not transport.progress(post): ...      # from the engine's loop; never raises
     post.state, post.error, post.stats           # DONE or FAILED, why, the WRITEs' TransferStats
 
@@ -14,6 +14,10 @@ completion wait for the TARGET to progress), the bounce transport's one WRITE in
 slot carries ``dsa1:b<writer>:<tag>``. A failure is never notified by the transport: the caller decides what
 its failure notice says (:meth:`Transport.notify`) once :meth:`progress` reports FAILED, i.e. once no part
 of the post is in flight any more.
+
+``deadline`` (``time.monotonic()``): no WRITE is posted at or after it. It is checked right before each
+WRITE, after any wait for staging space, so a post that waited past it fails (``post.error`` says so)
+instead of writing into blocks the receiver may have given back.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from vllm_dsa_connector.transport.regions import (
     TransferStats,
 )
 from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.sender import BounceSender
+from vllm_dsa_connector.transport.sender import BounceSender, check_deadline
 from vllm_dsa_connector.transport.sends import Send, StagingSlot
 
 logger = logging.getLogger(__name__)
@@ -77,8 +81,9 @@ class Transport(Protocol):
     """What a connector calls to move one writer's part of a request (see the module docstring)."""
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
-             slot: StagingSlot | None = None) -> Post:
-        """Post every part; never raises (a failure to post is ``post.error``, the posted parts stay tracked)."""
+             slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
+        """Post every part before ``deadline``; never raises (a failure to post is ``post.error``, the posted
+        parts stay tracked)."""
 
     def progress(self, post: Post) -> bool:
         """Drive the post; ``True`` once it is over (``post.state`` DONE or FAILED). Never raises."""
@@ -106,11 +111,12 @@ class DirectTransport:
         self.clock = clock
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
-             slot: StagingSlot | None = None) -> Post:
-        """Post every part at once (a multi-part post never blocks a step)."""
+             slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
+        """Post every part at once (a multi-part post never blocks a step), none at or after ``deadline``."""
         post = Post(peer, writer, tag, self.path, _notify=True)
         for src, dst, runs in parts:  # a part that fails to post leaves the posted ones tracked
             try:
+                check_deadline(deadline, f"post to {peer!r}")
                 post._inflight.append(self.engine.write(peer, src, dst, runs))
             except Exception as e:  # noqa: BLE001 - a failed post is a failed transfer, never a crash
                 post.error = str(e)
@@ -165,13 +171,13 @@ class BounceTransport(DirectTransport):
         self.sender = sender
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
-             slot: StagingSlot | None = None) -> Post:
+             slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
         """Bounce a one-part post with a slot; post anything else directly."""
         if slot is None or len(parts) != 1:
-            return super().post(peer, parts, writer=writer, tag=tag)
+            return super().post(peer, parts, writer=writer, tag=tag, deadline=deadline)
         src, dst, runs = parts[0]
         try:
-            send = self.sender.send(peer, src, dst, runs, tag, slot=slot, writer=writer)
+            send = self.sender.send(peer, src, dst, runs, tag, slot=slot, writer=writer, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - the sender released its staging: nothing in flight
             return Post(peer, writer, tag, "bounce", error=str(e))
         return Post(peer, writer, tag, send.path, _inflight=[send])

@@ -1,0 +1,188 @@
+"""D's checks of the completion notices a P worker sends (issue 29 item 4), in one process: a real P and a
+real D :class:`~vllm_dsa_connector.connector.worker.DSAConnectorWorker` over vLLM-allocated KV caches
+(``layout.allocate_offline``, a GLM-MoE-DSA config), two real NIXL agents, the worker's real Receiver.
+
+A real push with ``verify_transfers`` lands and is checksummed; then notices a real sender never writes
+are fed to D's receiver as its own progress thread does (the fault cannot be caused on a real wire: the
+notice is fabricated, it comes from P's agent, everything after it is the worker's real receive path). Each
+must fail that load, named, and never raise out of the receiver."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+BLOCK_SIZE = 64
+NUM_BLOCKS = 16
+SRC_BLOCKS = [3, 4, 5]
+DST_BLOCKS = [7, 2, 9]
+CFG = {"num_layers": 4, "index_topk_pattern": "FSFS"}
+
+
+def _worker(engine: str, role: str) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+    from vllm_dsa_connector.layout import allocate_offline
+    from vllm_dsa_connector.tiny_models import glm_dsa_config
+
+    kv_caches, _, table = allocate_offline(glm_dsa_config(**CFG), pp_rank=0, pp_size=1, tp_rank=0, tp_size=1,
+                                           block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    opts = ConnectorOptions.from_config({"transfer_timeout_s": 30, "prefault_kv_cache": False}, environ={})
+    worker = DSAConnectorWorker(engine, opts, {"model_dtype": "bf16"}, role=role)
+    worker.register(kv_caches, table)
+    g = torch.Generator().manual_seed(5)
+    for t in kv_caches.values():
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, tuple(b.shape), generator=g, dtype=torch.uint8))
+    return worker, kv_caches
+
+
+@pytest.fixture(scope="module")
+def pd():
+    p, _ = _worker("P-notice", "kv_producer")
+    d, _ = _worker("D-notice", "kv_consumer")
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def _results(worker: Any, want: str, timeout_s: float = 20.0) -> tuple[set[str], set[str], set[int]]:
+    """``get_transfer_results`` until ``want`` is reported: (finished_recving, failed_recving, error blocks)."""
+    deadline = time.monotonic() + timeout_s
+    done: set[str] = set()
+    failed: set[str] = set()
+    errors: set[int] = set()
+    while want not in done:
+        _, r, f = worker.get_transfer_results()
+        done |= r
+        failed |= f
+        errors |= worker.get_block_ids_with_load_errors()
+        assert time.monotonic() < deadline, f"{want} was never reported"
+        time.sleep(0.002)
+    return done, failed, errors
+
+
+def _arm(p: Any, d: Any, req: str) -> None:
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, RecvJob, encode
+
+    peers = [] if p.engine_id in d.remotes else [PeerInfo(p.engine_id, [encode(p.payload)], as_source=True)]
+    d.start_load_kv(DSAConnectorMetadata(peers=peers, recv=[RecvJob(req, p.engine_id, DST_BLOCKS, {0: [0]}, 30.0,
+                                                                     verify=True, src_blocks=SRC_BLOCKS)]))
+
+
+def _feed(p: Any, d: Any, notice: Any) -> None:
+    from vllm_dsa_connector.handoff.wire import encode
+    from vllm_dsa_connector.transport.notices import encode_notif
+
+    with d._lock:  # as the worker's own progress thread does
+        d.receiver.handle(p.nixl.name, encode_notif("direct", 0, encode(notice)))
+
+
+def _good_checks(p: Any, d: Any) -> list[tuple[int, int, int, int]]:
+    """What a real sender puts in its notice for this request (D's plan of P rank 0 -> D rank 0)."""
+    from vllm_dsa_connector.connector.pages import crc_at
+
+    plan = d.remotes[p.engine_id].plan
+    out = []
+    for sp, dp, runs in plan.runs(0, 0, SRC_BLOCKS, DST_BLOCKS):
+        base = p.regions[sp].addr
+        out.extend((dp, int(o), int(n), crc_at(base + int(a), int(n)))
+                   for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True))
+    return out
+
+
+def test_a_real_verified_push_lands_and_is_checksummed(pd) -> None:
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    p, d = pd
+    _arm(p, d, "d-good")
+    push = PushJob("p-good", d.engine_id, "d-good", SRC_BLOCKS, DST_BLOCKS, verify=True)
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
+    deadline = time.monotonic() + 20
+    done: set[str] = set()
+    failed: set[str] = set()
+    while "d-good" not in done:
+        p.get_transfer_results()
+        _, r, f = d.get_transfer_results()
+        done, failed = done | r, failed | f
+        assert time.monotonic() < deadline, "the push never landed"
+        time.sleep(0.002)
+    assert not failed and not d.get_block_ids_with_load_errors()
+    assert d.stats.data["checksummed_runs"] == len(_good_checks(p, d)) > 0
+    assert d.stats.data["checksum_mismatches"] == 0
+
+
+def _bad_notices(p: Any, d: Any) -> dict[str, tuple[Any, str]]:
+    from vllm_dsa_connector.handoff.wire import Notice
+
+    good = _good_checks(p, d)
+    nbytes = sum(c[2] for c in good)
+    pool, off, length, crc = good[0]
+    size = d.regions[pool].size
+    shifted = [(pool, off + BLOCK_SIZE, length, crc)] + good[1:]  # in range, but not a run D expects
+    return {
+        "neg-length": (Notice("neg-length", 0, True, nbytes, len(good), checks=[(pool, off, -5, crc)] + good[1:]),
+                       "outside pool"),
+        "past-pool": (Notice("past-pool", 0, True, nbytes, len(good), checks=[(pool, size - 8, 64, 0)] + good[1:]),
+                      "outside pool"),
+        "neg-offset": (Notice("neg-offset", 0, True, nbytes, len(good), checks=[(pool, -64, 64, 0)] + good[1:]),
+                       "outside pool"),
+        "bad-pool": (Notice("bad-pool", 0, True, nbytes, len(good), checks=[(99, off, length, crc)] + good[1:]),
+                     "pool 99"),
+        "bad-crc-range": (Notice("bad-crc-range", 0, True, nbytes, len(good),
+                                 checks=[(pool, off, length, 1 << 40)] + good[1:]), "crc32"),
+        "no-checks": (Notice("no-checks", 0, True, 0, 0), "checksum entries differ from the expected runs"),
+        "few-checks": (Notice("few-checks", 0, True, nbytes - length, len(good) - 1, checks=good[1:]),
+                       "checksum entries differ from the expected runs"),
+        "shifted": (Notice("shifted", 0, True, nbytes, len(good), checks=shifted),
+                    "checksum entries differ from the expected runs"),
+        "neg-bytes": (Notice("neg-bytes", 0, True, -1, len(good), checks=good), "counts must be >= 0"),
+        "runs-mismatch": (Notice("runs-mismatch", 0, True, nbytes, len(good) + 1, checks=good), "checksum entries for runs"),
+        "bytes-mismatch": (Notice("bytes-mismatch", 0, True, nbytes + 1, len(good), checks=good), "cover"),
+        "other-rank": (Notice("other-rank", 3, True, nbytes, len(good), checks=good), "src_rank 3"),
+    }
+
+
+def test_every_bad_notice_fails_its_load_and_never_raises(pd) -> None:
+    from vllm_dsa_connector.transport.receiver import RecvState
+
+    p, d = pd
+    if p.engine_id not in d.remotes:
+        _arm(p, d, "d-warm")  # D learns P's plan as the scheduler's first step would
+        d.receiver.cancel(b"d-warm")
+    for req, (notice, why) in _bad_notices(p, d).items():
+        _arm(p, d, req)
+        _feed(p, d, notice)  # before the fix, "neg-length" raised here (ctypes array of -5 bytes)
+        with d._lock:
+            (r,) = d.receiver.collect()  # settled at once: the writer failed, not left waiting
+        assert (r.key, r.state) == (req.encode(), RecvState.FAILED), f"{req}: {r}"
+        assert "bad notice from rank 0" in r.reason and why in r.reason, f"{req}: {r.reason}"
+    # end to end: the worker reports such a load as failed (vLLM then applies kv_load_failure_policy)
+    notice, _ = _bad_notices(p, d)["neg-length"]
+    _arm(p, d, "neg-length")
+    _feed(p, d, notice)
+    done, failed, errors = _results(d, "neg-length")
+    assert "neg-length" in failed and not errors
+
+
+def test_a_checksum_mismatch_on_the_expected_runs_is_corrupt(pd) -> None:
+    """The entries are exactly the expected runs, one CRC is wrong: the bytes landed but are not P's."""
+    from vllm_dsa_connector.handoff.wire import Notice
+
+    p, d = pd
+    _arm(p, d, "d-crc")
+    good = _good_checks(p, d)
+    pool, off, length, crc = good[0]
+    before = d.stats.data["checksum_mismatches"]
+    _feed(p, d, Notice("d-crc", 0, True, sum(c[2] for c in good), len(good),
+                       checks=[(pool, off, length, crc ^ 1)] + good[1:]))
+    done, failed, errors = _results(d, "d-crc")
+    assert "d-crc" not in failed and errors == set(DST_BLOCKS)  # vLLM's block-level path, policy decides
+    assert d.stats.data["checksum_mismatches"] == before + 1
