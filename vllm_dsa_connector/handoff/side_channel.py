@@ -199,7 +199,8 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
     try:
         _, reply = auth.open_reply(raw, nonce)
     except UnboundReply as e:
-        skew = f"; the peer's wall clock is {e.env.ts - time.time():+.1f} s from this side's" if e.env else ""
+        gap = e.env.ts - time.time() if e.env is not None else 0.0  # unsigned: for the log line only
+        skew = f"; the peer's wall clock is {gap:+.1f} s from this side's" if abs(gap) >= 1.0 else ""
         raise HandshakeError(f"DSAConnector peer {host}:{port}: no authentic answer to {kind!r} (treated as "
                              f"unanswered): {e}{skew}", transient=True) from None
     except MessageError as e:
