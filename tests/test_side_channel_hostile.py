@@ -29,7 +29,12 @@ from vllm_dsa_connector.handoff.messages import (
 )
 from vllm_dsa_connector.handoff.producer import LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import SideChannelServer, fetch_payloads, request
+from vllm_dsa_connector.handoff.side_channel import (
+    HandshakeError,
+    SideChannelServer,
+    fetch_payloads,
+    request,
+)
 from vllm_dsa_connector.handoff.wire import RankPayload, encode
 
 SECRET = "hostile-peers-secret-0123"
@@ -87,7 +92,7 @@ def _handshake(d: Consumer, host: str, port: int, since: float | None = None):
 class Relay:
     """Someone on the path between D and P (real sockets): forwards every message to P; in ``mode`` "junk"
     D's registrations get the reply P gave to junk bytes, in "swap" the reply P gave to the first registration
-    it saw in that mode (a signed refusal of another D's request)."""
+    it saw in that mode (a signed refusal of another D's request); in "garbage" every answer is junk bytes."""
 
     def __init__(self, p_port: int) -> None:
         self.p_port, self.mode, self.stolen = p_port, "honest", None
@@ -117,7 +122,9 @@ class Relay:
             ident, _, raw = self.sock.recv_multipart()
             answer = self._to_p(raw)  # P handles D's message whatever D is told
             kind = msgspec.msgpack.decode(decode_envelope(raw).body).get("type")
-            if kind == "reg" and self.mode == "junk":
+            if self.mode == "garbage":
+                answer = b"garbage"
+            elif kind == "reg" and self.mode == "junk":
                 answer = self._to_p(b"junk")
             elif kind == "reg" and self.mode == "swap":
                 self.stolen = self.stolen or answer
@@ -171,6 +178,21 @@ def test_a_refusal_from_another_exchange_never_makes_d_give_back_blocks_p_writes
         assert load.state is LoadState.REGISTERING  # the answer did not count: retried like an unanswered one
     finally:
         d.shutdown()
+        relay.close()
+        server.close()
+
+
+def test_junk_on_the_path_is_no_answer_not_a_final_refusal() -> None:
+    """With a secret, a reply that does not decode could come from anyone on the path: the handshake failure
+    is transient (retried inside the transfer budget), not final."""
+    prod, server = _producer(Authenticator(SECRET))
+    relay = Relay(server.port)
+    relay.mode = "garbage"
+    try:
+        with pytest.raises(HandshakeError, match="no authentic answer to 'meta'.*unreadable reply") as e:
+            fetch_payloads("127.0.0.1", relay.port, 5.0, Authenticator(SECRET))
+        assert e.value.transient
+    finally:
         relay.close()
         server.close()
 

@@ -268,21 +268,28 @@ class Authenticator:
             heapq.heappush(self._expiry, (expiry, env.nonce))
 
     def open_reply(self, raw: bytes, nonce: bytes) -> tuple[Envelope, Reply]:
-        """The envelope and reply answering our request ``nonce``. :class:`MessageError` when the reply is
-        malformed; :class:`UnboundReply` when it is not the peer's authentic answer to that request."""
-        env = decode_envelope(raw)
+        """The envelope and reply answering our request ``nonce``. :class:`UnboundReply` when it is not the
+        peer's authentic answer to that request (with a secret: anything before the MAC checks out, which
+        anyone on the path could have sent); :class:`MessageError` when an authentic reply is malformed."""
+        try:
+            env = decode_envelope(raw)
+        except MessageError as e:
+            if self.secret is None:
+                raise
+            raise UnboundReply(f"unreadable reply: {e}") from None
         if env.reply_to != nonce:
             raise UnboundReply(f"the reply answers another message (reply_to {env.reply_to.hex() or 'empty'}, "
                                f"our nonce {nonce.hex()})")
-        reply = decode_reply(env.body)
-        if self.secret is None:
-            return env, reply
-        if not env.mac:
-            raise UnboundReply(f"unsigned reply{' (the peer could not read or authenticate our message)' if reply.unread else ''}: "
-                               f"{reply.error or 'no error given'}", env=env)
-        if not hmac.compare_digest(env.mac, _mac(self.secret, _REPLY, env)):
+        if self.secret is not None and not env.mac:
+            try:
+                said = decode_reply(env.body).error or "no error given"
+            except MessageError:
+                said = "unreadable"
+            raise UnboundReply(f"unsigned reply (the peer could not read or authenticate our message?): {said}",
+                               env=env)
+        if self.secret is not None and not hmac.compare_digest(env.mac, _mac(self.secret, _REPLY, env)):
             raise UnboundReply("bad HMAC on the reply: not signed with this side's auth_secret", env=env)
-        return env, reply
+        return env, decode_reply(env.body)
 
 
 class UnboundReply(MessageError):
