@@ -136,8 +136,8 @@ def test_pd_works_with_the_shared_secret(trio: Trio) -> None:
         assert metric(scrape(url), "vllm:dsa_kv_requests_total", side="recv", outcome="ok") == 1
         _REFERENCE[url] = out["choices"][0]["text"]
     # the engines' side channels refuse strangers by name
-    missing = request("127.0.0.1", BASE + 10, MetaReq(), 5.0, Authenticator(None))
-    assert not missing.ok and "requires auth_secret" in missing.error
+    with pytest.raises(HandshakeError, match="requires auth_secret"):  # an unsigned refusal
+        request("127.0.0.1", BASE + 10, MetaReq(), 5.0, Authenticator(None))
     with pytest.raises(HandshakeError, match="bad HMAC"):
         request("127.0.0.1", BASE + 10, MetaReq(), 5.0, Authenticator("not-the-module-secret"))
 

@@ -114,15 +114,15 @@ def test_pairing_with_different_block_sizes_follows_the_runs_convention(bp: int,
                                     remote_block_ids=list(range(40)), remote_num_tokens=500)
 
 
-def test_protocol_3_peers_are_refused() -> None:
-    """Protocol 4 registrations name a token span, 3's named P's first block: a v3 peer is refused, both its
-    envelopes and its handshake payloads, naming both versions."""
-    assert PROTOCOL_VERSION == 4
-    env = msgspec.msgpack.encode([3, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])
-    with pytest.raises(MessageError, match="peer speaks 3, this side 4"):
+def test_protocol_4_peers_are_refused() -> None:
+    """Protocol 5 replies name the request they answer (4's envelopes had no ``reply_to``): a v4 peer is
+    refused, both its envelopes and its handshake payloads, naming both versions."""
+    assert PROTOCOL_VERSION == 5
+    env = msgspec.msgpack.encode([4, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])
+    with pytest.raises(MessageError, match="peer speaks 4, this side 5"):
         Authenticator(None).open(env)
-    old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=3))
-    with pytest.raises(ValueError, match="peer speaks 3, this side 4"):
+    old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=4))
+    with pytest.raises(ValueError, match="peer speaks 4, this side 5"):
         decode_payload(old)
 
 
@@ -274,10 +274,12 @@ def test_auth_refuses_missing_and_wrong_secrets_by_name() -> None:
     try:
         port = server.port
         assert request("127.0.0.1", port, MetaReq(), 2, Authenticator(SECRET)).ok
-        missing = request("127.0.0.1", port, MetaReq(), 2, Authenticator(None))
-        assert not missing.ok and "requires auth_secret" in missing.error
-        with pytest.raises(HandshakeError, match="bad HMAC"):  # the reply is signed with the other secret
+        with pytest.raises(HandshakeError, match="requires auth_secret") as e:
+            request("127.0.0.1", port, MetaReq(), 2, Authenticator(None))
+        assert e.value.transient  # the refusal is unsigned: never the peer's final word
+        with pytest.raises(HandshakeError, match="bad HMAC") as e:  # P cannot read it, so it does not sign
             request("127.0.0.1", port, MetaReq(), 2, Authenticator("another-secret-of-16+"))
+        assert e.value.transient and "unsigned reply" in str(e.value)
         assert len(seen) == 1  # only the authentic message reached the handler
     finally:
         server.close()
@@ -323,7 +325,7 @@ def test_hostile_messages_get_error_replies_and_the_channel_keeps_serving() -> N
                  "d_blocks": [1], "post_deadline": float("nan")},
                 {"type": "hb", "reqs": [["p"]]}, {"type": "cancel", "reqs": "p"}, {"type": "nope"}):
         body = msgspec.msgpack.encode(bad)
-        bodies.append(msgspec.msgpack.encode([PROTOCOL_VERSION, 0.0, b"n" * 16, b"", body]))
+        bodies.append(msgspec.msgpack.encode([PROTOCOL_VERSION, 0.0, b"n" * 16, b"", b"", body]))
     try:
         for raw in bodies:
             reply = server.handle_raw(raw)

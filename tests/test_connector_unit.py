@@ -109,8 +109,9 @@ def test_side_channel_dead_peer_times_out_fast() -> None:
 
 
 def test_handshake_refusals_say_whether_asking_again_can_help() -> None:
-    """A producer whose workers have not registered yet (starting up) refuses transiently; a wrong secret is
-    final. Real producers behind real side channels."""
+    """A producer whose workers have not registered yet (starting up) refuses transiently; so does one that
+    cannot authenticate D (a wrong secret): its refusal is unsigned, so it is never taken as P's final word
+    (D retries inside the transfer budget). Real producers behind real side channels."""
     from vllm_dsa_connector.handoff.messages import Authenticator
     from vllm_dsa_connector.handoff.producer import Producer
     from vllm_dsa_connector.handoff.settings import HandoffSettings
@@ -130,7 +131,7 @@ def test_handshake_refusals_say_whether_asking_again_can_help() -> None:
         assert e.value.transient
         with pytest.raises(HandshakeError, match="auth_secret differs") as e:
             fetch_payloads("127.0.0.1", locked.port, 5.0, Authenticator("t" * 32))
-        assert not e.value.transient
+        assert e.value.transient and "unsigned reply" in str(e.value)
     finally:
         starting.close()
         locked.close()

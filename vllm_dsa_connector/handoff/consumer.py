@@ -13,9 +13,10 @@ Each request that takes its prompt's KV from P is a :class:`Loading` with an exp
     REGISTERING -> FAILED (P refused the registration: it will never write it)
     QUEUED -> (gone) when the request will not load (nothing was registered, nothing to wait for)
 
-A handshake that fails transiently (unanswered, or P still starting) is tried again while a request waits
-for it inside its transfer budget (``transfer_timeout_s`` from when it was queued); a refused peer (layout,
-engine id) fails its requests at once.
+A handshake that fails transiently (unanswered, P still starting, or an answer that is not P's signed reply
+to this request: an unsigned refusal, e.g. of a clock skew over the replay window or a secret P cannot
+check) is tried again while a request waits for it inside its transfer budget (``transfer_timeout_s`` from
+when it was queued); a refused peer (layout, engine id) fails its requests at once.
 
 Guarantee "no WRITE lands in blocks D gave back": D hands its blocks back to the engine only by reporting
 the request finished, and after a give-up it does so only when no WRITE can still arrive:

@@ -6,37 +6,64 @@ untrusted input: bytes are decoded straight into these types (a wrong type, a mi
 unknown kind is a :class:`MessageError`, answered with an error reply), then range-checked by
 :func:`check_request` before anything is stored.
 
-Authentication (optional, ``auth_secret``): the envelope carries an HMAC-SHA256 over protocol
-version, wall-clock timestamp, a random nonce and the body. A receiver with a secret refuses a message
-without a MAC or with a wrong one, one whose timestamp is more than :data:`REPLAY_WINDOW_S` away from
-its own clock, and a nonce it has already seen within that window (replay). Replies are signed the
-same way and checked by the client. Per request, P also issues a random ``token`` in the
-``kv_transfer_params`` it hands to the proxy: registrations, heartbeats and cancels must present it,
-so only the D that was handed the request can write into or release its KV.
+Every struct bounds its lists, dicts, strings and bytes (``msgspec.Meta``): an oversize message is
+refused while it is decoded, at the first field over its bound, before it costs memory or time (a raw
+size cap, :data:`MAX_MESSAGE_BYTES`, comes first).
+
+Authentication (optional, ``auth_secret``): the envelope carries an HMAC-SHA256 over fixed-size and
+length-prefixed fields (direction, protocol version, wall-clock timestamp, a random nonce, the nonce of
+the request a reply answers, the body), so no two envelopes share a MAC input. A receiver with a secret
+refuses a message without a MAC or with a wrong one, one whose timestamp is more than
+:data:`REPLAY_WINDOW_S` away from its own clock (either way), and a nonce it has already seen; it keeps
+each nonce until the message's own expiry (its timestamp + the window, on the receiver's clock), so a
+sender whose clock runs ahead cannot be replayed either. Every reply names the nonce of the request it
+answers (``reply_to``, inside the MAC): a reply taken from another exchange is refused by the client. A
+server signs only replies to messages it authenticated; a message it could not open gets an unsigned
+refusal (``Reply.unread``), which a client treats as "not answered" (transient), never as the peer's
+word. Per request, P also issues a random ``token`` in the ``kv_transfer_params`` it hands to the proxy:
+registrations, heartbeats and cancels must present it, so only the D that was handed the request can
+write into or release its KV.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import math
 import os
+import struct
+import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
-from vllm_dsa_connector.handoff.wire import PROTOCOL_VERSION, Slots
+from vllm_dsa_connector.handoff.wire import (
+    MAX_ERROR_CHARS,
+    MAX_ID_CHARS,
+    MAX_MESSAGE_BYTES,
+    MAX_PAYLOAD_BYTES,
+    MAX_WORKERS,
+    PROTOCOL_VERSION,
+    Id,
+    Slots,
+)
 
-#: Largest side-channel message accepted (the ZMQ socket drops bigger ones before they are read).
-MAX_MESSAGE_BYTES = 16 << 20
-#: Timestamps further than this from the receiver's wall clock are refused (with a secret).
+#: Timestamps further than this from the receiver's wall clock (either way) are refused (with a secret).
 REPLAY_WINDOW_S = 60.0
-MAX_ID_CHARS = 512
 MAX_REQS_PER_MESSAGE = 4096
+#: Most D blocks one registration may name (1 Mi tokens in 4-token blocks)
+MAX_BLOCKS_PER_REG = 1 << 18
 #: Largest token position a registration may name (far beyond any context length)
 MAX_TOKENS = 1 << 40
+NONCE_BYTES = 16
+MAC_BYTES = 32  # HMAC-SHA256
+#: Most nonces a receiver remembers (authentic messages inside two windows); beyond it the oldest expiry goes
+MAX_SEEN_NONCES = 1 << 20
+
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 
 
 class MessageError(ValueError):
@@ -46,8 +73,8 @@ class MessageError(ValueError):
 class ReqRef(msgspec.Struct, frozen=True, array_like=True):
     """One P request and the token P issued for it."""
 
-    p_req: str
-    token: str
+    p_req: Id
+    token: Id
 
 
 class MetaReq(msgspec.Struct, frozen=True, tag="meta"):
@@ -64,29 +91,30 @@ class RegReq(msgspec.Struct, frozen=True, tag="reg"):
     P never posts a WRITE for this registration after it.
     """
 
-    p_req: str
-    token: str
-    d_engine: str
-    d_req: str
+    p_req: Id
+    token: Id
+    d_engine: Id
+    d_req: Id
     first_token: int
     num_tokens: int
-    d_blocks: list[int]
+    d_blocks: Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_REG)]
     post_deadline: float
     verify: bool = False
     slots: Slots = {}
-    d_payloads: list[bytes] | None = None
+    d_payloads: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]],
+                          msgspec.Meta(max_length=MAX_WORKERS)] | None = None
 
 
 class HeartbeatReq(msgspec.Struct, frozen=True, tag="hb"):
     """D -> P: keep these leases alive (requests queued or loading on D)."""
 
-    reqs: list[ReqRef]
+    reqs: Annotated[list[ReqRef], msgspec.Meta(max_length=MAX_REQS_PER_MESSAGE)]
 
 
 class CancelReq(msgspec.Struct, frozen=True, tag="cancel"):
     """D -> P: D gave up on these requests; P answers per request whether a WRITE may still come."""
 
-    reqs: list[ReqRef]
+    reqs: Annotated[list[ReqRef], msgspec.Meta(max_length=MAX_REQS_PER_MESSAGE)]
 
 
 Request = MetaReq | RegReq | HeartbeatReq | CancelReq
@@ -104,79 +132,173 @@ NOT_READY = "workers have not registered their KV caches yet"
 
 
 class Reply(msgspec.Struct, frozen=True):
-    """Every answer. ``clock`` is P's monotonic clock when it answered (for :class:`ClockEstimate`)."""
+    """Every answer. ``clock`` is P's monotonic clock when it answered (for :class:`ClockEstimate`).
+
+    ``unread``: the server could not decode or authenticate the request, so its handler never saw it; such a
+    refusal is never signed and says nothing about the request's fate.
+    """
 
     ok: bool
-    error: str = ""
+    error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)] = ""
     clock: float = 0.0
-    engine_id: str = ""
-    payloads: list[bytes] = []
+    engine_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
+    payloads: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]],
+                        msgspec.Meta(max_length=MAX_WORKERS)] = []
     need_payloads: bool = False
     write_timeout_s: float = 0.0
-    states: dict[str, str] = {}
+    states: Annotated[dict[Id, Annotated[str, msgspec.Meta(max_length=16)]],
+                      msgspec.Meta(max_length=MAX_REQS_PER_MESSAGE)] = {}
+    unread: bool = False
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
-    """What travels: protocol version, wall-clock time, nonce, MAC (empty without a secret), body."""
+    """What travels: protocol version, wall-clock time, nonce, the nonce of the request a reply answers
+    (empty in a request), MAC (empty without a secret, and in a refusal of a message that was not read), body."""
 
     version: int
     ts: float
-    nonce: bytes
-    mac: bytes
-    body: bytes
+    nonce: Nonce
+    reply_to: Annotated[bytes, msgspec.Meta(max_length=NONCE_BYTES)]
+    mac: Annotated[bytes, msgspec.Meta(max_length=MAC_BYTES)]
+    body: Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)]
+
+
+class _Version(msgspec.Struct, frozen=True, array_like=True):
+    """The first field of any protocol's envelope (read first, so an older peer is named as such)."""
+
+    version: int
 
 
 _enc = msgspec.msgpack.Encoder()
+_dec_version = msgspec.msgpack.Decoder(_Version)
 _dec_env = msgspec.msgpack.Decoder(Envelope)
 _dec_req = msgspec.msgpack.Decoder(Request)
 _dec_reply = msgspec.msgpack.Decoder(Reply)
 
+_REQUEST, _REPLY = b"Q", b"R"
 
-def _mac(secret: bytes, version: int, ts: float, nonce: bytes, body: bytes) -> bytes:
-    head = f"{version}|{ts!r}|".encode() + nonce + b"|"
-    return hmac.new(secret, head + body, hashlib.sha256).digest()
+
+def mac_input(direction: bytes, version: int, ts: float, nonce: bytes, reply_to: bytes, body: bytes) -> bytes:
+    """What the MAC covers: fixed-size fields, then each variable one prefixed by its length (one byte
+    string per envelope, and no two envelopes share one)."""
+    head = struct.pack(">cIdB", direction, version, ts, len(nonce)) + nonce
+    return head + struct.pack(">B", len(reply_to)) + reply_to + struct.pack(">Q", len(body)) + body
+
+
+def _mac(secret: bytes, direction: bytes, env: Envelope) -> bytes:
+    data = mac_input(direction, env.version, env.ts, env.nonce, env.reply_to, env.body)
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+def decode_envelope(raw: bytes) -> Envelope:
+    """An envelope of this protocol; :class:`MessageError` naming what is wrong (size, version, shape)."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(raw)} B (at most {MAX_MESSAGE_BYTES} B)")
+    try:
+        version = _dec_version.decode(raw).version
+    except msgspec.DecodeError as e:
+        raise MessageError(f"not a DSAConnector envelope: {e}") from None
+    if version != PROTOCOL_VERSION:
+        raise MessageError(f"protocol mismatch: peer speaks {version}, this side {PROTOCOL_VERSION}")
+    try:
+        return _dec_env.decode(raw)
+    except msgspec.DecodeError as e:
+        raise MessageError(f"not a DSAConnector envelope: {e}") from None
 
 
 class Authenticator:
     """Signs outgoing envelopes and checks incoming ones (a no-op without a secret, but the structure
-    and protocol version are still checked)."""
+    and protocol version are still checked). Thread-safe: a server thread and client threads share one."""
 
     def __init__(self, secret: str | None, clock=time.time) -> None:  # noqa: ANN001 - injected clock
         self.secret = secret.encode() if secret else None
         self._clock = clock
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+        self._seen: dict[bytes, float] = {}  # nonce -> the message's expiry (its timestamp + window)
+        self._expiry: list[tuple[float, bytes]] = []  # heap of (expiry, nonce)
 
-    def seal(self, obj: msgspec.Struct) -> bytes:
-        """Envelope bytes for ``obj``."""
-        body = _enc.encode(obj)
-        ts, nonce = self._clock(), os.urandom(16)
-        mac = _mac(self.secret, PROTOCOL_VERSION, ts, nonce, body) if self.secret else b""
-        return _enc.encode(Envelope(PROTOCOL_VERSION, ts, nonce, mac, body))
+    def new_nonce(self) -> bytes:
+        """A fresh random nonce."""
+        return os.urandom(NONCE_BYTES)
 
-    def open(self, raw: bytes) -> bytes:
-        """The body of an envelope, after the version, MAC, freshness and replay checks."""
-        try:
-            env = _dec_env.decode(raw)
-        except msgspec.DecodeError as e:
-            raise MessageError(f"not a DSAConnector envelope: {e}") from None
-        if env.version != PROTOCOL_VERSION:
-            raise MessageError(f"protocol mismatch: peer speaks {env.version}, this side {PROTOCOL_VERSION}")
+    def seal(self, obj: msgspec.Struct, nonce: bytes | None = None) -> bytes:
+        """Envelope bytes of request ``obj`` (under ``nonce``, fresh if None)."""
+        env = Envelope(PROTOCOL_VERSION, self._clock(), nonce or self.new_nonce(), b"", b"", _enc.encode(obj))
+        if self.secret:
+            env = msgspec.structs.replace(env, mac=_mac(self.secret, _REQUEST, env))
+        return _enc.encode(env)
+
+    def seal_reply(self, reply: Reply, reply_to: bytes, signed: bool = True) -> bytes:
+        """Envelope bytes of ``reply`` to the request whose nonce is ``reply_to``; ``signed=False`` for a
+        refusal of a message that was not authenticated (never sign an answer to an unknown sender)."""
+        env = Envelope(PROTOCOL_VERSION, self._clock(), self.new_nonce(), reply_to, b"", _enc.encode(reply))
+        if self.secret and signed:
+            env = msgspec.structs.replace(env, mac=_mac(self.secret, _REPLY, env))
+        return _enc.encode(env)
+
+    def open(self, raw: bytes) -> Envelope:
+        """A request's envelope, after the size, version, MAC, freshness and replay checks."""
+        env = decode_envelope(raw)
+        self.check(env)
+        return env
+
+    def check(self, env: Envelope) -> None:
+        """Authenticate a request's envelope; :class:`MessageError` naming what is wrong."""
+        if env.reply_to:
+            raise MessageError("a reply where a request was expected")
         if self.secret is None:
-            return env.body
+            return
         if not env.mac:
             raise MessageError("message is not authenticated (this engine requires auth_secret)")
-        if not hmac.compare_digest(env.mac, _mac(self.secret, env.version, env.ts, env.nonce, env.body)):
+        if not hmac.compare_digest(env.mac, _mac(self.secret, _REQUEST, env)):
             raise MessageError("bad HMAC: the peer's auth_secret differs")
         now = self._clock()
         if not math.isfinite(env.ts) or abs(now - env.ts) > REPLAY_WINDOW_S:
-            raise MessageError(f"stale message (timestamp {env.ts:.1f}, now {now:.1f}, window "
-                               f"{REPLAY_WINDOW_S:.0f} s)")
-        while self._seen and next(iter(self._seen.values())) < now - REPLAY_WINDOW_S:
-            self._seen.popitem(last=False)
-        if env.nonce in self._seen:
-            raise MessageError("replayed message (nonce seen before)")
-        self._seen[env.nonce] = now
-        return env.body
+            raise MessageError(f"stale message: the sender's clock is {env.ts - now:+.1f} s from this side's "
+                               f"(timestamp {env.ts:.1f}, now {now:.1f}, window {REPLAY_WINDOW_S:.0f} s)")
+        with self._lock:
+            while self._expiry and (self._expiry[0][0] < now or len(self._expiry) > MAX_SEEN_NONCES):
+                _, old = heapq.heappop(self._expiry)
+                self._seen.pop(old, None)
+            if env.nonce in self._seen:
+                raise MessageError("replayed message (nonce seen before)")
+            # fresh until its own timestamp + window (on this clock): remember the nonce as long
+            expiry = env.ts + REPLAY_WINDOW_S
+            self._seen[env.nonce] = expiry
+            heapq.heappush(self._expiry, (expiry, env.nonce))
+
+    def open_reply(self, raw: bytes, nonce: bytes) -> tuple[Envelope, Reply]:
+        """The envelope and reply answering our request ``nonce``. :class:`UnboundReply` when it is not the
+        peer's authentic answer to that request (with a secret: anything before the MAC checks out, which
+        anyone on the path could have sent); :class:`MessageError` when an authentic reply is malformed."""
+        try:
+            env = decode_envelope(raw)
+        except MessageError as e:
+            if self.secret is None:
+                raise
+            raise UnboundReply(f"unreadable reply: {e}") from None
+        if env.reply_to != nonce:
+            raise UnboundReply(f"the reply answers another message (reply_to {env.reply_to.hex() or 'empty'}, "
+                               f"our nonce {nonce.hex()})")
+        if self.secret is not None and not env.mac:
+            try:
+                said = decode_reply(env.body).error or "no error given"
+            except MessageError:
+                said = "unreadable"
+            raise UnboundReply(f"unsigned reply (the peer could not read or authenticate our message?): {said}",
+                               env=env)
+        if self.secret is not None and not hmac.compare_digest(env.mac, _mac(self.secret, _REPLY, env)):
+            raise UnboundReply("bad HMAC on the reply: not signed with this side's auth_secret", env=env)
+        return env, decode_reply(env.body)
+
+
+class UnboundReply(MessageError):
+    """A reply that is not the peer's signed answer to our request (taken from another exchange, unsigned or
+    forged): says nothing about the request's fate. ``env``: its envelope, when it decoded (for its clock)."""
+
+    def __init__(self, message: str, env: Envelope | None = None) -> None:
+        super().__init__(message)
+        self.env = env
 
 
 def decode_request(body: bytes) -> Request:
@@ -196,7 +318,7 @@ def decode_reply(body: bytes) -> Reply:
 
 
 def _check_id(name: str, value: str) -> None:
-    if not value or len(value) > MAX_ID_CHARS:
+    if not value or len(value) > MAX_ID_CHARS:  # the length is bounded while decoding too
         raise MessageError(f"{name} must be 1..{MAX_ID_CHARS} characters, got {len(value)}")
 
 
@@ -210,8 +332,8 @@ def check_request(req: Request) -> None:
     elif isinstance(req, RegReq):
         for name in ("p_req", "token", "d_engine", "d_req"):
             _check_id(name, getattr(req, name))
-        if not req.d_blocks or len(req.d_blocks) > 1 << 20:
-            raise MessageError(f"d_blocks must hold 1..{1 << 20} block ids, got {len(req.d_blocks)}")
+        if not req.d_blocks or len(req.d_blocks) > MAX_BLOCKS_PER_REG:
+            raise MessageError(f"d_blocks must hold 1..{MAX_BLOCKS_PER_REG} block ids, got {len(req.d_blocks)}")
         if not 0 <= req.first_token <= MAX_TOKENS:
             raise MessageError(f"first_token must be 0..{MAX_TOKENS}, got {req.first_token}")
         if not 1 <= req.num_tokens <= MAX_TOKENS:

@@ -10,8 +10,13 @@ a :class:`~.messages.Reply`:
 - ``hb`` (D -> P): lease renewal for the listed P requests.
 - ``cancel`` (D -> P): D gave up on these P requests; P answers per request whether a WRITE may come.
 
-A message that does not decode, is out of range, is too large (``MAX_MESSAGE_BYTES``: ZMQ drops it) or
-fails authentication gets an error reply and one log line; it never reaches the handler's state.
+A message that does not decode, is out of range, is too large (``MAX_MESSAGE_BYTES``: ZMQ drops it; a
+field over its bound is refused while decoding) or fails authentication gets an error reply and one log
+line; it never reaches the handler's state. Every reply names the nonce of the request it answers; the
+server signs only replies to messages it authenticated (an unread one gets an unsigned ``Reply.unread``
+refusal), and the client accepts only a reply bound to its own request and, with a secret, signed: anything
+else is a transient :class:`HandshakeError` (as if unanswered), never the peer's word. A clock skew over
+the replay window is such a refusal too: D retries it inside the transfer budget and logs the skew.
 
 Clients use a fresh REQ socket with send/receive timeouts and ``linger=0``: a dead peer costs one timeout
 on a background thread, never a hung engine.
@@ -42,11 +47,12 @@ from vllm_dsa_connector.handoff.messages import (
     MetaReq,
     Reply,
     Request,
+    UnboundReply,
     check_request,
-    decode_reply,
+    decode_envelope,
     decode_request,
 )
-from vllm_dsa_connector.handoff.wire import RankPayload, decode_payload
+from vllm_dsa_connector.handoff.wire import MAX_ERROR_CHARS, RankPayload, decode_payload
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +112,29 @@ class SideChannelServer:
 
     def handle_raw(self, raw: bytes) -> Reply:
         """Decode, authenticate, check and handle one message; never raises."""
+        return self.answer(raw)[0]
+
+    def answer(self, raw: bytes) -> tuple[Reply, bytes, bool]:
+        """``(reply, nonce of the request, signed)`` for one message: a message that does not open (size,
+        version, shape, MAC, freshness, replay) gets an unsigned ``unread`` refusal; never raises."""
+        nonce = b""
         try:
-            req = decode_request(self._auth.open(raw))
+            env = decode_envelope(raw)
+            nonce = env.nonce
+            self._auth.check(env)
+        except MessageError as e:
+            logger.warning("DSAConnector side channel: refused a message it could not open: %s", e)
+            return Reply(False, error=f"refused: {e}"[:MAX_ERROR_CHARS], clock=self._clock(), unread=True), nonce, False
+        try:
+            req = decode_request(env.body)
             check_request(req)
-            return self._handler(req)
+            return self._handler(req), nonce, True
         except MessageError as e:
             logger.warning("DSAConnector side channel: refused a message: %s", e)
-            return Reply(False, error=f"refused: {e}", clock=self._clock())
+            return Reply(False, error=f"refused: {e}"[:MAX_ERROR_CHARS], clock=self._clock()), nonce, True
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the channel
             logger.warning("DSAConnector side channel: request failed: %r", e)
-            return Reply(False, error=f"request failed: {e!r}", clock=self._clock())
+            return Reply(False, error=f"request failed: {e!r}"[:MAX_ERROR_CHARS], clock=self._clock()), nonce, True
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -131,9 +150,9 @@ class SideChannelServer:
                 logger.warning("DSAConnector side channel: dropped a message of %d frames", len(frames))
                 continue
             ident, _, raw = frames
-            reply = self.handle_raw(raw)
+            reply, nonce, signed = self.answer(raw)
             try:
-                self._sock.send_multipart([ident, b"", self._auth.seal(reply)])
+                self._sock.send_multipart([ident, b"", self._auth.seal_reply(reply, nonce, signed)])
             except zmq.ZMQError as e:
                 logger.warning("DSAConnector side channel: reply failed: %s", e)
         self._sock.close()
@@ -149,7 +168,9 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
             clock_estimate: ClockEstimate | None = None) -> Reply:
     """One request/reply on a peer's side channel; :class:`HandshakeError` on timeout or a bad reply.
 
-    With ``clock_estimate`` the reply's clock refines the estimate of the peer's clock.
+    With ``clock_estimate`` the reply's clock refines the estimate of the peer's clock. A reply that is not
+    bound to this request, or (with a secret) not signed, is a transient :class:`HandshakeError`: it may come
+    from anyone on the path, so it says nothing about what the peer did with the request.
     """
     auth = auth or Authenticator(None)
     kind = type(req).__struct_config__.tag
@@ -160,10 +181,11 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
     sock.setsockopt(zmq.SNDTIMEO, ms)
     sock.setsockopt(zmq.RCVTIMEO, ms)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    nonce = auth.new_nonce()
     try:
         sock.connect(f"tcp://{host}:{port}")
         sent = time.monotonic()
-        sock.send(auth.seal(req))
+        sock.send(auth.seal(req, nonce))
         raw = sock.recv()
         received = time.monotonic()
     except zmq.Again:
@@ -175,9 +197,17 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
     finally:
         sock.close()
     try:
-        reply = decode_reply(auth.open(raw))
+        _, reply = auth.open_reply(raw, nonce)
+    except UnboundReply as e:
+        gap = e.env.ts - time.time() if e.env is not None else 0.0  # unsigned: for the log line only
+        skew = f"; the peer's wall clock is {gap:+.1f} s from this side's" if abs(gap) >= 1.0 else ""
+        raise HandshakeError(f"DSAConnector peer {host}:{port}: no authentic answer to {kind!r} (treated as "
+                             f"unanswered): {e}{skew}", transient=True) from None
     except MessageError as e:
         raise HandshakeError(f"DSAConnector peer {host}:{port}: bad reply to {kind!r}: {e}") from None
+    if reply.unread:  # no secret on this side: an unread refusal is still not the peer's word on the request
+        raise HandshakeError(f"DSAConnector peer {host}:{port} could not read {kind!r} (treated as unanswered): "
+                             f"{reply.error}", transient=True)
     if clock_estimate is not None:
         clock_estimate.add_sample(sent, received, reply.clock)
     return reply

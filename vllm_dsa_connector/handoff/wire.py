@@ -1,6 +1,9 @@
 """What travels: handshake payloads, the jobs a scheduler hands its workers, completion notices.
 
-msgspec structs (compact, typed, versioned), shared by both roles and free of any serving engine:
+msgspec structs (compact, typed, versioned), shared by both roles and free of any serving engine. Every
+list, dict, string and bytes field is bounded (``msgspec.Meta``): peer input over a bound is refused while
+it is decoded, before it costs memory (the nested plain data of a page table or region is bounded by the
+size of the payload bytes that carry it):
 
 - :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,23 +26,46 @@ import msgspec
 #: every path, the direct one included (2 sent a bare ``NOTICE_PREFIX`` message there).
 #: 4: registrations and jobs carry the token span (``first_token``, ``num_tokens``) instead of P's first block
 #: index, so P and D may use different block sizes (3 sent ``first_block``).
-PROTOCOL_VERSION = 4
+#: 5: side-channel replies name the request they answer (``Envelope.reply_to``, inside the MAC), the MAC input
+#: is length-prefixed, refusals of unread messages are unsigned (``Reply.unread``), and every list, dict and
+#: string of the structs is bounded (4 had no ``reply_to``).
+PROTOCOL_VERSION = 5
 TRANSFER_MODE = "push"
+
+#: Largest side-channel message accepted (checked before decoding; the ZMQ socket drops bigger ones unread).
+MAX_MESSAGE_BYTES = 16 << 20
+#: Largest encoded :class:`RankPayload` (page table, NIXL agent metadata, regions of one worker)
+MAX_PAYLOAD_BYTES = 4 << 20
+#: Most workers (pp x tp) of one engine, and most ranks a staging-slot map names
+MAX_WORKERS = 1024
+MAX_ID_CHARS = 512
+MAX_ERROR_CHARS = 4096
+#: Most entries of a plain-data map or list in a handshake payload (page table keys, regions, compat facts)
+MAX_ENTRIES = 4096
+#: Most blocks (or checksum runs) one job or notice names
+MAX_BLOCKS = 1 << 20
+
+#: A request, engine or agent id (bounded while decoding)
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+_Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORKERS)]
+_Str = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
+_Map = Annotated[dict[_Str, Any], msgspec.Meta(max_length=MAX_ENTRIES)]
+_Blocks = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
 
 
 class RankPayload(msgspec.Struct, frozen=True):
     """One worker's handshake payload."""
 
-    engine_id: str
+    engine_id: Id
     rank: int
     pp_rank: int
     tp_rank: int
-    agent_name: str
-    agent_metadata: bytes
-    page_table: dict[str, Any]
-    regions: list[dict[str, Any]]  # transport RegionDesc.to_dict() per pool index
-    compat: dict[str, str]
-    staging: dict[str, Any] | None = None  # receive staging arena (RegionDesc dict) for bounced writes
+    agent_name: Id
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
+    page_table: _Map
+    regions: Annotated[list[_Map], msgspec.Meta(max_length=MAX_ENTRIES)]  # RegionDesc.to_dict() per pool
+    compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
+    staging: _Map | None = None  # receive staging arena (RegionDesc dict) for bounced writes
     protocol: int = PROTOCOL_VERSION
 
 
@@ -49,13 +75,15 @@ class PeerInfo(msgspec.Struct, frozen=True):
     ``as_source``: the peer writes to us (we are D); otherwise we write to it (we are P).
     """
 
-    engine_id: str
-    payloads: list[bytes]
+    engine_id: Id
+    payloads: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]],
+                        msgspec.Meta(max_length=MAX_WORKERS)]
     as_source: bool = False
 
 
 #: dst rank -> src rank -> [offset, size] in the destination rank's staging arena
-Slots = dict[int, dict[int, list[int]]]
+Slots = Annotated[dict[_Rank, Annotated[dict[_Rank, Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]],
+                                         msgspec.Meta(max_length=MAX_WORKERS)]], msgspec.Meta(max_length=MAX_WORKERS)]
 
 
 class PushJob(msgspec.Struct, frozen=True):
@@ -65,11 +93,11 @@ class PushJob(msgspec.Struct, frozen=True):
     convention: each list starts at the block of its own size holding ``first_token``).
     """
 
-    req_id: str
-    dst_engine: str
-    dst_req_id: str
-    src_blocks: list[int]
-    dst_blocks: list[int]
+    req_id: Id
+    dst_engine: Id
+    dst_req_id: Id
+    src_blocks: _Blocks
+    dst_blocks: _Blocks
     verify: bool = False
     slots: Slots = {}
     post_deadline: float = math.inf  # monotonic clock of this host: never post a WRITE after it
@@ -80,13 +108,15 @@ class PushJob(msgspec.Struct, frozen=True):
 class RecvJob(msgspec.Struct, frozen=True):
     """D side: expect notices for ``req_id`` from the listed source ranks, per local rank."""
 
-    req_id: str
-    src_engine: str
-    blocks: list[int]
-    expected: dict[int, list[int]]  # local (dst) rank -> source ranks that write to it
+    req_id: Id
+    src_engine: Id
+    blocks: _Blocks
+    # local (dst) rank -> source ranks that write to it
+    expected: Annotated[dict[_Rank, Annotated[list[_Rank], msgspec.Meta(max_length=MAX_WORKERS)]],
+                        msgspec.Meta(max_length=MAX_WORKERS)]
     timeout_s: float  # safety net only: the scheduler decides when D gives up (fail_recv)
     verify: bool = False
-    src_blocks: list[int] = []  # the producer's blocks (to recompute bounced runs for the scatter)
+    src_blocks: _Blocks = []  # the producer's blocks (to recompute bounced runs for the scatter)
     slots: Slots = {}
     first_token: int = 0  # the token span both block lists hold (as in PushJob)
     num_tokens: int | None = None
@@ -95,14 +125,14 @@ class RecvJob(msgspec.Struct, frozen=True):
 class Notice(msgspec.Struct, frozen=True):
     """Completion notice of one (source rank -> destination rank) transfer of one request."""
 
-    req_id: str  # D's request id
+    req_id: Id  # D's request id
     src_rank: int
     ok: bool
     nbytes: int = 0
     runs: int = 0
-    error: str = ""
+    error: _Str = ""
     # verify_transfers: (pool, dst_offset, length, crc32) per run, offsets in the destination region
-    checks: list[tuple[int, int, int, int]] = []
+    checks: Annotated[list[tuple[int, int, int, int]], msgspec.Meta(max_length=MAX_BLOCKS)] = []
 
 
 NOTICE_PREFIX = b"DSA1:"
