@@ -85,14 +85,14 @@ def _feed(p: Any, d: Any, notice: Any) -> None:
 
 def _good_checks(p: Any, d: Any) -> list[tuple[int, int, int, int]]:
     """What a real sender puts in its notice for this request (D's plan of P rank 0 -> D rank 0)."""
-    from vllm_dsa_connector.connector.pages import crc_at
+    from vllm_dsa_connector.connector.pages import crc_runs
 
     plan = d.remotes[p.engine_id].plan
     out = []
     for sp, dp, runs in plan.runs(0, 0, SRC_BLOCKS, DST_BLOCKS):
-        base = p.regions[sp].addr
-        out.extend((dp, int(o), int(n), crc_at(base + int(a), int(n)))
-                   for a, o, n in zip(runs.src_offsets, runs.dst_offsets, runs.lengths, strict=True))
+        crcs = crc_runs(p.regions[sp].tensor, runs.src_offsets, runs.lengths)
+        out.extend((dp, int(o), int(n), crc)
+                   for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs, strict=True))
     return out
 
 

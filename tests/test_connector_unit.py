@@ -183,8 +183,6 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
         rcv = worker.receiver
         assert feed("agent-evil", Notice("d1", 0, True, 10, 1))  # a forged notice: ignored
         assert rcv.writer_states(b"d1") == {0: WriterState.EXPECTED}
-        feed("agent-p0", Notice("d1", 0, True, -5, 1))  # malformed: ignored
-        assert rcv.writer_states(b"d1") == {0: WriterState.EXPECTED}
         feed("agent-p0", Notice("d1", 1, True, 10, 1))  # names another rank: ignored
         assert rcv.writer_states(b"d1") == {0: WriterState.EXPECTED}
         feed("agent-p0", Notice("d1", 0, True, 10, 1))
@@ -194,6 +192,11 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
         feed("agent-p0", Notice("d2", 0, False, error="P lost its blocks"))
         worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("d2", "P", [4], {0: [0]}, 30.0)]))
         assert worker.get_transfer_results() == (set(), {"d2"}, {"d2"})
+        # A malformed notice from the right agent fails its load (issue 29 item 4), never raises.
+        worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("d3", "P", [5], {0: [0]}, 30.0)]))
+        feed("agent-p0", Notice("d3", 0, True, -5, 1))
+        assert rcv.writer_states(b"d3") == {0: WriterState.FAILED}
+        assert worker.get_transfer_results() == (set(), {"d3"}, {"d3"})
     finally:
         worker.shutdown()
 
