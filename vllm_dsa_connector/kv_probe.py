@@ -43,7 +43,7 @@ def _host_pages(cache: torch.Tensor, block_ids: list[int]) -> memoryview:
     one copy for all of them (the cache may be device memory)."""
     index = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
     pages = cache.index_select(0, index).contiguous().view(torch.uint8)
-    return memoryview(pages.cpu().numpy().reshape(-1))
+    return pages.cpu().numpy().reshape(-1).data
 
 
 def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> tuple[list[int], dict[str, list[int]]]:
@@ -83,5 +83,5 @@ class KVProbe:
 
     def dsa_probe_digest_all(self) -> list[int]:
         """CRC32 of every KV cache layer's whole tensor (layers in name order): a snapshot to compare."""
-        return [zlib.crc32(memoryview(cache.contiguous().view(torch.uint8).cpu().numpy().reshape(-1)))
+        return [zlib.crc32(cache.contiguous().view(torch.uint8).cpu().numpy().reshape(-1).data)
                 for cache in _layer_caches(self).values()]

@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-topk-freq", type=int, default=2,
                    help="dsa: a layer computes its own top-k every N layers, the others reuse it (default 2)")
     p.add_argument("--index-topk", type=int, default=16, help="dsa: tokens each query attends to (default 16)")
+    p.add_argument("--index-n-heads", type=int, default=16,
+                   help="dsa: indexer heads (default 16; DeepGEMM's fp8 prefill MQA-logits kernel takes 32 or 64)")
     p.add_argument("--mtp-layers", type=int, default=0,
                    help="dsa: MTP (nextn) layers after the backbone, for MTP speculative decoding (default 0)")
     p.add_argument("--force", action="store_true", help="rewrite a complete existing model")
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
         path = make_tiny_glm_dsa(args.out, num_layers=args.num_layers, index_topk_freq=args.index_topk_freq,
-                                 index_topk=args.index_topk, num_mtp_layers=args.mtp_layers, force=args.force)
+                                 index_topk=args.index_topk, index_n_heads=args.index_n_heads,
+                                 num_mtp_layers=args.mtp_layers, force=args.force)
     else:
         from vllm_dsa_connector.tiny_models import make_tiny_mla
 

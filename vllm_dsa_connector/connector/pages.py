@@ -30,7 +30,7 @@ def crc_runs(pool: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int],
     if len(offsets) != len(lengths):
         raise ValueError(f"crc_runs: {len(offsets)} offsets but {len(lengths)} lengths")
     if not (pool.device.type != "cpu" if gather is None else gather):
-        view = memoryview(pool.numpy())
+        view = pool.numpy().data
         return [zlib.crc32(view[int(o):int(o) + int(n)]) for o, n in zip(offsets, lengths, strict=True)]
     out: list[int] = []
     i = 0
@@ -44,7 +44,7 @@ def crc_runs(pool: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int],
         # byte k of the batch is pool[offs[r] + (k - first byte of run r in the batch)]
         shift = torch.repeat_interleave(offs - (torch.cumsum(lens, 0) - lens), lens)
         index = (shift + torch.arange(total, dtype=torch.int64)).to(pool.device, non_blocking=True)
-        host = memoryview(pool[index].cpu().numpy())
+        host = pool[index].cpu().numpy().data
         pos = 0
         for n in lens.tolist():
             out.append(zlib.crc32(host[pos:pos + n]))

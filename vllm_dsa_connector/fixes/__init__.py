@@ -40,7 +40,11 @@ from vllm_dsa_connector.options import runtime_fixes_disabled
 __all__ = ["FIX_NAMES", "FixReport", "apply_runtime_fixes", "report_for", "revert_runtime_fixes"]
 
 # The fixes, in the order of apply_runtime_fixes()'s reports (each module's FIX_NAME).
-FIX_NAMES: tuple[str, ...] = ("mtp-draft-token-map", "cpu-pp-intermediate-tensors", "deep-gemm-mqa-logits-api")
+FIX_NAMES: tuple[str, ...] = (
+    "mtp-draft-token-map",
+    "cpu-pp-intermediate-tensors",
+    "deep-gemm-mqa-logits-api",
+)
 
 _LOCK = threading.Lock()
 _LOGGER_NAME = "vllm.plugins." + __name__
@@ -95,7 +99,11 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
             )
             return tuple(FixReport(name, "disabled", version, "env") for name in FIX_NAMES)
         _install_guards(version)
-        return (_apply_mtp_token_map(version), pp_intermediate.apply(version), deep_gemm_api.apply(version))
+        return (
+            _apply_mtp_token_map(version),
+            pp_intermediate.apply(version),
+            deep_gemm_api.apply(version),
+        )
 
 
 def report_for(reports: Iterable[FixReport], name: str) -> FixReport:

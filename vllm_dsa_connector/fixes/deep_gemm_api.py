@@ -83,8 +83,9 @@ def kernel_takes_max_seqlen_k(kernel: Callable[..., Any] | None) -> bool:
     return bool(names and "max_seqlen_k" in names and "clean_logits" not in names)
 
 
-def expand_compressed_logits(compressed: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
-                             num_keys: int) -> torch.Tensor:
+def expand_compressed_logits(
+    compressed: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, num_keys: int
+) -> torch.Tensor:
     """``[M, W]`` rows whose column 0 is key ``ks[i]`` -> ``[M, num_keys]`` with key ``j`` in column ``j``.
 
     Columns outside ``[ks[i], min(ke[i], ks[i] + W))`` are ``-inf``. Pure index ops on the tensors'
@@ -92,7 +93,9 @@ def expand_compressed_logits(compressed: torch.Tensor, ks: torch.Tensor, ke: tor
     """
     m, width = compressed.shape
     if m == 0 or num_keys == 0 or width == 0:
-        return torch.full((m, num_keys), float("-inf"), dtype=compressed.dtype, device=compressed.device)
+        return torch.full(
+            (m, num_keys), float("-inf"), dtype=compressed.dtype, device=compressed.device
+        )
     cols = torch.arange(num_keys, device=compressed.device, dtype=torch.int64)
     start = ks.to(torch.int64).view(-1, 1)
     rel = cols.view(1, -1) - start
@@ -104,8 +107,14 @@ def expand_compressed_logits(compressed: torch.Tensor, ks: torch.Tensor, ke: tor
 def adapt_prefill_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
     """The older prefill API (``clean_logits=``, ``[M, N]`` logits) over a newer-API ``kernel``."""
 
-    def fp8_fp4_mqa_logits(q: Any, kv: Any, weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
-                           cu_seqlen_ke: torch.Tensor, clean_logits: bool = False) -> torch.Tensor:
+    def fp8_fp4_mqa_logits(
+        q: Any,
+        kv: Any,
+        weights: torch.Tensor,
+        cu_seqlen_ks: torch.Tensor,
+        cu_seqlen_ke: torch.Tensor,
+        clean_logits: bool = False,
+    ) -> torch.Tensor:
         num_keys = int(kv[0].shape[0])
         compressed = kernel(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, num_keys)
         return expand_compressed_logits(compressed.float(), cu_seqlen_ks, cu_seqlen_ke, num_keys)
@@ -117,13 +126,28 @@ def adapt_prefill_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
 def adapt_paged_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
     """The older paged API (``clean_logits=``) over a newer-API paged ``kernel`` (same output layout)."""
 
-    def fp8_fp4_paged_mqa_logits(q: Any, kv_cache: torch.Tensor, weights: torch.Tensor,
-                                 context_lens: torch.Tensor, block_tables: torch.Tensor,
-                                 schedule_metadata: torch.Tensor, max_model_len: int,
-                                 clean_logits: bool = False, indices: torch.Tensor | None = None) -> torch.Tensor:
+    def fp8_fp4_paged_mqa_logits(
+        q: Any,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        schedule_metadata: torch.Tensor,
+        max_model_len: int,
+        clean_logits: bool = False,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         kwargs = {} if indices is None else {"indices": indices}
-        logits = kernel(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
-                        **kwargs)
+        logits = kernel(
+            q,
+            kv_cache,
+            weights,
+            context_lens,
+            block_tables,
+            schedule_metadata,
+            max_model_len,
+            **kwargs,
+        )
         if clean_logits:
             lens = context_lens.reshape(-1).to(torch.int64)
             if lens.numel() != logits.shape[0]:  # one length per request, next_n rows each
@@ -139,7 +163,11 @@ def adapt_paged_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
 def _adapt_resolved(module: Any) -> None:
     """Replace the kernels vLLM resolved in ``module`` by adapters, once, when they speak the newer API."""
     prefill = getattr(module, _PREFILL_IMPL, None)
-    if prefill is None or getattr(prefill, _MARK, None) is not None or not kernel_takes_max_seqlen_k(prefill):
+    if (
+        prefill is None
+        or getattr(prefill, _MARK, None) is not None
+        or not kernel_takes_max_seqlen_k(prefill)
+    ):
         return
     setattr(module, _PREFILL_IMPL, adapt_prefill_kernel(prefill))
     paged = getattr(module, _PAGED_IMPL, None)
@@ -149,7 +177,10 @@ def _adapt_resolved(module: Any) -> None:
 
     init_logger("vllm.plugins." + __name__).info(
         "vllm-dsa-connector: fix %s: DeepGEMM %s takes max_seqlen_k (compressed logits); vLLM's MQA-logits "
-        "wrappers now call it through adapters", FIX_NAME, getattr(prefill, "__module__", "?"))
+        "wrappers now call it through adapters",
+        FIX_NAME,
+        getattr(prefill, "__module__", "?"),
+    )
 
 
 def is_installed(module: Any) -> bool:
@@ -209,19 +240,41 @@ def apply(version: str) -> Any:
         return FixReport(FIX_NAME, "already-applied", version, "")
     if not caller_takes_clean_logits(module):
         detail = "vLLM's fp8_fp4_mqa_logits wrapper takes no clean_logits (it speaks DeepGEMM's newer API)"
-        _log_once(FIX_NAME, "debug", "vllm-dsa-connector: vLLM %s does not need fix %s (%s)", version, FIX_NAME,
-                  detail)
+        _log_once(
+            FIX_NAME,
+            "debug",
+            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
+            version,
+            FIX_NAME,
+            detail,
+        )
         return FixReport(FIX_NAME, "not-needed", version, detail)
     if not supported(module):
-        _log_once(FIX_NAME, "warning", "vllm-dsa-connector: vLLM %s's %s has no _lazy_init/%s; fix %s not "
-                  "applied (a DeepGEMM with the newer MQA-logits API fails on the first DSA prefill)", version,
-                  MODULE, _PREFILL_IMPL, FIX_NAME)
+        _log_once(
+            FIX_NAME,
+            "warning",
+            "vllm-dsa-connector: vLLM %s's %s has no _lazy_init/%s; fix %s not "
+            "applied (a DeepGEMM with the newer MQA-logits API fails on the first DSA prefill)",
+            version,
+            MODULE,
+            _PREFILL_IMPL,
+            FIX_NAME,
+        )
         return FixReport(FIX_NAME, "unsupported", version, "no _lazy_init")
     install(module)
-    detail = ("vLLM's wrappers take clean_logits; a DeepGEMM that takes max_seqlen_k (compressed logits) is "
-              "adapted when vLLM resolves it")
-    _log_once(FIX_NAME, "info", "vllm-dsa-connector: applied runtime fix %s to vLLM %s: %s. "
-              "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.", FIX_NAME, version, detail)
+    detail = (
+        "vLLM's wrappers take clean_logits; a DeepGEMM that takes max_seqlen_k (compressed logits) is "
+        "adapted when vLLM resolves it"
+    )
+    _log_once(
+        FIX_NAME,
+        "info",
+        "vllm-dsa-connector: applied runtime fix %s to vLLM %s: %s. "
+        "VLLM_DSA_DISABLE_RUNTIME_FIXES=1 turns this off.",
+        FIX_NAME,
+        version,
+        detail,
+    )
     return FixReport(FIX_NAME, "applied", version, detail)
 
 
