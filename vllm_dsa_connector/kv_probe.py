@@ -62,6 +62,25 @@ def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> tupl
     return digests, per_layer
 
 
+def _running_requests(runner: Any) -> list[tuple[str, list[int], list[int]]]:
+    """(request id, prompt token ids, block ids of the first KV cache group) of every request the runner holds.
+
+    vLLM's V1 runner (vLLM CPU's) keeps a ``requests`` dict of per-request states; the GPU build's default
+    runner keeps ``req_states`` (request id -> row) and ``block_tables`` (per group, a device table and a block
+    count per row)."""
+    if hasattr(runner, "requests"):
+        return [(str(r), list(st.prompt_token_ids or []), [int(b) for b in st.block_ids[0]])
+                for r, st in list(runner.requests.items())]
+    states, tables = runner.req_states, runner.block_tables
+    out = []
+    for req_id, row in list(states.req_id_to_index.items()):
+        plen = int(states.prompt_len.np[row])
+        prompt = [int(t) for t in states.all_token_ids.gpu[row, :plen].tolist()]
+        nblocks = int(tables.num_blocks.np[0, row])
+        out.append((str(req_id), prompt, [int(b) for b in tables.block_tables[0].gpu[row, :nblocks].tolist()]))
+    return out
+
+
 class KVProbe:
     """Mixed into vLLM's worker by ``--worker-extension-cls`` (methods run on every worker)."""
 
@@ -72,9 +91,7 @@ class KVProbe:
         caches = _layer_caches(self)
         block_size = int(self.vllm_config.cache_config.block_size)  # type: ignore[attr-defined]
         out = []
-        for req_id, state in list(runner.requests.items()):
-            prompt = list(state.prompt_token_ids or [])
-            blocks = [int(b) for b in state.block_ids[0]]
+        for req_id, prompt, blocks in _running_requests(runner):
             full = max(len(prompt) - 1, 0) // block_size
             digests, per_layer = block_digests(caches, blocks[:full])
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
