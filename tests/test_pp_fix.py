@@ -153,9 +153,9 @@ def test_register_applies_the_fix(stock_runner: type) -> None:
 
 def test_fix_names_and_report_lookup() -> None:
     from vllm_dsa_connector import fixes
-    from vllm_dsa_connector.fixes import mtp_token_map, pp_intermediate
+    from vllm_dsa_connector.fixes import deep_gemm_api, mtp_token_map, pp_intermediate
 
-    assert fixes.FIX_NAMES == (mtp_token_map.FIX_NAME, pp_intermediate.FIX_NAME)
+    assert fixes.FIX_NAMES == (mtp_token_map.FIX_NAME, pp_intermediate.FIX_NAME, deep_gemm_api.FIX_NAME)
     reports = (fixes.FixReport("a", "applied", "0", ""), fixes.FixReport("b", "failed", "0", ""))
     assert fixes.report_for(reports, "b") is reports[1]
     with pytest.raises(KeyError, match="'c'.*\\['a', 'b'\\]"):
