@@ -34,13 +34,15 @@ for path in (make_tiny_mla(), make_tiny_glm_dsa(index_topk_freq=2, index_topk=16
     print(f"[test]   {path}")
 PY
 fast_log="$(mktemp)"
+# failed tests' exception lines and engine log excerpts (tests/conftest.py), printed last
+export VLLM_DSA_TEST_DIAG="$(mktemp)"
 fast_pid=""
-trap '[ -n "$fast_pid" ] && kill "$fast_pid" 2>/dev/null; rm -f "$fast_log"' EXIT
+trap '[ -n "$fast_pid" ] && kill "$fast_pid" 2>/dev/null; rm -f "$fast_log" "$VLLM_DSA_TEST_DIAG"' EXIT
 echo "[test] pytest: shard 'not slow' in the background (its output follows the slow shard's), shard 'slow' here"
-python -m pytest -p no:cacheprovider --durations=15 -m "not slow" >"$fast_log" 2>&1 &
+python -m pytest -p no:cacheprovider --durations=10 --tb=short -m "not slow" >"$fast_log" 2>&1 &
 fast_pid=$!
 set +e
-python -m pytest -p no:cacheprovider --durations=30 -m slow
+python -m pytest -p no:cacheprovider --durations=10 --tb=short -m slow
 slow_rc=$?
 slow_s=$((SECONDS - start))
 wait "$fast_pid"
@@ -49,5 +51,9 @@ fast_pid=""
 set -e
 echo "[test] ---------------- shard 'not slow' (ran concurrently with the slow shard) ----------------"
 cat "$fast_log"
+if [ -s "$VLLM_DSA_TEST_DIAG" ]; then
+  echo "[test] ---------------- failed tests: exception lines and what they printed (last 150 lines) ----------------"
+  tail -n 150 "$VLLM_DSA_TEST_DIAG"
+fi
 echo "[test] pytest: slow shard rc=$slow_rc in $slow_s s; not-slow shard rc=$fast_rc; both done in $((SECONDS - start)) s"
 [ "$slow_rc" = 0 ] && [ "$fast_rc" = 0 ]

@@ -78,9 +78,21 @@ _MODULE_SECONDS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Add each phase's duration (setup, call, teardown) to its module's total."""
+    """Add each phase's duration (setup, call, teardown) to its module's total; with ``VLLM_DSA_TEST_DIAG``
+    set (``ci/test.sh`` sets it), append a failed test's exception line and what it printed (engine log
+    excerpts) to that file, which CI prints last, where a truncated CI log still shows it."""
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    diag = os.environ.get("VLLM_DSA_TEST_DIAG")
+    if diag and report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        lines = [f"=== {report.nodeid} ({report.when}): {crash.message if crash else ''}"[:2000]]
+        for name, text in report.sections:
+            if "stdout" in name or "stderr" in name:
+                lines.append(f"--- {name}")
+                lines.extend(x[:400] for x in text.splitlines()[-80:])
+        with open(diag, "a", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -124,7 +124,7 @@ faulthandler.register(signal.SIGUSR1, file=_f, all_threads=True)
 STALL_S = 25.0  # a D request still waiting after this: dump P's and D's stacks once
 
 
-def _log_excerpt(eng: Engine, scan: int = 3000, keep: int = 60) -> str:
+def _log_excerpt(eng: Engine, scan: int = 3000, keep: int = 35) -> str:
     """The last ``keep`` lines of the engine's log that are errors, warnings or DSAConnector lines."""
     lines = eng.proc.tail(scan).splitlines()
     hits = [x for x in lines if any(w in x for w in ("ERROR", "WARNING", "DSAConnector", "Traceback", "Error"))]
