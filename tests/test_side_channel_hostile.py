@@ -403,3 +403,35 @@ def test_a_registration_names_only_its_sender_s_engine() -> None:
     finally:
         server.close()
         victim.shutdown()
+
+
+def test_a_reply_from_a_new_start_of_p_makes_d_redo_the_handshake() -> None:
+    """Issue 29 item 2: P restarted on the same engine id and port, and D's queued request names no epoch
+    (kv_transfer_params without ``remote_epoch``): D kept the old start's handshake forever. Now the first reply
+    of the new start (here a heartbeat's) names another epoch, D's next look at the peer redoes the handshake,
+    and the queued load whose lease the old start held fails, by name. The clock is injected (heartbeat due)."""
+    prod, server = _producer(Authenticator(SECRET))
+    port = server.port
+    clock = Clock(time.monotonic())
+    d = _consumer(clock)
+    try:
+        peer = _handshake(d, "127.0.0.1", port)
+        assert peer.meta is not None and peer.meta.epoch == P_EPOCH, peer.error
+        d.queue("d-q", RemoteParams("P", "p-q", "127.0.0.1", port, [7], BLOCK, prod.add_lease("p-q", [7])))
+        assert d.loads["d-q"].epoch == P_EPOCH  # no epoch in the params: the start the handshake knows
+        server.close()
+        restarted = Producer("P", HandoffSettings(lease_s=30.0, transfer_timeout_s=10.0), block_size=BLOCK)
+        payloads = [encode(_payload("P"))]
+        server = SideChannelServer("127.0.0.1", port, lambda req, sender: restarted.handle(req, payloads, sender),
+                                   Authenticator(SECRET), origin=Origin("P", P_EPOCH + 1))
+        clock.t += 10  # a heartbeat is due
+        d.step({})
+        _until(lambda: all(f.done() for _, _, f in d._heartbeats), "heartbeat unanswered")
+        d.step({})
+        assert "a reply came from its epoch" in d.peers["P"].stale
+        again = _handshake(d, "127.0.0.1", port)
+        assert again is not peer and again.meta is not None and again.meta.epoch == P_EPOCH + 1, again.error
+        assert not again.stale and "P P restarted" in d.loads["d-q"].error
+    finally:
+        server.close()
+        d.shutdown()

@@ -194,7 +194,7 @@ class Loading:
     req_id: str = ""
     queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
     error: str = ""  # QUEUED: P refused a heartbeat for it, or restarted (its lease is not kept); the load fails
-    epoch: int = 0  # the P start holding the lease (the params' remote_epoch, else the handshake's at register)
+    epoch: int = 0  # the P start holding the lease (the params' remote_epoch, else the handshake's when queued)
 
     def to(self, new: LoadState) -> None:
         """The one place a load changes state."""
@@ -349,8 +349,11 @@ class Consumer:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile. Returns when
         it was first queued (its transfer budget runs from there)."""
         if req_id not in self.loads:
+            # the P start holding the lease: the params' word, else the start D's handshake knows now
+            known = self.peers.get(rp.remote_engine_id)
+            epoch = rp.remote_epoch or (known.meta.epoch if known is not None and known.meta is not None else 0)
             self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock(),
-                                         epoch=rp.remote_epoch)
+                                         epoch=epoch)
             key = (rp.remote_engine_id, rp.remote_request_id)
             self._taken.setdefault(key, req_id)
             self._taken.move_to_end(key)
@@ -460,7 +463,8 @@ class Consumer:
                     reply, sender = load.reg.result()
                 except Exception as e:  # noqa: BLE001 - unanswered: P may have it; retry (idempotent on P)
                     peer = self.peers.get(load.engine)
-                    if peer is not None and load.reg_body is not None and (
+                    # (a peer whose handshake is being redone has no meta: P restarted, the retry is pointless)
+                    if peer is not None and peer.meta is not None and load.reg_body is not None and (
                             now + self.settings.handshake_timeout_s < load.give_up_at):
                         logger.warning("DSAConnector: registration of %s unanswered (%s); retrying", req_id, e)
                         load.reg = self._notifying(self._regs.submit(self._register, peer, load.reg_body))
