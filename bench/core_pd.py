@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_dsa_connector.handoff.consumer import Consumer, parse_remote_params  # noqa: E402
-from vllm_dsa_connector.handoff.messages import Authenticator  # noqa: E402
+from vllm_dsa_connector.handoff.messages import Authenticator, Origin, new_epoch  # noqa: E402
 from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
 from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
@@ -169,10 +169,10 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     args, table, specs = work
     side = open_side("P", table, args.device, args.seed)
     settings = _settings(args)
-    producer = Producer("P", settings, block_size=BLOCK)
+    producer = Producer("P", settings, block_size=BLOCK, epoch=new_epoch())
     payloads = [encode(side.payload)]
-    server = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, payloads),
-                               Authenticator(args.secret))
+    server = SideChannelServer("127.0.0.1", 0, lambda req, sender: producer.handle(req, payloads, sender),
+                               Authenticator(args.secret), origin=Origin("P", producer.epoch))
     transport = DirectTransport(side.engine, timeout_s=settings.transfer_timeout_s)
     params = [dict(do_remote_prefill=True, remote_engine_id="P", remote_request_id=s.req_id,
                    remote_token=producer.add_lease(s.req_id, list(s.p_blocks)), remote_host=server.host,

@@ -186,3 +186,56 @@ def test_a_checksum_mismatch_on_the_expected_runs_is_corrupt(pd) -> None:
     done, failed, errors = _results(d, "d-crc")
     assert "d-crc" not in failed and errors == set(DST_BLOCKS)  # vLLM's block-level path, policy decides
     assert d.stats.data["checksum_mismatches"] == before + 1
+
+
+def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> None:
+    """Issue 29 item 2: D restarted with the same engine id (a new worker: a new NIXL agent, new pools). P's
+    worker kept the old start's remote agent and wrote with it. Now the new start's PeerInfo (another epoch)
+    replaces the record: the old NIXL remote agent is removed from P's real agent, the new one added, a push the
+    new start registered lands in the new start's pools (checksummed), and a push the old start registered is
+    failed without a WRITE."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.transport.regions import TransferError
+
+    p, d = pd
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)], epoch=1)]))
+    old_agent = d.nixl.name
+    assert p.remotes[d.engine_id].epoch == 1 and old_agent in p.nixl.peers
+    d2, _ = _worker(d.engine_id, "kv_consumer")  # the restarted D: same engine id, new agent
+    try:
+        assert d2.nixl.name != old_agent
+        _arm(p, d2, "d-restart")
+        push = PushJob("p-restart", d.engine_id, "d-restart", SRC_BLOCKS, DST_BLOCKS, verify=True, dst_epoch=2)
+        p.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(d.engine_id, [encode(d2.payload)], epoch=2)],
+                                             push=[push]))
+        assert p.remotes[d.engine_id].epoch == 2 and p.remotes[d.engine_id].agents == {0: d2.nixl.name}
+        deadline = time.monotonic() + 20
+        while old_agent in p.nixl.peers:  # removed once no post uses it (none does)
+            p.get_transfer_results()
+            assert time.monotonic() < deadline, "the old agent was never removed"
+        assert d2.nixl.name in p.nixl.peers
+        with pytest.raises(TransferError, match=old_agent):  # NIXL's own refusal: its agent no longer knows it
+            p.nixl.send_notification(old_agent, b"after the restart")
+        deadline = time.monotonic() + 20
+        done: set[str] = set()
+        failed: set[str] = set()
+        while "d-restart" not in done:  # both sides progress: a WRITE completes only while P polls it too
+            p.get_transfer_results()
+            _, r, f = d2.get_transfer_results()
+            done, failed = done | r, failed | f
+            assert time.monotonic() < deadline, "the push never landed in the new start's pools"
+            time.sleep(0.002)
+        assert not failed and not d2.get_block_ids_with_load_errors() and d2.stats.data["checksummed_runs"] > 0
+        before, sent = p.stats.data["send_failed"], p.stats.data["send_bytes"]
+        p.start_load_kv(DSAConnectorMetadata(push=[PushJob("p-stale", d.engine_id, "d-stale", SRC_BLOCKS, DST_BLOCKS,
+                                                           dst_epoch=1)]))
+        deadline = time.monotonic() + 20
+        sending: set[str] = set()
+        while "p-stale" not in sending:
+            sending |= p.get_transfer_results()[0]
+            assert time.monotonic() < deadline, "the stale push was never reported"
+        assert p.stats.data["send_failed"] == before + 1 and p.stats.data["send_bytes"] == sent  # no WRITE
+    finally:
+        d2.shutdown()

@@ -18,6 +18,7 @@ from vllm_dsa_connector.handoff.messages import (
     HeartbeatReq,
     MessageError,
     MetaReq,
+    Origin,
     RegReq,
     Reply,
     ReqRef,
@@ -114,16 +115,17 @@ def test_pairing_with_different_block_sizes_follows_the_runs_convention(bp: int,
                                     remote_block_ids=list(range(40)), remote_num_tokens=500)
 
 
-def test_protocol_4_peers_are_refused() -> None:
-    """Protocol 5 replies name the request they answer (4's envelopes had no ``reply_to``): a v4 peer is
-    refused, both its envelopes and its handshake payloads, naming both versions."""
-    assert PROTOCOL_VERSION == 5
-    env = msgspec.msgpack.encode([4, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])
-    with pytest.raises(MessageError, match="peer speaks 4, this side 5"):
-        Authenticator(None).open(env)
-    old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=4))
-    with pytest.raises(ValueError, match="peer speaks 4, this side 5"):
-        decode_payload(old)
+def test_protocol_5_peers_are_refused() -> None:
+    """Protocol 6 envelopes name their sender's engine id and epoch (5's had neither; 4's had no ``reply_to``
+    either): an older peer is refused, both its envelopes and its handshake payloads, naming both versions."""
+    assert PROTOCOL_VERSION == 6
+    for version, env in ((5, [5, 0.0, b"n" * 16, b"", b"", msgspec.msgpack.encode({"type": "meta"})]),
+                         (4, [4, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])):
+        with pytest.raises(MessageError, match=f"peer speaks {version}, this side 6"):
+            Authenticator(None).open(msgspec.msgpack.encode(env))
+        old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=version))
+        with pytest.raises(ValueError, match=f"peer speaks {version}, this side 6"):
+            decode_payload(old)
 
 
 # ------------------------------------------------------------------------------------------ P side
@@ -174,9 +176,11 @@ def test_registration_names_tokens_and_p_takes_its_own_blocks() -> None:
     token = prod.add_lease("p1", [7, 8, 9, 10, 11])
     with pytest.raises(MessageError, match="need 17 of D's 16-token blocks"):
         prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 268, list(range(16)), clock.t + 5, d_payloads=d_pay))
+    # a refused registration teaches P nothing: the next one is asked for D's payloads again
+    assert prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 300, list(range(20)), clock.t + 5)).need_payloads
     with pytest.raises(MessageError, match="request p1 has 5"):
-        prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 300, list(range(20)), clock.t + 5))
-    assert prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 268, list(range(17)), clock.t + 5)).ok
+        prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 300, list(range(20)), clock.t + 5, d_payloads=d_pay))
+    assert prod.handle_reg(RegReq("p1", token, "D", "d1", 32, 268, list(range(17)), clock.t + 5, d_payloads=d_pay)).ok
     (job,) = prod.step().push
     assert (job.src_blocks, job.first_token, job.num_tokens) == ([7, 8, 9, 10, 11], 32, 268)
     assert job.dst_blocks == list(range(17))
@@ -262,11 +266,11 @@ def test_clock_estimate_maps_deadlines_conservatively() -> None:
 def _serve(secret: str | None) -> tuple[SideChannelServer, list]:
     seen: list = []
 
-    def handler(req):
+    def handler(req, sender):
         seen.append(req)
         return Reply(True, engine_id="E")
 
-    return SideChannelServer("127.0.0.1", 0, handler, Authenticator(secret)), seen
+    return SideChannelServer("127.0.0.1", 0, handler, Authenticator(secret), origin=Origin("E", 1)), seen
 
 
 def test_auth_refuses_missing_and_wrong_secrets_by_name() -> None:
@@ -325,7 +329,7 @@ def test_hostile_messages_get_error_replies_and_the_channel_keeps_serving() -> N
                  "d_blocks": [1], "post_deadline": float("nan")},
                 {"type": "hb", "reqs": [["p"]]}, {"type": "cancel", "reqs": "p"}, {"type": "nope"}):
         body = msgspec.msgpack.encode(bad)
-        bodies.append(msgspec.msgpack.encode([PROTOCOL_VERSION, 0.0, b"n" * 16, b"", b"", body]))
+        bodies.append(msgspec.msgpack.encode([PROTOCOL_VERSION, 0.0, b"n" * 16, b"", "D", 1, b"", body]))
     try:
         for raw in bodies:
             reply = server.handle_raw(raw)

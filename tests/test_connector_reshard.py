@@ -293,7 +293,7 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
 
 
 def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
-    from vllm_dsa_connector.handoff.messages import Reply
+    from vllm_dsa_connector.handoff.messages import Origin, Reply
     from vllm_dsa_connector.handoff.side_channel import (
         HandshakeError,
         SideChannelServer,
@@ -306,7 +306,8 @@ def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
     other = {**case["cfg"], "index_topk_freq": 2}  # same model otherwise, different indexer mask
     P, D = _setup(hosts, case, "default", "mask", d_cfg=other)
     p_payloads = [p for _, _, p in P]
-    server = SideChannelServer("127.0.0.1", 24950, lambda req: Reply(True, engine_id="P", payloads=p_payloads))
+    server = SideChannelServer("127.0.0.1", 24950, lambda req, sender: Reply(True, engine_id="P", payloads=p_payloads),
+                               origin=Origin("P", 1))
     try:
         remote = fetch_payloads("127.0.0.1", server.port, 10.0).payloads  # the real handshake path
         with pytest.raises(HandshakeError, match="indexer mask mismatch"):

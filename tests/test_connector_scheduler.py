@@ -33,11 +33,11 @@ def _config(model: Path, role: str, extra: dict):
                                                           kv_connector_extra_config=extra)).create_engine_config()
 
 
-def _payload(engine: str) -> bytes:
+def _payload(engine: str, agent: str = "", num_blocks: int = 512) -> bytes:
     from vllm_dsa_connector.handoff.wire import RankPayload, encode
 
-    table = {"rank": 0, "pools": [{"num_blocks": 512}]}
-    return encode(RankPayload(engine, 0, 0, 0, f"agent-{engine}", b"", table, [], {"model_dtype": "f32"}))
+    table = {"rank": 0, "pools": [{"num_blocks": num_blocks}]}
+    return encode(RankPayload(engine, 0, 0, 0, agent or f"agent-{engine}", b"", table, [], {"model_dtype": "f32"}))
 
 
 class _Plan:
@@ -191,7 +191,7 @@ def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
     clock.t += 5.1
     d.build_connector_meta(None)
     _wait(d.consumer.loads["d-slow"].cancel)
-    assert d.consumer.loads["d-slow"].cancel.result().states == {"p-slow": "posted"}
+    assert d.consumer.loads["d-slow"].cancel.result()[0].states == {"p-slow": "posted"}
     clock.t += 4.0
     assert "d-slow" not in d.build_connector_meta(None).fail_recv  # still inside give-up + write timeout
     assert d.has_pending_push_work()
@@ -246,7 +246,7 @@ def test_dead_producer_is_a_load_failure_and_cancels_do_not_queue_behind_it(pd) 
     t0 = time.monotonic()
     fut = d.consumer.cancel("P", [ReqRef("unrelated", "t")])  # P's control thread is not blocked
     _wait(fut)
-    assert fut.result().ok and time.monotonic() - t0 < 1.5
+    assert fut.result()[0].ok and time.monotonic() - t0 < 1.5
     deadline = time.monotonic() + 10
     while not d.consumer.peers["P-dead"].error:  # the first attempt goes unanswered (2 s)
         assert d.get_num_new_matched_tokens(req, 0) == (None, False)  # inside its budget: still waiting
@@ -290,7 +290,7 @@ def test_unanswered_handshake_is_retried_inside_the_transfer_budget(pd, tiny_mla
             time.sleep(0.1)
         assert "did not answer" in d.consumer.peers["P-late"].error
         assert d.get_num_new_matched_tokens(req, 0) == (None, False)  # failed, but inside its 5 s budget
-        p2.server = SideChannelServer(host, port, p2._handle, p2.auth, clock)
+        p2.server = SideChannelServer(host, port, p2._handle, p2.auth, clock, origin=p2.server.origin)
         clock.t += 1.0
         deadline = time.monotonic() + 10
         while (res := d.get_num_new_matched_tokens(req, 0))[0] is None:
@@ -475,3 +475,101 @@ def test_idle_steps_pause_and_a_registration_wakes_p(pd) -> None:
     finally:
         for sched in (p, d):
             sched.pacer.wait = type(sched.pacer).wait
+
+
+def test_a_restarted_d_is_served_with_its_own_payloads(pd, tiny_mla_dir: Path) -> None:
+    """Issue 29 item 2: D restarted with the same engine id (a new scheduler: new epoch, another agent, 1,024
+    blocks instead of 512). P learnt D's payloads once and wrote the new start's blocks with the old agent and
+    layout; now the new start's registration is asked for its payloads and served with them, P's workers get
+    the new start's PeerInfo, the old start's registration P had not dispatched yet is dropped, never written,
+    and the old start's next registration is checked against its own layout (512 blocks), not the new one's."""
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+    from vllm_dsa_connector.handoff.consumer import LoadState
+
+    p, d, clock = pd
+    _registered(p, d, clock, "before", [41, 42], [60, 61])
+    (job,) = p.build_connector_meta(None).push
+    assert job.dst_epoch == d.epoch and p.producer._peers_sent["D"] == d.epoch
+    _registered(p, d, clock, "old", [43, 44], [62, 63])  # registered by the old start, not dispatched yet
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    d2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D", ConnectorOptions.from_config(extra),
+                               clock)
+    try:
+        d2.set_local_payloads([_payload("D", agent="agent-D-restarted", num_blocks=1024)])
+        d2.consumer.check_peer = lambda src, dst: _Plan()
+        assert d2.epoch != d.epoch
+        _registered(p, d2, clock, "new", [45, 46], [700, 701])  # blocks only the new start has
+        assert d2.consumer.loads["d-new"].state is LoadState.REGISTERED
+        meta = p.build_connector_meta(None)
+        (info,) = meta.peers
+        assert (info.engine_id, info.epoch, info.payloads) == ("D", d2.epoch, d2._local_payloads)
+        assert [(j.req_id, j.dst_epoch, j.dst_blocks) for j in meta.push] == [("p-new", d2.epoch, [700, 701])]
+        assert "p-old" in meta.release  # the old start's registration: released, never written
+        # the old start again: its own layout decides (its pools end at 511), and P's record stays the new start's
+        params = _prefill(p, "p-back", 2 * BLOCK, [47, 48])
+        _load(d, clock, "d-back", params, 2 * BLOCK, 0, [600, 601])
+        d.build_connector_meta(None)
+        _wait(d.consumer.loads["d-back"].reg)
+        reason = d.build_connector_meta(None).fail_recv["d-back"]
+        assert "outside D's pools (0..511)" in reason
+        assert p.producer._peers["D"].epoch == d2.epoch
+        p.update_connector_output(_output(sending={"p-before", "p-old", "p-new", "p-back"}))
+        d.update_connector_output(_output(recving={"d-before", "d-old", "d-back"}, failed={"d-old", "d-back"}))
+        d2.update_connector_output(_output(recving={"d-new"}))
+    finally:
+        d2.shutdown()
+
+
+def test_d_redoes_the_handshake_after_p_restarts_on_the_same_id_and_port(pd, tiny_mla_dir: Path) -> None:
+    """Issue 29 item 2: P restarted with the same engine id and side-channel port. D kept the old start's
+    payloads (agent, plan) forever and every load of the new start timed out (its notices came from an agent D
+    did not expect). Now a request naming the new start makes D redo the handshake: D's workers get the new
+    start's PeerInfo, the new load registers and is pushed; the load the old start had accepted fails (given
+    up, its blocks kept until the write bound: the new start's "not posted" is not the old start's word)."""
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+    from vllm_dsa_connector.handoff.consumer import SAFETY_MARGIN_S, LoadState
+    from vllm_dsa_connector.handoff.wire import decode_payload
+
+    _, d, clock = pd
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    p1 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-restart",
+                               ConnectorOptions.from_config(extra), clock)
+    p1.set_local_payloads([_payload("P-restart", agent="agent-P-first")])
+    _registered(p1, d, clock, "r1", [21, 22], [80, 81])
+    assert d.consumer.peers["P-restart"].meta.epoch == p1.epoch
+    port = p1.server.port
+    p1.shutdown()
+    again = {**extra, "side_channel_port": port}
+    p2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", again), "P-restart",
+                               ConnectorOptions.from_config(again), clock)
+    try:
+        p2.set_local_payloads([_payload("P-restart", agent="agent-P-second")])
+        params = _prefill(p2, "p-r2", 2 * BLOCK, [31, 32])
+        assert params["remote_port"] == port and params["remote_epoch"] == p2.epoch != p1.epoch
+        _load(d, clock, "d-r2", params, 2 * BLOCK, 0, [82, 83])  # waits for the second handshake
+        peer = d.consumer.peers["P-restart"]
+        assert peer.meta.epoch == p2.epoch and peer.error is None
+        old = d.consumer.loads["d-r1"]
+        assert old.state is LoadState.GIVING_UP and "P-restart restarted" in old.reason
+        meta = d.build_connector_meta(None)
+        (info,) = [i for i in meta.peers if i.engine_id == "P-restart"]
+        assert info.epoch == p2.epoch and info.as_source
+        assert decode_payload(info.payloads[0]).agent_name == "agent-P-second"
+        (job,) = meta.recv
+        assert (job.req_id, job.src_epoch, job.blocks) == ("d-r2", p2.epoch, [82, 83])
+        _wait(d.consumer.loads["d-r2"].reg)
+        assert not d.build_connector_meta(None).fail_recv
+        assert d.consumer.loads["d-r2"].state is LoadState.REGISTERED
+        (push,) = p2.build_connector_meta(None).push
+        assert (push.req_id, push.dst_engine, push.dst_epoch, push.dst_blocks) == ("p-r2", "D", d.epoch, [82, 83])
+        _wait(old.cancel)
+        assert old.cancel.result()[1].epoch == p2.epoch  # the new start answered: not the old one's word
+        assert "d-r1" not in d.build_connector_meta(None).fail_recv
+        clock.t = old.release_at + SAFETY_MARGIN_S
+        assert "write bound passed" in d.build_connector_meta(None).fail_recv["d-r1"]
+        p2.update_connector_output(_output(sending={"p-r2"}))
+        d.update_connector_output(_output(recving={"d-r1", "d-r2"}, failed={"d-r1"}))
+    finally:
+        p2.shutdown()

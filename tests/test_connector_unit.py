@@ -95,7 +95,7 @@ def test_side_channel_dead_peer_times_out_fast() -> None:
     from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
 
     seen = []
-    server = SideChannelServer("127.0.0.1", 24990, lambda req: (seen.append(req), Reply(True))[1])
+    server = SideChannelServer("127.0.0.1", 24990, lambda req, sender: (seen.append(req), Reply(True))[1])
     try:
         assert request("127.0.0.1", server.port, HeartbeatReq([ReqRef("r1", "t")]), 5.0).ok
         assert seen == [HeartbeatReq([ReqRef("r1", "t")])]
@@ -123,8 +123,8 @@ def test_handshake_refusals_say_whether_asking_again_can_help() -> None:
 
     producer = Producer("P-start", HandoffSettings(), block_size=16)
     secret = Authenticator("s" * 32)
-    starting = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, []))
-    locked = SideChannelServer("127.0.0.1", 0, lambda req: producer.handle(req, [b"x"]), secret)
+    starting = SideChannelServer("127.0.0.1", 0, lambda req, sender: producer.handle(req, [], sender))
+    locked = SideChannelServer("127.0.0.1", 0, lambda req, sender: producer.handle(req, [b"x"], sender), secret)
     try:
         with pytest.raises(HandshakeError, match="not registered their KV caches") as e:
             fetch_payloads("127.0.0.1", starting.port, 5.0)

@@ -20,6 +20,7 @@ from vllm_dsa_connector.handoff.messages import (
     HeartbeatReq,
     MessageError,
     MetaReq,
+    Origin,
     RegReq,
     Reply,
     ReqRef,
@@ -39,6 +40,7 @@ from vllm_dsa_connector.handoff.wire import RankPayload, encode
 
 SECRET = "hostile-peers-secret-0123"
 BLOCK = 16
+P_EPOCH = 0x5EED
 
 
 class Clock:
@@ -66,7 +68,8 @@ def _payload(engine: str) -> RankPayload:
 def _producer(auth: Authenticator) -> tuple[Producer, SideChannelServer]:
     prod = Producer("P", HandoffSettings(lease_s=30.0, transfer_timeout_s=10.0), block_size=BLOCK)
     payloads = [encode(_payload("P"))]
-    return prod, SideChannelServer("127.0.0.1", 0, lambda req: prod.handle(req, payloads), auth)
+    return prod, SideChannelServer("127.0.0.1", 0, lambda req, sender: prod.handle(req, payloads, sender), auth,
+                                   origin=Origin("P", P_EPOCH))
 
 
 def _consumer(clock: Clock | None = None) -> Consumer:
@@ -169,7 +172,8 @@ def test_a_refusal_from_another_exchange_never_makes_d_give_back_blocks_p_writes
             relay.mode = "swap"
             prod.add_lease("p-other", [3, 4])
             other = RegReq("p-other", "not-the-token", "D2", "d-other", 0, 2 * BLOCK, [1, 2], time.monotonic() + 5)
-            refused = request("127.0.0.1", relay.port, other, 5.0, Authenticator(SECRET))
+            refused = request("127.0.0.1", relay.port, other, 5.0, Authenticator(SECRET),
+                                  origin=Origin("D2", 9))
             assert "P holds no KV for request p-other" in refused.error  # genuinely refused, and signed
         relay.mode = mode
         load, fail = _register(d, peer, "ok", prod.add_lease("p-ok", [7, 8]))
@@ -198,7 +202,7 @@ def test_junk_on_the_path_is_no_answer_not_a_final_refusal() -> None:
 
 
 def test_p_never_signs_a_reply_to_a_message_it_could_not_authenticate() -> None:
-    server = SideChannelServer("127.0.0.1", 0, lambda req: Reply(True), Authenticator(SECRET))
+    server = SideChannelServer("127.0.0.1", 0, lambda req, sender: Reply(True), Authenticator(SECRET))
     try:
         forged = Authenticator("another-secret-0123456").seal(MetaReq())
         for raw in (b"junk", forged, Authenticator(None).seal(MetaReq())):
@@ -369,3 +373,65 @@ def test_clock_skew_over_the_window_is_a_transient_handshake_failure() -> None:
     finally:
         d.shutdown()
         server.close()
+
+
+# ------------------------------------------------------------------------------------------ issue 29 item 2
+
+
+def test_a_registration_names_only_its_sender_s_engine() -> None:
+    """Issue 29 item 2: a D holding one valid token (of its own request) named another D's engine id in its
+    registration, and P wrote that KV with the other D's agent into the other D's blocks. The registration's
+    ``d_engine`` must now be the engine its signed envelope names: refused, naming both, with or without payloads,
+    and nothing is dispatched; the real D's own registration is served as before."""
+    prod, server = _producer(Authenticator(SECRET))
+    victim = _consumer()
+    try:
+        peer = _handshake(victim, "127.0.0.1", server.port)
+        assert peer.meta is not None and peer.meta.epoch == P_EPOCH, peer.error
+        load, fail = _register(victim, peer, "victim", prod.add_lease("p-victim", [1, 2]))  # P learns D
+        assert load.state is LoadState.REGISTERED and not fail
+        token = prod.add_lease("p-evil", [3, 4])  # the attacker's own request: its token is valid
+        evil = Origin("D-evil", 77)
+        for payloads in (None, [encode(_payload("D"))]):
+            forged = RegReq("p-evil", token, "D", "d-evil", 0, 2 * BLOCK, [40, 41], time.monotonic() + 5,
+                            d_payloads=payloads)
+            reply = request("127.0.0.1", server.port, forged, 5.0, Authenticator(SECRET), origin=evil)
+            assert not reply.ok and not reply.need_payloads
+            assert "names D engine 'D' but was sent by engine 'D-evil' (epoch 000000000000004d)" in reply.error
+        assert prod.lease("p-evil").state is LeaseState.HELD
+        assert [j.req_id for j in prod.step().push] == ["p-victim"]  # only the victim's own registration
+    finally:
+        server.close()
+        victim.shutdown()
+
+
+def test_a_reply_from_a_new_start_of_p_makes_d_redo_the_handshake() -> None:
+    """Issue 29 item 2: P restarted on the same engine id and port, and D's queued request names no epoch
+    (kv_transfer_params without ``remote_epoch``): D kept the old start's handshake forever. Now the first reply
+    of the new start (here a heartbeat's) names another epoch, D's next look at the peer redoes the handshake,
+    and the queued load whose lease the old start held fails, by name. The clock is injected (heartbeat due)."""
+    prod, server = _producer(Authenticator(SECRET))
+    port = server.port
+    clock = Clock(time.monotonic())
+    d = _consumer(clock)
+    try:
+        peer = _handshake(d, "127.0.0.1", port)
+        assert peer.meta is not None and peer.meta.epoch == P_EPOCH, peer.error
+        d.queue("d-q", RemoteParams("P", "p-q", "127.0.0.1", port, [7], BLOCK, prod.add_lease("p-q", [7])))
+        assert d.loads["d-q"].epoch == P_EPOCH  # no epoch in the params: the start the handshake knows
+        server.close()
+        restarted = Producer("P", HandoffSettings(lease_s=30.0, transfer_timeout_s=10.0), block_size=BLOCK)
+        payloads = [encode(_payload("P"))]
+        server = SideChannelServer("127.0.0.1", port, lambda req, sender: restarted.handle(req, payloads, sender),
+                                   Authenticator(SECRET), origin=Origin("P", P_EPOCH + 1))
+        clock.t += 10  # a heartbeat is due
+        d.step({})
+        _until(lambda: all(f.done() for _, _, f in d._heartbeats), "heartbeat unanswered")
+        d.step({})
+        assert "a reply came from its epoch" in d.peers["P"].stale
+        again = _handshake(d, "127.0.0.1", port)
+        assert again is not peer and again.meta is not None and again.meta.epoch == P_EPOCH + 1, again.error
+        assert not again.stale and "P P restarted" in d.loads["d-q"].error
+    finally:
+        server.close()
+        d.shutdown()

@@ -179,14 +179,18 @@ class ReceiveSide:
                     logger.warning("DSAConnector receiver progress: %s", e)
             time.sleep(recv_poll_period(now - busy_since))
 
-    def _source_agent(self, engine: str, rank: int) -> str | None:
+    def _source_agent(self, engine: str, rank: int, epoch: int = 0) -> str | None:
+        """The NIXL agent of ``engine``'s ``rank`` in its start ``epoch`` (0: any); None when unknown."""
         remote = self.remotes.get(engine)
-        return next((p.agent_name for p in remote.payloads if p.rank == rank), None) if remote else None
+        if remote is None or (epoch and remote.epoch != epoch):
+            return None
+        return next((p.agent_name for p in remote.payloads if p.rank == rank), None)
 
     def _writer(self, job: RecvJob, src_rank: int) -> WriterSpec:
         """What this rank expects from ``src_rank``: its agent and, with a staging slot, where to scatter."""
         me = self.table.rank
-        peer = self._source_agent(job.src_engine, src_rank) or ""  # "": an unknown engine's notices never match
+        # "": an unknown engine's (or another start's of it) notices never match
+        peer = self._source_agent(job.src_engine, src_rank, job.src_epoch) or ""
         slot = job.slots.get(me, {}).get(src_rank)
         if slot is None:
             return WriterSpec(peer=peer)

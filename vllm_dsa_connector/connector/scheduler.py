@@ -23,6 +23,11 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
 5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
    abort) are decided here, on the scheduler, and reach the workers as ``fail_recv`` only once no WRITE
    can land any more (the argument is in :mod:`vllm_dsa_connector.handoff.consumer`).
+
+Each engine start draws one epoch (``self.epoch``): every side-channel message and reply names it, the
+``kv_transfer_params`` P hands out name it (``remote_epoch``), and the :class:`PeerInfo` this scheduler hands
+its workers names the peer start it belongs to, handed again whenever that start changes (a restart with the
+same engine id), so the workers replace their record and NIXL remote agents of it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
-from vllm_dsa_connector.handoff.messages import Authenticator, Reply, Request
+from vllm_dsa_connector.handoff.messages import Authenticator, Origin, Reply, Request, new_epoch
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
@@ -82,21 +87,22 @@ class DSAConnectorScheduler:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.clock = clock
+        self.epoch = new_epoch()  # this engine start's instance id (named in every message it sends)
         self.auth = Authenticator(options.auth_secret or None)
         self._local_payloads: list[bytes] = []
         self._local_sent = False
         settings = handoff_settings(options)
         self.pacer = IdlePacer()
-        self.producer = Producer(engine_id, settings, clock, block_size=self.block_size)
+        self.producer = Producer(engine_id, settings, clock, block_size=self.block_size, epoch=self.epoch)
         self.consumer = Consumer(engine_id, settings, self.auth, lambda: self.local_payloads,
-                                 lambda: list(self._local_payloads), clock, on_reply=self.pacer.wake)
+                                 lambda: list(self._local_payloads), clock, on_reply=self.pacer.wake, epoch=self.epoch)
         self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle,
-                                        self.auth, clock)
-        logger.info("DSAConnector %s: side channel on %s:%d (role %s%s)", engine_id, self.server.host,
-                    self.server.port, kvc.kv_role, ", authenticated" if self.auth.secret else "")
+                                        self.auth, clock, origin=Origin(engine_id, self.epoch))
+        logger.info("DSAConnector %s: side channel on %s:%d (role %s%s; epoch %016x)", engine_id, self.server.host,
+                    self.server.port, kvc.kv_role, ", authenticated" if self.auth.secret else "", self.epoch)
         self._pending_recv: list[RecvJob] = []
         self._fail: dict[str, str] = {}
-        self._sources_sent: set[str] = set()
+        self._sources_sent: dict[str, int] = {}  # P engine id -> the epoch whose PeerInfo the workers have
         self._new_sources: list[PeerInfo] = []
         self.slots = StagingSlots(options.bounce, lambda: self.local_payloads)
 
@@ -113,9 +119,9 @@ class DSAConnectorScheduler:
 
     # ---------------------------------------------------------------- side channel (its own thread)
 
-    def _handle(self, req: Request) -> Reply:
+    def _handle(self, req: Request, sender: Origin) -> Reply:
         try:
-            return self.producer.handle(req, self._local_payloads)
+            return self.producer.handle(req, self._local_payloads, sender)
         finally:
             self.pacer.wake()  # a registration or cancel is handled by the next step
 
@@ -143,10 +149,12 @@ class DSAConnectorScheduler:
             params["do_remote_prefill"] = False
             return 0, False
         since = self.consumer.queue(request.request_id, rp)
-        peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since)
-        refused = self.consumer.loads[request.request_id].error  # P refused a heartbeat for it
-        if not refused and self.consumer.waits_for(peer, since):
+        peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since,
+                                  epoch=rp.remote_epoch)
+        if self.consumer.waits_for(peer, since) and not self.consumer.loads[request.request_id].error:
             return None, False
+        # P refused a heartbeat for it, or the lease is another start's of P (restarted): the load fails
+        self.consumer.epoch_error(request.request_id, rp, peer)
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
             params["do_remote_prefill"] = False
@@ -171,10 +179,11 @@ class DSAConnectorScheduler:
             self.consumer.give_up(req_id, "no external tokens")
             return
         self.consumer.forget_queued(req_id)
-        if peer.error or load.error:
+        if peer.error or load.error or peer.meta is None:
+            why = peer.error or load.error or f"the handshake with P {load.engine} is being redone (P restarted?)"
             logger.warning("DSAConnector: request %s: %s; failing the load (vLLM applies "
-                           "kv_load_failure_policy)", req_id, peer.error or load.error)
-            self._fail[req_id] = peer.error or load.error
+                           "kv_load_failure_policy)", req_id, why)
+            self._fail[req_id] = why
             self.consumer.cancel(load.engine, [load.ref])
             return
         rp = parse_remote_params(params)
@@ -203,9 +212,10 @@ class DSAConnectorScheduler:
                                               first_token=pairing.first_token, num_tokens=pairing.num_tokens)
             except Exception as e:  # noqa: BLE001 - no slot means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no staging slots for %s: %s", req_id, e)
-        if load.engine not in self._sources_sent:
-            self._sources_sent.add(load.engine)
-            self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True))
+        epoch = peer.meta.epoch if peer.meta is not None else 0
+        if self._sources_sent.get(load.engine) != epoch:  # new to the workers, or a new start of that P
+            self._sources_sent[load.engine] = epoch
+            self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True, epoch=epoch))
         self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_token,
                                                          pairing.num_tokens, src, dst, slots, held))
 
@@ -238,6 +248,7 @@ class DSAConnectorScheduler:
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
+            "remote_epoch": self.epoch,
             "remote_request_id": request.request_id,
             "remote_token": token,
             "remote_host": self.server.host,

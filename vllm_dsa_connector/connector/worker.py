@@ -15,6 +15,13 @@ the request completed, failed or was aborted; a failure notice goes only when no
 destination's post is in flight any more.
 
 D (receiver): :mod:`.receiving` (mixed in; the transport's one :class:`Receiver`).
+
+Peer restarts: the worker keeps one record per peer engine id, of the start (epoch) its last
+:class:`PeerInfo` named. A PeerInfo of another epoch replaces it (:meth:`DSAConnectorWorker._learn`): the old
+start's NIXL remote agents are retired and removed once no post of this worker uses them any more (a WRITE
+already posted to the old agent completes or fails there), the new start's are added. A push whose
+``dst_epoch`` is not the record's start is failed, never written (its blocks are another start's), and a
+receive armed for another start of its source expects no notice from the current one.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class _RemoteEngine:
     agents: dict[int, str]  # rank -> NIXL agent name
     plan: PeerPlan | None = None  # decoded page tables of both sides + transfer plan, built once
     error: str = ""
+    epoch: int = 0  # the start of the peer engine these payloads belong to
 
 
 class DSAConnectorWorker(ReceiveSide):
@@ -120,6 +128,7 @@ class DSAConnectorWorker(ReceiveSide):
         self.payload: RankPayload | None = None
         self.local: list[RankPayload] = []
         self.remotes: dict[str, _RemoteEngine] = {}
+        self._retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self.stats = DSAKVConnectorStats()
         self.transport: Transport = DirectTransport(self.nixl, options.transfer_timeout_s)
         self.receiver = Receiver(self.nixl, hooks=self)  # the transport's one receiver (D)
@@ -188,21 +197,47 @@ class DSAConnectorWorker(ReceiveSide):
         return DSAHandshakeMetadata(encode(self.payload))
 
     def _learn(self, peer: PeerInfo) -> None:
+        """The one place a peer record changes: ``peer`` becomes the record of its engine id (a PeerInfo of
+        the start already known changes nothing); a replaced start's NIXL agents are retired."""
+        old = self.remotes.get(peer.engine_id)
+        if old is not None and old.epoch == peer.epoch and not old.error:
+            return
         payloads = sorted((decode_payload(p) for p in peer.payloads), key=lambda p: p.rank)
-        remote = _RemoteEngine(payloads, {})
+        remote = _RemoteEngine(payloads, {}, epoch=peer.epoch)
         assert self.payload is not None, "register_kv_caches first"
         local = self.local or [self.payload]
+        if old is not None:
+            self._retired.update(old.agents.values())
         try:
             if peer.as_source:  # it writes to us: we only need the plan (to scatter bounced bytes)
                 remote.plan = validate_peer(payloads, local)
             else:
                 remote.plan = validate_peer(local, payloads)
                 for p in payloads:
-                    remote.agents[p.rank] = self.nixl.add_peer(p.agent_metadata)
+                    if p.agent_name in self._retired and p.agent_name in self.nixl.peers:  # still loaded: reuse
+                        self._retired.discard(p.agent_name)
+                        remote.agents[p.rank] = p.agent_name
+                    else:
+                        remote.agents[p.rank] = self.nixl.add_peer(p.agent_metadata)
         except (HandshakeError, Exception) as e:  # noqa: BLE001 - refuse the peer, keep serving
             remote.error = str(e)
             logger.error("DSAConnector %s: peer %s refused: %s", self.engine_id, peer.engine_id, e)
+        if old is not None:
+            logger.warning("DSAConnector %s: peer %s restarted (epoch %016x replaces %016x): NIXL agents %s "
+                           "retired, %s added", self.engine_id, peer.engine_id, peer.epoch, old.epoch,
+                           sorted(old.agents.values()), sorted(remote.agents.values()))
         self.remotes[peer.engine_id] = remote
+        self._remove_retired()
+
+    def _remove_retired(self) -> None:
+        """Remove the retired NIXL agents no post of this worker uses any more."""
+        if not self._retired:
+            return
+        busy = {g.agent for send in self._sends.values() for g in send.groups}
+        for agent in sorted(self._retired - busy):
+            self.nixl.remove_peer(agent)
+            self._retired.discard(agent)
+            logger.info("DSAConnector %s: removed NIXL remote agent %s (its engine restarted)", self.engine_id, agent)
 
     # ---------------------------------------------------------------- per step
 
@@ -255,6 +290,12 @@ class DSAConnectorWorker(ReceiveSide):
         if remote is None or remote.error or remote.plan is None:
             logger.error("DSAConnector: cannot push %s to %s: %s", job.req_id, job.dst_engine,
                          (remote.error or "no plan") if remote else "unknown peer")
+            send.failed = True
+            return
+        if job.dst_epoch and job.dst_epoch != remote.epoch:
+            # registered by another start of that engine: its blocks are not the current start's
+            logger.error("DSAConnector: not pushing %s to %s: registered by its start %016x, this worker knows "
+                         "%016x (restarted)", job.req_id, job.dst_engine, job.dst_epoch, remote.epoch)
             send.failed = True
             return
         plan = remote.plan
@@ -355,6 +396,7 @@ class DSAConnectorWorker(ReceiveSide):
                 self.stats.add("send_failed" if send.failed else "send_ok")
                 if self._sent_reported.add(req_id):
                     self._done_sending.add(req_id)
+        self._remove_retired()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose checksum did not match (reported once)."""

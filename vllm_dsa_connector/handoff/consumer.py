@@ -29,6 +29,17 @@ the request finished, and after a give-up it does so only when no WRITE can stil
   posted WRITE within it) + :data:`SAFETY_MARGIN_S`. A P that is merely slow, stalled or unreachable
   therefore costs D blocks for that bound, never corrupted KV.
 The residual assumption: monotonic clocks of the two hosts drift less than ``ClockEstimate.DRIFT``.
+
+Producer restarts (epochs). The handshake records the epoch of the P start that answered
+(``PeerMeta.epoch``); P's ``kv_transfer_params`` name the start that holds the lease (``remote_epoch``).
+D redoes the handshake (a fresh :class:`Peer`, the same control thread) when a request names another
+epoch than the handshake's (once per epoch it names), or when any reply of P (registration, heartbeat)
+comes from another epoch. When the new handshake settles on a new epoch, the loads of the old start fail
+(:meth:`Consumer._restarted`): queued ones at allocation, registered ones by the give-up rule above (P's
+new start never writes them; D still keeps their blocks until the write bound unless the start that took
+the registration confirms a cancel); a request naming an epoch that is not P's current one fails its load
+(its lease died with that start). D's payloads reach the new start with its first registration (P asks
+for them), and the workers get the new start's :class:`~.wire.PeerInfo` (scheduler's job).
 """
 
 from __future__ import annotations
@@ -51,17 +62,19 @@ from vllm_dsa_connector.handoff.messages import (
     CancelReq,
     CancelState,
     HeartbeatReq,
+    Origin,
     RegReq,
     Reply,
     ReqRef,
+    new_epoch,
 )
 from vllm_dsa_connector.handoff.producer import IllegalTransition
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import (
     HandshakeError,
     PeerMeta,
+    exchange,
     fetch_payloads,
-    request,
     validate_peer,
 )
 from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Slots, encode, max_block_id
@@ -77,6 +90,7 @@ SAFETY_MARGIN_S = 1.0
 # engine starved), and one slow answer must not fail every request that was waiting for it.
 _RETRY_S = 0.5
 _TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings arrive within steps)
+_EPOCHS = 64  # epochs a peer's requests named that already caused a fresh handshake (remembered per peer)
 
 
 class RemoteParams(msgspec.Struct, frozen=True):
@@ -90,6 +104,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_num_tokens: int
     remote_token: str
     transfer_mode: str = "push"
+    remote_epoch: int = 0  # the P start holding the lease (0: not named)
 
     @property
     def ref(self) -> ReqRef:
@@ -105,6 +120,8 @@ def parse_remote_params(params: dict[str, Any]) -> RemoteParams:
         raise ValueError(f"malformed kv_transfer_params: {e}") from None
     if not 0 < rp.remote_port < 65536:
         raise ValueError(f"remote_port {rp.remote_port} out of range")
+    if not 0 <= rp.remote_epoch < 1 << 63:
+        raise ValueError(f"remote_epoch {rp.remote_epoch} out of range (0..2**63-1)")
     if rp.remote_num_tokens < 0 or any(b < 0 for b in rp.remote_block_ids):
         raise ValueError("negative remote_num_tokens or block id")
     for name in ("remote_engine_id", "remote_request_id", "remote_token"):
@@ -151,6 +168,8 @@ class Peer:
     control: ThreadPoolExecutor | None = None  # cancels and heartbeats to this peer only
     started_at: float = 0.0  # the current handshake attempt
     attempt: int = 1
+    stale: str = ""  # a reply came from another start of P than the handshake's: redo it (why)
+    epochs_asked: set[int] = field(default_factory=set)  # request epochs that already caused a fresh handshake
 
     @property
     def retryable(self) -> bool:
@@ -174,7 +193,8 @@ class Loading:
     slots: list[tuple[int, Any]] = field(default_factory=list)
     req_id: str = ""
     queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
-    error: str = ""  # QUEUED: P refused a heartbeat for it (its lease is not kept); the load fails
+    error: str = ""  # QUEUED: P refused a heartbeat for it, or restarted (its lease is not kept); the load fails
+    epoch: int = 0  # the P start holding the lease (the params' remote_epoch, else the handshake's when queued)
 
     def to(self, new: LoadState) -> None:
         """The one place a load changes state."""
@@ -191,8 +211,10 @@ class Consumer:
     def __init__(self, engine_id: str, settings: HandoffSettings, auth: Authenticator,
                  local_payloads: Callable[[], list[RankPayload]], local_encoded: Callable[[], list[bytes]],
                  clock: Callable[[], float] = time.monotonic, check_peer: PeerCheck = validate_peer,
-                 on_reply: Callable[[], None] | None = None) -> None:
+                 on_reply: Callable[[], None] | None = None, epoch: int = 0) -> None:
         self.engine_id = engine_id
+        self.epoch = epoch or new_epoch()  # this engine start's, named in every message it sends
+        self.origin = Origin(engine_id, self.epoch)
         self._on_reply = on_reply  # a handshake or registration finished on a background thread
         self.settings = settings
         self.check_peer = check_peer
@@ -219,20 +241,32 @@ class Consumer:
         return fut
 
     def _handshake(self, peer: Peer) -> tuple[PeerMeta, Any]:
-        meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth)
+        meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth, self.origin)
         return meta, self.check_peer(meta.payloads, self._local())
 
-    def peer(self, engine: str, host: str, port: int, waiting_since: float | None = None) -> Peer:
+    def peer(self, engine: str, host: str, port: int, waiting_since: float | None = None, epoch: int = 0) -> Peer:
         """The peer (its handshake started on first use). After a transient failure (no answer, or P still
         starting) the handshake is tried again ``_RETRY_S`` later for a request queued at ``waiting_since``
-        whose transfer budget is not spent (:meth:`patient`)."""
+        whose transfer budget is not spent (:meth:`patient`). A fresh handshake also starts when a reply came
+        from another start of P (``stale``) or a request names a P start (``epoch``) the handshake did not
+        answer from, once per such epoch."""
         now = self.clock()
         peer = self.peers.get(engine)
         attempt = 1
+        asked: set[int] = set()
         if peer is not None and peer.retryable and self.patient(waiting_since) and now - peer.failed_at >= _RETRY_S:
             attempt, peer = peer.attempt + 1, None
+        elif peer is not None and peer.future is None and peer.meta is not None and (
+                peer.stale or (epoch and epoch != peer.meta.epoch and epoch not in peer.epochs_asked)):
+            why = peer.stale or f"a request names its epoch {epoch:016x}, the handshake's is {peer.meta.epoch:016x}"
+            logger.warning("DSAConnector %s: P %s at %s:%d restarted? %s; redoing the handshake", self.engine_id,
+                           engine, host, port, why)
+            asked = set(peer.epochs_asked) if len(peer.epochs_asked) < _EPOCHS else set()
+            if epoch:
+                asked.add(epoch)
+            peer = None
         if peer is None:
-            peer = Peer(host, port, started_at=now, attempt=attempt)
+            peer = Peer(host, port, started_at=now, attempt=attempt, epochs_asked=asked)
             peer.control = (self.peers[engine].control if engine in self.peers else
                             ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-control"))
             peer.future = self._notifying(self._handshakes.submit(self._handshake, peer))
@@ -261,8 +295,10 @@ class Consumer:
             peer.payloads = [encode(p) for p in peer.meta.payloads]
             peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self._local()}
             peer.max_block = max_block_id(peer.meta.payloads)
-            logger.info("DSAConnector %s: handshake with %s done in %.2f s (attempt %d; %d workers, plan %s)",
-                        self.engine_id, engine, took, peer.attempt, len(peer.payloads), peer.expected)
+            logger.info("DSAConnector %s: handshake with %s (epoch %016x) done in %.2f s (attempt %d; %d workers, "
+                        "plan %s)", self.engine_id, engine, peer.meta.epoch, took, peer.attempt, len(peer.payloads),
+                        peer.expected)
+            self._restarted(engine, peer.meta.epoch)
         except HandshakeError as e:
             peer.error = str(e)
             # an unreachable or starting peer may come back; a refused layout will not
@@ -274,6 +310,29 @@ class Consumer:
             peer.failed_at = now
             logger.exception("DSAConnector handshake with %s failed", engine)
         peer.future = None
+
+    def _restarted(self, engine: str, epoch: int) -> None:
+        """The handshake with ``engine`` settled on start ``epoch``: the loads whose lease another start of it
+        holds fail (queued ones at allocation; registered ones are given up: the new start never writes them,
+        and their blocks come back by the give-up rule)."""
+        for req_id, load in list(self.loads.items()):
+            if load.engine != engine or not load.epoch or load.epoch == epoch:
+                continue
+            reason = (f"P {engine} restarted: the lease is held by its start {load.epoch:016x}, P is now "
+                      f"{epoch:016x}")
+            if load.state is LoadState.QUEUED:
+                load.error = load.error or reason
+            elif load.state in (LoadState.REGISTERING, LoadState.REGISTERED):
+                self.give_up(req_id, reason)
+
+    def _check_sender(self, engine: str, sender: Origin) -> None:
+        """A reply of ``engine`` from another start than the handshake's: the next :meth:`peer` redoes it."""
+        peer = self.peers.get(engine)
+        if (peer is not None and peer.meta is not None and not peer.stale and sender.engine_id == engine
+                and sender.epoch != peer.meta.epoch):
+            peer.stale = (f"a reply came from its epoch {sender.epoch:016x}, the handshake's is "
+                          f"{peer.meta.epoch:016x}")
+            logger.warning("DSAConnector %s: P %s: %s (restarted?)", self.engine_id, engine, peer.stale)
 
     # ------------------------------------------------------------ requests
 
@@ -290,7 +349,11 @@ class Consumer:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile. Returns when
         it was first queued (its transfer budget runs from there)."""
         if req_id not in self.loads:
-            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock())
+            # the P start holding the lease: the params' word, else the start D's handshake knows now
+            known = self.peers.get(rp.remote_engine_id)
+            epoch = rp.remote_epoch or (known.meta.epoch if known is not None and known.meta is not None else 0)
+            self.loads[req_id] = Loading(rp.remote_engine_id, rp.ref, req_id=req_id, queued_at=self.clock(),
+                                         epoch=epoch)
             key = (rp.remote_engine_id, rp.remote_request_id)
             self._taken.setdefault(key, req_id)
             self._taken.move_to_end(key)
@@ -313,6 +376,7 @@ class Consumer:
         assert peer.meta is not None
         now = self.clock()
         load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref, req_id=req_id))
+        load.epoch = load.epoch or peer.meta.epoch
         load.to(LoadState.REGISTERING)
         load.give_up_at = now + self.settings.transfer_timeout_s
         load.slots = held_slots
@@ -323,15 +387,29 @@ class Consumer:
         load.reg = self._notifying(self._regs.submit(self._register, peer, reg))
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
                        timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
-                       src_blocks=src_blocks, slots=slots, first_token=first_token, num_tokens=num_tokens)
+                       src_blocks=src_blocks, slots=slots, first_token=first_token, num_tokens=num_tokens,
+                       src_epoch=peer.meta.epoch)
 
-    def _register(self, peer: Peer, reg: RegReq) -> Reply:
+    def epoch_error(self, req_id: str, rp: RemoteParams, peer: Peer) -> str:
+        """Why the load of ``req_id`` cannot be served by ``peer``'s start (its lease is another start's), or
+        ``""``. A mismatch is recorded as the load's error (it fails at allocation)."""
+        load = self.loads.get(req_id)
+        if peer.meta is None or not rp.remote_epoch or rp.remote_epoch == peer.meta.epoch:
+            return load.error if load is not None else ""
+        reason = (f"kv_transfer_params name P {rp.remote_engine_id}'s start {rp.remote_epoch:016x}, P is now "
+                  f"{peer.meta.epoch:016x} (restarted: the lease is gone)")
+        if load is not None:
+            load.error = load.error or reason
+        return reason
+
+    def _register(self, peer: Peer, reg: RegReq) -> tuple[Reply, Origin]:
         assert peer.meta is not None
-        reply = request(peer.host, peer.port, reg, self.settings.handshake_timeout_s, self.auth, peer.meta.clock)
-        if not reply.ok and reply.need_payloads:
-            reply = request(peer.host, peer.port, msgspec.structs.replace(reg, d_payloads=self._local_encoded()),
-                            self.settings.handshake_timeout_s, self.auth, peer.meta.clock)
-        return reply
+        answer = exchange(peer.host, peer.port, reg, self.settings.handshake_timeout_s, self.auth, peer.meta.clock,
+                          self.origin)
+        if not answer[0].ok and answer[0].need_payloads:
+            answer = exchange(peer.host, peer.port, msgspec.structs.replace(reg, d_payloads=self._local_encoded()),
+                              self.settings.handshake_timeout_s, self.auth, peer.meta.clock, self.origin)
+        return answer
 
     def _release_bound(self, peer: Peer | None) -> float:
         write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
@@ -359,8 +437,8 @@ class Consumer:
         peer = self.peers.get(engine)
         if peer is None or peer.control is None:
             return None
-        return peer.control.submit(request, peer.host, peer.port, CancelReq(refs), self.settings.handshake_timeout_s,
-                                   self.auth)
+        return peer.control.submit(exchange, peer.host, peer.port, CancelReq(refs), self.settings.handshake_timeout_s,
+                                   self.auth, None, self.origin)
 
     def in_flight(self) -> bool:
         """Whether a load needs the engine's next steps (its workers report the outcome of a registered
@@ -382,16 +460,18 @@ class Consumer:
         for req_id, load in list(self.loads.items()):
             if load.state is LoadState.REGISTERING and load.reg is not None and load.reg.done():
                 try:
-                    reply = load.reg.result()
+                    reply, sender = load.reg.result()
                 except Exception as e:  # noqa: BLE001 - unanswered: P may have it; retry (idempotent on P)
                     peer = self.peers.get(load.engine)
-                    if peer is not None and load.reg_body is not None and (
+                    # (a peer whose handshake is being redone has no meta: P restarted, the retry is pointless)
+                    if peer is not None and peer.meta is not None and load.reg_body is not None and (
                             now + self.settings.handshake_timeout_s < load.give_up_at):
                         logger.warning("DSAConnector: registration of %s unanswered (%s); retrying", req_id, e)
                         load.reg = self._notifying(self._regs.submit(self._register, peer, load.reg_body))
                     else:
                         self.give_up(req_id, f"registration unanswered: {e}")
                     continue
+                self._check_sender(load.engine, sender)
                 if reply.ok:
                     load.to(LoadState.REGISTERED)
                 else:  # P refused: it will never write this registration
@@ -409,10 +489,13 @@ class Consumer:
 
     @staticmethod
     def _cancel_confirmed(load: Loading) -> bool:
+        """P's start that holds the lease said nothing was or will be posted (another start's word, e.g. of a
+        P restarted on the same port, is not: it never knew the registration)."""
         if load.cancel is None or not load.cancel.done() or load.cancel.exception() is not None:
             return False
-        reply = load.cancel.result()
-        return reply.ok and reply.states.get(load.ref.p_req) == CancelState.NOT_POSTED
+        reply, sender = load.cancel.result()
+        return (reply.ok and reply.states.get(load.ref.p_req) == CancelState.NOT_POSTED
+                and (not load.epoch or sender.epoch == load.epoch))
 
     @staticmethod
     def _fail(fail: dict[str, str], req_id: str, load: Loading, reason: str) -> None:
@@ -437,9 +520,9 @@ class Consumer:
                     chunk = refs[i : i + MAX_REQS_PER_MESSAGE]
                     self._heartbeats.append((engine, chunk, peer.control.submit(self._send_heartbeat, peer, chunk)))
 
-    def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> Reply:
-        return request(peer.host, peer.port, HeartbeatReq(refs), self.settings.handshake_timeout_s, self.auth,
-                       peer.meta.clock if peer.meta else None)
+    def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> tuple[Reply, Origin]:
+        return exchange(peer.host, peer.port, HeartbeatReq(refs), self.settings.handshake_timeout_s, self.auth,
+                        peer.meta.clock if peer.meta else None, self.origin)
 
     def _collect_heartbeats(self) -> None:
         """An unanswered heartbeat is a warning (the next one may pass, the lease has slack); a refused one is
@@ -451,10 +534,11 @@ class Consumer:
                 pending.append((engine, refs, fut))
                 continue
             try:
-                reply = fut.result()
+                reply, sender = fut.result()
             except Exception as e:  # noqa: BLE001 - unanswered (HandshakeError) or cancelled at shutdown
                 logger.warning("DSAConnector heartbeat of %d requests to %s: %s", len(refs), engine, e)
                 continue
+            self._check_sender(engine, sender)
             if reply.ok:
                 continue
             self.heartbeats_refused += 1

@@ -10,9 +10,17 @@ Every struct bounds its lists, dicts, strings and bytes (``msgspec.Meta``): an o
 refused while it is decoded, at the first field over its bound, before it costs memory or time (a raw
 size cap, :data:`MAX_MESSAGE_BYTES`, comes first).
 
+Every envelope names its sender (:class:`Origin`: the engine id and the *epoch*, a random 63-bit id drawn once
+per engine start, :func:`new_epoch`), so a peer learns when the engine behind an id restarted: a producer
+replaces its record of a consumer whose registration comes from a new epoch (:mod:`.producer`), a consumer
+redoes the handshake with a producer whose epoch changed (:mod:`.consumer`).
+
 Authentication (optional, ``auth_secret``): the envelope carries an HMAC-SHA256 over fixed-size and
 length-prefixed fields (direction, protocol version, wall-clock timestamp, a random nonce, the nonce of
-the request a reply answers, the body), so no two envelopes share a MAC input. A receiver with a secret
+the request a reply answers, the sender's engine id and epoch, the body), so no two envelopes share a MAC
+input. The secret is shared by every engine: it proves the sender is one of them, not which one; the
+sender's name is what it signed, and P holds it to that name (a registration names only its sender's
+engine). A receiver with a secret
 refuses a message without a MAC or with a wrong one, one whose timestamp is more than
 :data:`REPLAY_WINDOW_S` away from its own clock (either way), and a nonce it has already seen; it keeps
 each nonce until the message's own expiry (its timestamp + the window, on the receiver's clock), so a
@@ -32,6 +40,7 @@ import heapq
 import hmac
 import math
 import os
+import secrets
 import struct
 import threading
 import time
@@ -47,6 +56,7 @@ from vllm_dsa_connector.handoff.wire import (
     MAX_PAYLOAD_BYTES,
     MAX_WORKERS,
     PROTOCOL_VERSION,
+    Epoch,
     Id,
     Slots,
 )
@@ -68,6 +78,25 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_B
 
 class MessageError(ValueError):
     """A peer's message that is malformed, out of range or not authentic; the text says which."""
+
+
+def new_epoch() -> int:
+    """A fresh instance id for one engine start (random, never 0: 0 means "not known")."""
+    return secrets.randbits(63) or 1
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who sent an envelope: the engine id and the epoch of its current start (``""``/0: anonymous)."""
+
+    engine_id: str = ""
+    epoch: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.engine_id!r} (epoch {self.epoch:016x})"
+
+
+ANONYMOUS = Origin()
 
 
 class ReqRef(msgspec.Struct, frozen=True, array_like=True):
@@ -153,14 +182,22 @@ class Reply(msgspec.Struct, frozen=True):
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
     """What travels: protocol version, wall-clock time, nonce, the nonce of the request a reply answers
-    (empty in a request), MAC (empty without a secret, and in a refusal of a message that was not read), body."""
+    (empty in a request), the sender's engine id and epoch (:class:`Origin`), MAC (empty without a secret,
+    and in a refusal of a message that was not read), body."""
 
     version: int
     ts: float
     nonce: Nonce
     reply_to: Annotated[bytes, msgspec.Meta(max_length=NONCE_BYTES)]
+    sender: Id
+    epoch: Epoch
     mac: Annotated[bytes, msgspec.Meta(max_length=MAC_BYTES)]
     body: Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)]
+
+    @property
+    def origin(self) -> Origin:
+        """The sender this envelope names."""
+        return Origin(self.sender, self.epoch)
 
 
 class _Version(msgspec.Struct, frozen=True, array_like=True):
@@ -178,15 +215,18 @@ _dec_reply = msgspec.msgpack.Decoder(Reply)
 _REQUEST, _REPLY = b"Q", b"R"
 
 
-def mac_input(direction: bytes, version: int, ts: float, nonce: bytes, reply_to: bytes, body: bytes) -> bytes:
+def mac_input(direction: bytes, version: int, ts: float, nonce: bytes, reply_to: bytes, body: bytes,
+              sender: str = "", epoch: int = 0) -> bytes:
     """What the MAC covers: fixed-size fields, then each variable one prefixed by its length (one byte
     string per envelope, and no two envelopes share one)."""
-    head = struct.pack(">cIdB", direction, version, ts, len(nonce)) + nonce
-    return head + struct.pack(">B", len(reply_to)) + reply_to + struct.pack(">Q", len(body)) + body
+    head = struct.pack(">cIdQB", direction, version, ts, epoch, len(nonce)) + nonce
+    name = sender.encode()
+    return (head + struct.pack(">B", len(reply_to)) + reply_to + struct.pack(">H", len(name)) + name
+            + struct.pack(">Q", len(body)) + body)
 
 
 def _mac(secret: bytes, direction: bytes, env: Envelope) -> bytes:
-    data = mac_input(direction, env.version, env.ts, env.nonce, env.reply_to, env.body)
+    data = mac_input(direction, env.version, env.ts, env.nonce, env.reply_to, env.body, env.sender, env.epoch)
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
@@ -221,17 +261,20 @@ class Authenticator:
         """A fresh random nonce."""
         return os.urandom(NONCE_BYTES)
 
-    def seal(self, obj: msgspec.Struct, nonce: bytes | None = None) -> bytes:
-        """Envelope bytes of request ``obj`` (under ``nonce``, fresh if None)."""
-        env = Envelope(PROTOCOL_VERSION, self._clock(), nonce or self.new_nonce(), b"", b"", _enc.encode(obj))
+    def seal(self, obj: msgspec.Struct, nonce: bytes | None = None, origin: Origin = ANONYMOUS) -> bytes:
+        """Envelope bytes of request ``obj`` sent by ``origin`` (under ``nonce``, fresh if None)."""
+        env = Envelope(PROTOCOL_VERSION, self._clock(), nonce or self.new_nonce(), b"", origin.engine_id,
+                       origin.epoch, b"", _enc.encode(obj))
         if self.secret:
             env = msgspec.structs.replace(env, mac=_mac(self.secret, _REQUEST, env))
         return _enc.encode(env)
 
-    def seal_reply(self, reply: Reply, reply_to: bytes, signed: bool = True) -> bytes:
-        """Envelope bytes of ``reply`` to the request whose nonce is ``reply_to``; ``signed=False`` for a
-        refusal of a message that was not authenticated (never sign an answer to an unknown sender)."""
-        env = Envelope(PROTOCOL_VERSION, self._clock(), self.new_nonce(), reply_to, b"", _enc.encode(reply))
+    def seal_reply(self, reply: Reply, reply_to: bytes, signed: bool = True, origin: Origin = ANONYMOUS) -> bytes:
+        """Envelope bytes of ``reply`` (from ``origin``) to the request whose nonce is ``reply_to``;
+        ``signed=False`` for a refusal of a message that was not authenticated (never sign an answer to an
+        unknown sender)."""
+        env = Envelope(PROTOCOL_VERSION, self._clock(), self.new_nonce(), reply_to, origin.engine_id, origin.epoch,
+                       b"", _enc.encode(reply))
         if self.secret and signed:
             env = msgspec.structs.replace(env, mac=_mac(self.secret, _REPLY, env))
         return _enc.encode(env)

@@ -19,6 +19,25 @@ D may reuse its blocks at once) or ``posted`` (D keeps them until the deadline p
 after which P's workers have completed or aborted the WRITE). Ended requests leave a tombstone, so a
 registration that arrives after its cancel is refused. A lease is registered by one D request: another
 D request registering it (kv_transfer_params handed to several) is refused, naming both.
+
+Peers and restarts (epochs). P keeps one record per D engine id (:class:`DPeer`: the epoch it was learnt
+from, that start's payloads, its pool and staging sizes), learnt from a registration's ``d_payloads``. A
+registration names only its sender's engine: ``d_engine`` must be the engine the (signed) envelope names,
+else it is refused naming both. The rule for a registration from engine E at epoch X:
+
+- P knows E at X: served with the payloads E@X sent.
+- P does not know E, or knows it at another epoch Y: a registration without payloads is answered
+  ``need_payloads`` (the error names both epochs); one with payloads makes E@X the record (a restart of E:
+  random epochs carry no order, so "newer" is "the one that sent fresh payloads"). The replacement is one
+  step (:meth:`Producer._replace_peer`): registrations of E@Y not yet handed to the workers are dropped
+  (released, never written: E@Y's blocks are not E@X's), and the next dispatch hands the workers the new
+  :class:`PeerInfo` (they remove E@Y's NIXL agents and add E@X's). Every job names the epoch it was
+  registered by (``PushJob.dst_epoch``): a worker that knows another start of E does not write it.
+- Heartbeats and cancels are per-request and token-checked: they never change a peer record.
+
+Two live D engines sharing one engine id (a misconfiguration) therefore take turns being the record: each
+replacement is a warning naming both epochs, and each side's registrations are served with its own
+payloads or dropped, never written with the other's agent or layout.
 """
 
 from __future__ import annotations
@@ -40,6 +59,7 @@ from vllm_dsa_connector.handoff.messages import (
     HeartbeatReq,
     MessageError,
     MetaReq,
+    Origin,
     RegReq,
     Reply,
     ReqRef,
@@ -87,6 +107,7 @@ class Lease:
     deadline: float  # P releases the blocks after this without news from D
     state: LeaseState = LeaseState.HELD
     reg: RegReq | None = None
+    reg_epoch: int = 0  # the epoch of the D engine start that sent ``reg``
 
     def to(self, new: LeaseState) -> None:
         """The one place a lease changes state."""
@@ -95,6 +116,17 @@ class Lease:
             raise IllegalTransition(f"lease of {self.req_id}: {self.state.value} -> {new.value} is not a "
                                     f"transition (from {self.state.value}: {allowed})")
         self.state = new
+
+
+@dataclass
+class DPeer:
+    """P's record of one D engine start: its epoch and what its payloads say (learnt from a registration)."""
+
+    epoch: int
+    payloads: list[bytes]  # encoded RankPayload, one per D worker
+    num_blocks: int  # blocks 0..num_blocks-1 exist in every pool of every D worker
+    block_size: int  # D's tokens per block (0: not published)
+    staging: dict[int, int]  # D rank -> staging arena bytes
 
 
 @dataclass
@@ -111,21 +143,19 @@ class Producer:
     token span, P takes its own blocks of it)."""
 
     def __init__(self, engine_id: str, settings: HandoffSettings,
-                 clock: Callable[[], float] = time.monotonic, *, block_size: int) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, block_size: int, epoch: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"Producer {engine_id}: block_size must be >= 1, got {block_size}")
         self.engine_id = engine_id
+        self.epoch = epoch  # this engine start's (named in its handshake replies)
         self.block_size = block_size
         self.settings = settings
         self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
-        self._peers: dict[str, list[bytes]] = {}  # D engine -> encoded payloads
-        self._peer_blocks: dict[str, int] = {}
-        self._peer_block_size: dict[str, int] = {}  # D engine -> its tokens per block (0: not published)
-        self._peer_staging: dict[str, dict[int, int]] = {}  # D engine -> rank -> staging arena bytes
-        self._peers_sent: set[str] = set()
+        self._peers: dict[str, DPeer] = {}  # D engine id -> the start P knows (one record per id)
+        self._peers_sent: dict[str, int] = {}  # D engine id -> the epoch whose PeerInfo the workers have
 
     # ------------------------------------------------------------ engine thread
 
@@ -143,6 +173,12 @@ class Producer:
         with self._lock:
             for req_id, lease in self._leases.items():
                 if lease.state is LeaseState.REGISTERED and lease.reg is not None:
+                    peer = self._peers.get(lease.reg.d_engine)
+                    if peer is None or peer.epoch != lease.reg_epoch:  # _replace_peer drops these; never write
+                        self._release(out, lease, f"D engine {lease.reg.d_engine!r} restarted (registered by epoch "
+                                                  f"{lease.reg_epoch:016x}, P now knows "
+                                                  f"{peer.epoch if peer else 0:016x})")
+                        continue
                     if now < lease.reg.post_deadline:
                         self._dispatch(out, lease, lease.reg)
                         continue
@@ -162,13 +198,14 @@ class Producer:
         out.release.append(lease.req_id)
 
     def _dispatch(self, out: Dispatch, lease: Lease, reg: RegReq) -> None:
-        if reg.d_engine not in self._peers_sent:
-            out.peers.append(PeerInfo(reg.d_engine, self._peers[reg.d_engine]))
-            self._peers_sent.add(reg.d_engine)
+        peer = self._peers[reg.d_engine]
+        if self._peers_sent.get(reg.d_engine) != peer.epoch:  # new to the workers, or a new start of it
+            out.peers.append(PeerInfo(reg.d_engine, list(peer.payloads), epoch=peer.epoch))
+            self._peers_sent[reg.d_engine] = peer.epoch
         first, end = self._block_range(reg)
         out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, lease.blocks[first:end], list(reg.d_blocks),
                                 reg.verify, reg.slots, post_deadline=reg.post_deadline,
-                                first_token=reg.first_token, num_tokens=reg.num_tokens))
+                                first_token=reg.first_token, num_tokens=reg.num_tokens, dst_epoch=peer.epoch))
         lease.to(LeaseState.DISPATCHED)
         # the workers report finished_sending within post deadline + write timeout; keep the lease as long
         lease.deadline = max(lease.deadline, reg.post_deadline + self.settings.transfer_timeout_s)
@@ -202,16 +239,17 @@ class Producer:
 
     # ------------------------------------------------------------ side-channel thread
 
-    def handle(self, req: Request, payloads: list[bytes]) -> Reply:
-        """Answer one side-channel request; ``payloads`` are this engine's encoded worker payloads (the
-        handshake's answer; empty while the workers have not registered their KV caches)."""
+    def handle(self, req: Request, payloads: list[bytes], sender: Origin) -> Reply:
+        """Answer one side-channel request from ``sender`` (the engine and epoch its envelope names);
+        ``payloads`` are this engine's encoded worker payloads (the handshake's answer; empty while the
+        workers have not registered their KV caches)."""
         if isinstance(req, MetaReq):
             if not payloads:
                 return Reply(False, error=NOT_READY, clock=self.clock())
             return Reply(True, clock=self.clock(), engine_id=self.engine_id, payloads=list(payloads),
                          write_timeout_s=self.settings.transfer_timeout_s)
         if isinstance(req, RegReq):
-            return self.handle_reg(req)
+            return self.handle_reg(req, sender)
         if isinstance(req, HeartbeatReq):
             return self.handle_heartbeat(req)
         return self.handle_cancel(req)
@@ -222,9 +260,20 @@ class Producer:
             return None
         return lease
 
-    def handle_reg(self, reg: RegReq) -> Reply:
-        """Accept or refuse a registration; ``need_payloads`` when D's layout is not known yet."""
+    def handle_reg(self, reg: RegReq, sender: Origin | None = None) -> Reply:
+        """Accept or refuse a registration sent by ``sender``; ``need_payloads`` when P does not know the
+        sender's start (its engine unknown, or known at another epoch) and the registration brings no payloads.
+        ``sender`` None (in-process callers only; the side channel always passes the envelope's, which an
+        anonymous sender fails): the engine ``reg.d_engine`` names, at the epoch P knows (or 0)."""
         now = self.clock()
+        if sender is None:
+            known = self._peers.get(reg.d_engine)
+            sender = Origin(reg.d_engine, known.epoch if known else 0)
+        if sender.engine_id != reg.d_engine:
+            # a registration names only its sender's engine: never write into another D's blocks
+            return Reply(False, clock=now, error=(
+                f"registration of {reg.p_req} names D engine {reg.d_engine!r} but was sent by engine {sender}: "
+                "a registration names only its sender's engine"))
         with self._lock:
             lease = self._owned(reg)
             if lease is None:
@@ -232,49 +281,71 @@ class Producer:
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
             prev = lease.reg
             if (prev is not None and lease.state in (LeaseState.REGISTERED, LeaseState.DISPATCHED)
-                    and (prev.d_engine, prev.d_req, prev.first_token, prev.num_tokens, prev.d_blocks)
-                    == (reg.d_engine, reg.d_req, reg.first_token, reg.num_tokens, reg.d_blocks)):
+                    and (prev.d_engine, lease.reg_epoch, prev.d_req, prev.first_token, prev.num_tokens, prev.d_blocks)
+                    == (reg.d_engine, sender.epoch, reg.d_req, reg.first_token, reg.num_tokens, reg.d_blocks)):
                 # D retried a registration whose reply it missed: same answer, nothing changes
                 return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
-            if prev is not None and (prev.d_engine, prev.d_req) != (reg.d_engine, reg.d_req):
+            if prev is not None and (prev.d_engine, lease.reg_epoch, prev.d_req) != (reg.d_engine, sender.epoch,
+                                                                                   reg.d_req):
                 # one P request feeds one D request: a second one would get (or take) KV that is not its own
                 return Reply(False, clock=now, error=(
                     f"request {reg.p_req} is already registered by D request {prev.d_req!r} of engine "
-                    f"{prev.d_engine!r}; refusing D request {reg.d_req!r} of engine {reg.d_engine!r} (one P "
-                    "request feeds one D request: were its kv_transfer_params given to several?)"))
+                    f"{prev.d_engine!r} (epoch {lease.reg_epoch:016x}); refusing D request {reg.d_req!r} of engine "
+                    f"{sender} (one P request feeds one D request: were its kv_transfer_params given to several?)"))
             if lease.state is not LeaseState.HELD:
                 return Reply(False, error=f"request {reg.p_req} is {lease.state.value}", clock=now)
             if now >= reg.post_deadline:
                 return Reply(False, error=f"registration of {reg.p_req} arrived after its post deadline "
                                           f"({now - reg.post_deadline:.3f} s late)", clock=now)
-            if reg.d_engine not in self._peers:
+            known = self._peers.get(reg.d_engine)
+            if known is None or known.epoch != sender.epoch:
                 if not reg.d_payloads:
-                    return Reply(False, need_payloads=True, error="unknown decode engine", clock=now)
-                self._learn_peer(reg.d_engine, reg.d_payloads)
-            self._check_reg(reg, lease)
+                    why = ("unknown decode engine" if known is None else
+                           f"decode engine {reg.d_engine!r} is known at epoch {known.epoch:016x}, this "
+                           f"registration comes from epoch {sender.epoch:016x} (restarted?): send its payloads")
+                    return Reply(False, need_payloads=True, error=why, clock=now)
+                peer = self._peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
+                self._check_reg(reg, lease, peer)
+                self._replace_peer(reg.d_engine, peer, known)
+            else:
+                self._check_reg(reg, lease, known)
             lease.reg = reg
+            lease.reg_epoch = sender.epoch
             lease.to(LeaseState.REGISTERED)
             lease.deadline = max(lease.deadline, reg.post_deadline)
         return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
 
-    def _learn_peer(self, d_engine: str, encoded: list[bytes]) -> None:
+    @staticmethod
+    def _peer_record(d_engine: str, epoch: int, encoded: list[bytes]) -> DPeer:
+        """The record of D engine start ``d_engine``@``epoch`` from the payloads it sent; :class:`MessageError`
+        when they do not decode, are empty or name another engine."""
         try:
             payloads = [decode_payload(p) for p in encoded]
         except ValueError as e:
             raise MessageError(str(e)) from None
         if not payloads or any(p.engine_id != d_engine for p in payloads):
             raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
-        self._peers[d_engine] = list(encoded)
-        self._peer_blocks[d_engine] = max_block_id(payloads)
-        self._peer_block_size[d_engine] = int(payloads[0].page_table.get("block_size", 0) or 0)
-        self._peer_staging[d_engine] = {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads}
+        return DPeer(epoch, list(encoded), max_block_id(payloads), int(payloads[0].page_table.get("block_size", 0) or 0),
+                     {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads})
 
-    def _check_reg(self, reg: RegReq, lease: Lease) -> None:
-        limit = self._peer_blocks[reg.d_engine]
+    def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:
+        """The one place a D record changes: ``peer`` becomes the record of ``d_engine``; registrations of the
+        replaced start not yet handed to the workers are dropped by the next :meth:`step` (their epoch is no
+        longer the record's), and the next dispatch hands the workers the new :class:`PeerInfo`."""
+        if old is not None:
+            dropped = [lease.req_id for lease in self._leases.values() if lease.state is LeaseState.REGISTERED
+                       and lease.reg is not None and lease.reg.d_engine == d_engine and lease.reg_epoch == old.epoch]
+            logger.warning("DSAConnector %s: decode engine %r restarted (epoch %016x replaces %016x): its new "
+                           "payloads replace the old ones; %d registration(s) of the old start dropped, not written "
+                           "(%s)", self.engine_id, d_engine, peer.epoch, old.epoch, len(dropped), dropped[:8])
+        self._peers[d_engine] = peer
+
+    def _check_reg(self, reg: RegReq, lease: Lease, peer: DPeer) -> None:
+        limit = peer.num_blocks
         bad = [b for b in reg.d_blocks if not 0 <= b < limit]
         if bad:
             raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
-        staging = self._peer_staging.get(reg.d_engine, {})
+        staging = peer.staging
         for rank, per in reg.slots.items():
             for off, size in per.values():
                 if off + size > staging.get(rank, 0):
@@ -285,7 +356,7 @@ class Producer:
             raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked (blocks "
                                f"{first}..{end - 1} of {self.block_size} tokens), request {reg.p_req} has "
                                f"{len(lease.blocks)}")
-        bd = self._peer_block_size.get(reg.d_engine, 0)
+        bd = peer.block_size
         need = -(-(reg.first_token + reg.num_tokens) // bd) - reg.first_token // bd if bd else 0
         if len(reg.d_blocks) < need:
             raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} need {need} of "

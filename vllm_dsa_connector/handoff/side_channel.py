@@ -2,7 +2,8 @@
 
 Each engine's scheduler-side connector serves one ROUTER socket (like vLLM's NixlConnector). Messages
 are the typed structs of :mod:`.messages` in an (optionally HMAC-authenticated) envelope; every reply is
-a :class:`~.messages.Reply`:
+a :class:`~.messages.Reply`. Every envelope names its sender (:class:`~.messages.Origin`: engine id and
+epoch); the handler gets the sender of each request, a client the sender of each reply (:func:`exchange`):
 
 - ``meta``: the engine's worker payloads (:class:`~.wire.RankPayload`, one per (pp, tp) worker).
 - ``reg`` (D -> P): "write request ``p_req`` into my blocks"; P replies at once whether it still holds
@@ -39,12 +40,14 @@ from typing import Any
 import zmq
 
 from vllm_dsa_connector.handoff.messages import (
+    ANONYMOUS,
     MAX_MESSAGE_BYTES,
     NOT_READY,
     Authenticator,
     ClockEstimate,
     MessageError,
     MetaReq,
+    Origin,
     Reply,
     Request,
     UnboundReply,
@@ -56,7 +59,8 @@ from vllm_dsa_connector.handoff.wire import MAX_ERROR_CHARS, RankPayload, decode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "fetch_payloads", "request", "validate_peer"]
+__all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "exchange", "fetch_payloads", "request",
+           "validate_peer"]
 
 
 class HandshakeError(RuntimeError):
@@ -71,7 +75,9 @@ class HandshakeError(RuntimeError):
         self.transient = transient
 
 
-Handler = Callable[[Request], Reply]
+#: ``handler(request, sender) -> Reply``: ``sender`` is the origin the request's envelope names (signed with a
+#: secret; whoever holds the secret may name any engine, the handler holds it to that name)
+Handler = Callable[[Request, Origin], Reply]
 
 
 def _is_loopback(host: str) -> bool:
@@ -79,11 +85,13 @@ def _is_loopback(host: str) -> bool:
 
 
 class SideChannelServer:
-    """A ROUTER socket on a daemon thread; ``handler(request) -> Reply`` runs on that thread."""
+    """A ROUTER socket on a daemon thread; ``handler(request, sender) -> Reply`` runs on that thread; replies
+    name ``origin`` (this engine and its epoch) as their sender."""
 
     def __init__(self, host: str, port: int, handler: Handler, auth: Authenticator | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, origin: Origin = ANONYMOUS) -> None:
         self._handler = handler
+        self.origin = origin
         self._auth = auth or Authenticator(None)
         self._clock = clock
         self._ctx = zmq.Context()
@@ -128,7 +136,7 @@ class SideChannelServer:
         try:
             req = decode_request(env.body)
             check_request(req)
-            return self._handler(req), nonce, True
+            return self._handler(req, env.origin), nonce, True
         except MessageError as e:
             logger.warning("DSAConnector side channel: refused a message: %s", e)
             return Reply(False, error=f"refused: {e}"[:MAX_ERROR_CHARS], clock=self._clock()), nonce, True
@@ -152,7 +160,7 @@ class SideChannelServer:
             ident, _, raw = frames
             reply, nonce, signed = self.answer(raw)
             try:
-                self._sock.send_multipart([ident, b"", self._auth.seal_reply(reply, nonce, signed)])
+                self._sock.send_multipart([ident, b"", self._auth.seal_reply(reply, nonce, signed, self.origin)])
             except zmq.ZMQError as e:
                 logger.warning("DSAConnector side channel: reply failed: %s", e)
         self._sock.close()
@@ -165,8 +173,15 @@ class SideChannelServer:
 
 
 def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenticator | None = None,
-            clock_estimate: ClockEstimate | None = None) -> Reply:
-    """One request/reply on a peer's side channel; :class:`HandshakeError` on timeout or a bad reply.
+            clock_estimate: ClockEstimate | None = None, origin: Origin = ANONYMOUS) -> Reply:
+    """:func:`exchange` without the reply's sender."""
+    return exchange(host, port, req, timeout_s, auth, clock_estimate, origin)[0]
+
+
+def exchange(host: str, port: int, req: Request, timeout_s: float, auth: Authenticator | None = None,
+             clock_estimate: ClockEstimate | None = None, origin: Origin = ANONYMOUS) -> tuple[Reply, Origin]:
+    """One request (sent as ``origin``) and its reply on a peer's side channel: the reply and the sender it
+    names (the peer's engine id and epoch); :class:`HandshakeError` on timeout or a bad reply.
 
     With ``clock_estimate`` the reply's clock refines the estimate of the peer's clock. A reply that is not
     bound to this request, or (with a secret) not signed, is a transient :class:`HandshakeError`: it may come
@@ -185,7 +200,7 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
     try:
         sock.connect(f"tcp://{host}:{port}")
         sent = time.monotonic()
-        sock.send(auth.seal(req, nonce))
+        sock.send(auth.seal(req, nonce, origin))
         raw = sock.recv()
         received = time.monotonic()
     except zmq.Again:
@@ -197,7 +212,7 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
     finally:
         sock.close()
     try:
-        _, reply = auth.open_reply(raw, nonce)
+        env, reply = auth.open_reply(raw, nonce)
     except UnboundReply as e:
         gap = e.env.ts - time.time() if e.env is not None else 0.0  # unsigned: for the log line only
         skew = f"; the peer's wall clock is {gap:+.1f} s from this side's" if abs(gap) >= 1.0 else ""
@@ -210,23 +225,26 @@ def request(host: str, port: int, req: Request, timeout_s: float, auth: Authenti
                              f"{reply.error}", transient=True)
     if clock_estimate is not None:
         clock_estimate.add_sample(sent, received, reply.clock)
-    return reply
+    return reply, env.origin
 
 
 @dataclass
 class PeerMeta:
-    """What the handshake learns about a peer engine."""
+    """What the handshake learns about a peer engine; ``epoch``: the start of it that answered (its payloads,
+    clock and leases belong to that start only)."""
 
     engine_id: str
     payloads: list[RankPayload]
     write_timeout_s: float
     clock: ClockEstimate
+    epoch: int = 0
 
 
-def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator | None = None) -> PeerMeta:
-    """The peer's worker payloads (the handshake), its write timeout and a first clock estimate."""
+def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator | None = None,
+                   origin: Origin = ANONYMOUS) -> PeerMeta:
+    """The peer's worker payloads (the handshake), its epoch, its write timeout and a first clock estimate."""
     clock = ClockEstimate()
-    reply = request(host, port, MetaReq(), timeout_s, auth, clock)
+    reply, sender = exchange(host, port, MetaReq(), timeout_s, auth, clock, origin)
     if not reply.ok:
         raise HandshakeError(f"DSAConnector peer {host}:{port} refused the handshake: {reply.error}",
                              transient=reply.error == NOT_READY)
@@ -236,7 +254,10 @@ def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator |
         raise HandshakeError(f"DSAConnector peer {host}:{port}: {e}") from None
     if not payloads:
         raise HandshakeError(f"DSAConnector peer {host}:{port} published no worker payloads")
-    return PeerMeta(reply.engine_id, payloads, reply.write_timeout_s, clock)
+    if sender.engine_id != reply.engine_id:
+        raise HandshakeError(f"DSAConnector peer {host}:{port}: the handshake reply names engine {reply.engine_id!r}, "
+                             f"its envelope sender {sender}")
+    return PeerMeta(reply.engine_id, payloads, reply.write_timeout_s, clock, sender.epoch)
 
 
 def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any:

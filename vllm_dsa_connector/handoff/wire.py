@@ -29,7 +29,10 @@ import msgspec
 #: 5: side-channel replies name the request they answer (``Envelope.reply_to``, inside the MAC), the MAC input
 #: is length-prefixed, refusals of unread messages are unsigned (``Reply.unread``), and every list, dict and
 #: string of the structs is bounded (4 had no ``reply_to``).
-PROTOCOL_VERSION = 5
+#: 6: every envelope names its sender's engine id and epoch (one random id per engine start, inside the MAC);
+#: the handshake result, the workers' :class:`PeerInfo` and every job name the epoch of the peer they belong to,
+#: so a restarted engine (same id, new epoch) replaces the old record everywhere (5 had no epoch).
+PROTOCOL_VERSION = 6
 TRANSFER_MODE = "push"
 
 #: Largest side-channel message accepted (checked before decoding; the ZMQ socket drops bigger ones unread).
@@ -47,6 +50,8 @@ MAX_BLOCKS = 1 << 20
 
 #: A request, engine or agent id (bounded while decoding)
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+#: An engine start's instance id (``messages.new_epoch``; 0: not known)
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds fit an int64
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORKERS)]
 _Str = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
 _Map = Annotated[dict[_Str, Any], msgspec.Meta(max_length=MAX_ENTRIES)]
@@ -72,13 +77,16 @@ class RankPayload(msgspec.Struct, frozen=True):
 class PeerInfo(msgspec.Struct, frozen=True):
     """Every worker payload of one engine (encoded :class:`RankPayload`).
 
-    ``as_source``: the peer writes to us (we are D); otherwise we write to it (we are P).
+    ``as_source``: the peer writes to us (we are D); otherwise we write to it (we are P). ``epoch``: the
+    start of the peer engine these payloads belong to; a worker that knows the engine at another epoch
+    replaces its record (and the NIXL remote agents it added for it).
     """
 
     engine_id: Id
     payloads: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]],
                         msgspec.Meta(max_length=MAX_WORKERS)]
     as_source: bool = False
+    epoch: Epoch = 0
 
 
 #: dst rank -> src rank -> [offset, size] in the destination rank's staging arena
@@ -103,6 +111,7 @@ class PushJob(msgspec.Struct, frozen=True):
     post_deadline: float = math.inf  # monotonic clock of this host: never post a WRITE after it
     first_token: int = 0
     num_tokens: int | None = None  # None: every token both block lists cover
+    dst_epoch: Epoch = 0  # the start of dst_engine that registered: a worker knowing another one never writes
 
 
 class RecvJob(msgspec.Struct, frozen=True):
@@ -120,6 +129,7 @@ class RecvJob(msgspec.Struct, frozen=True):
     slots: Slots = {}
     first_token: int = 0  # the token span both block lists hold (as in PushJob)
     num_tokens: int | None = None
+    src_epoch: Epoch = 0  # the start of src_engine this load was registered with
 
 
 class Notice(msgspec.Struct, frozen=True):
