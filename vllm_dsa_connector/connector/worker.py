@@ -204,6 +204,22 @@ class DSAConnectorWorker(ReceiveSide):
             logger.error("DSAConnector %s: peer %s refused: %s", self.engine_id, peer.engine_id, e)
         self.remotes[peer.engine_id] = remote
 
+    def _forget(self, engine: str) -> None:
+        """The scheduler forgot an idle peer: drop its plan and NIXL remote agents (a later handshake brings
+        them back). A remote agent a post still uses stays: removing it would abort that WRITE."""
+        remote = self.remotes.get(engine)
+        if remote is None:
+            return
+        busy = {g.agent for send in self._sends.values() for g in send.groups}
+        if busy & set(remote.agents.values()):
+            logger.warning("DSAConnector %s: idle peer %s still has WRITEs in flight; kept", self.engine_id, engine)
+            return
+        del self.remotes[engine]
+        for agent in remote.agents.values():
+            self.nixl.remove_peer(agent)
+        logger.info("DSAConnector %s: forgot idle peer %s (%d remote agents)", self.engine_id, engine,
+                    len(remote.agents))
+
     # ---------------------------------------------------------------- per step
 
     def start_load_kv(self, meta: DSAConnectorMetadata) -> None:
@@ -220,6 +236,8 @@ class DSAConnectorWorker(ReceiveSide):
     def _start_load_kv(self, meta: DSAConnectorMetadata) -> None:
         if meta.local is not None:
             self.local = sorted((decode_payload(p) for p in meta.local.payloads), key=lambda p: p.rank)
+        for engine in meta.forget:
+            self._forget(engine)
         for peer in meta.peers:
             self._learn(peer)
         for job in meta.push:

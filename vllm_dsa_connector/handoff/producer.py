@@ -19,6 +19,9 @@ D may reuse its blocks at once) or ``posted`` (D keeps them until the deadline p
 after which P's workers have completed or aborted the WRITE). Ended requests leave a tombstone, so a
 registration that arrives after its cancel is refused. A lease is registered by one D request: another
 D request registering it (kv_transfer_params handed to several) is refused, naming both.
+
+A D engine no lease has named for ``peer_idle_s`` is forgotten (its payloads here, its remote agents in the
+workers: :attr:`Dispatch.forget`); its next registration is answered ``need_payloads`` and re-sends them.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ class Dispatch:
     peers: list[PeerInfo] = field(default_factory=list)
     push: list[PushJob] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)  # idle D engines the workers drop (before ``peers``)
 
 
 class Producer:
@@ -126,6 +130,7 @@ class Producer:
         self._peer_block_size: dict[str, int] = {}  # D engine -> its tokens per block (0: not published)
         self._peer_staging: dict[str, dict[int, int]] = {}  # D engine -> rank -> staging arena bytes
         self._peers_sent: set[str] = set()
+        self._peer_seen: dict[str, float] = {}  # D engine -> the last step a lease named it
 
     # ------------------------------------------------------------ engine thread
 
@@ -153,7 +158,23 @@ class Producer:
                     self._release(out, lease, "cancelled by D")
                 elif lease.state is LeaseState.HELD and now > lease.deadline:
                     self._release(out, lease, "deadline passed")
+            self._forget_idle(out, now)
         return out
+
+    def _forget_idle(self, out: Dispatch, now: float) -> None:
+        """Drop the D engines no lease has named for ``peer_idle_s`` (caller holds the lock)."""
+        for lease in self._leases.values():
+            if lease.reg is not None:
+                self._peer_seen[lease.reg.d_engine] = now
+        for d_engine in [d for d in self._peers if now - self._peer_seen.get(d, now) >= self.settings.peer_idle_s]:
+            for known in (self._peers, self._peer_blocks, self._peer_block_size, self._peer_staging,
+                          self._peer_seen):
+                known.pop(d_engine, None)
+            if d_engine in self._peers_sent:
+                self._peers_sent.discard(d_engine)
+                out.forget.append(d_engine)
+            logger.info("DSAConnector %s: decode engine %s idle for %.0f s: forgotten (its next registration "
+                        "re-sends its payloads)", self.engine_id, d_engine, self.settings.peer_idle_s)
 
     @staticmethod
     def _release(out: Dispatch, lease: Lease, why: str) -> None:
@@ -268,6 +289,7 @@ class Producer:
         self._peer_blocks[d_engine] = max_block_id(payloads)
         self._peer_block_size[d_engine] = int(payloads[0].page_table.get("block_size", 0) or 0)
         self._peer_staging[d_engine] = {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads}
+        self._peer_seen[d_engine] = self.clock()
 
     def _check_reg(self, reg: RegReq, lease: Lease) -> None:
         limit = self._peer_blocks[reg.d_engine]
