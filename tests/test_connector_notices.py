@@ -239,3 +239,55 @@ def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> N
         assert p.stats.data["send_failed"] == before + 1 and p.stats.data["send_bytes"] == sent  # no WRITE
     finally:
         d2.shutdown()
+
+
+def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
+    """Issue 29 item 8: the scheduler's ``forget`` of an idle peer drops the worker's plan and its real NIXL
+    remote agents (P: D's agent; D: P's plan); a later handshake's PeerInfo brings them back and a verified
+    push lands again."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    p, d = pd
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])]))
+    assert d.engine_id in p.remotes and d.nixl.name in p.nixl.peers
+    _arm(p, d, "d-warm2")  # D knows P's plan
+    d.receiver.cancel(b"d-warm2")
+    p.start_load_kv(DSAConnectorMetadata(forget=[d.engine_id]))
+    d.start_load_kv(DSAConnectorMetadata(forget=[p.engine_id]))
+    assert d.engine_id not in p.remotes and d.nixl.name not in p.nixl.peers
+    assert p.engine_id not in d.remotes
+    _arm(p, d, "d-again")  # D handshakes again: P's plan is back
+    push = PushJob("p-again", d.engine_id, "d-again", SRC_BLOCKS, DST_BLOCKS, verify=True)
+    p.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
+    assert d.nixl.name in p.nixl.peers
+    deadline = time.monotonic() + 20
+    done: set[str] = set()
+    failed: set[str] = set()
+    while "d-again" not in done:
+        p.get_transfer_results()
+        _, r, f = d.get_transfer_results()
+        done, failed = done | r, failed | f
+        assert time.monotonic() < deadline, "the push after the re-handshake never landed"
+        time.sleep(0.002)
+    assert not failed and not d.get_block_ids_with_load_errors()
+
+
+def test_a_flood_of_early_notices_for_one_load_fails_it(pd) -> None:
+    """Issue 29 item 8: more early notices for one request than ``early_per_key`` (before its job is armed)
+    are dropped, and the load fails when armed instead of memory growing."""
+    from vllm_dsa_connector.handoff.wire import Notice
+
+    p, d = pd
+    good = _good_checks(p, d) if p.engine_id in d.remotes else []
+    cap, d.receiver.early_per_key = d.receiver.early_per_key, 3
+    try:
+        for _ in range(10):
+            _feed(p, d, Notice("d-flood", 0, True, sum(c[2] for c in good), len(good), checks=good))
+        assert b"d-flood" not in d.receiver._early
+        _arm(p, d, "d-flood")
+        done, failed, errors = _results(d, "d-flood")
+        assert "d-flood" in failed and not errors
+    finally:
+        d.receiver.early_per_key = cap

@@ -71,6 +71,11 @@ class ConnectorOptions:
         doc="side-channel request timeout (s); an unanswered handshake is tried again while the waiting "
         "request is inside transfer_timeout_s",
     )
+    peer_idle_s: float = option(
+        "peer_idle_s", _seconds, 300.0,
+        doc="a peer engine with no request for this long is forgotten: its control thread, worker remotes "
+        "and NIXL agents go; its next request handshakes again (s)",
+    )
     verify_transfers: bool = option(
         "verify_transfers", parse_bool, False,
         doc="checksum every transferred run on both sides; a mismatch is a load failure",

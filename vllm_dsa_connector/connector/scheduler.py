@@ -71,7 +71,7 @@ def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
     """The core's settings from the connector's options."""
     return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
                            handshake_timeout_s=options.handshake_timeout_s, heartbeat_s=options.heartbeat_s,
-                           verify_transfers=options.verify_transfers)
+                           verify_transfers=options.verify_transfers, peer_idle_s=options.peer_idle_s)
 
 
 class DSAConnectorScheduler:
@@ -274,7 +274,12 @@ class DSAConnectorScheduler:
         meta.recv, self._pending_recv = self._pending_recv, []
         self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
+        self.slots.step(self.clock())
+        for engine in self.consumer.forget_idle():
+            if self._sources_sent.pop(engine, None) is not None:  # the workers know its plan: they drop it
+                meta.forget.append(engine)
         dispatch = self.producer.step()
+        meta.forget.extend(dispatch.forget)
         meta.peers.extend(dispatch.peers)
         meta.push.extend(dispatch.push)
         meta.release.extend(dispatch.release)
@@ -288,14 +293,15 @@ class DSAConnectorScheduler:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Forget finished transfers (P: leases; D: loads and their staging slots)."""
+        """Forget finished transfers (P: leases; D: loads and their staging slots: a failed load's slots
+        come back once no WRITE can land in them, :meth:`Consumer.writes_over_at`)."""
         if output.finished_sending:
             self.producer.finished_sending(set(output.finished_sending))
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
             load = self.consumer.finished(req_id)
             if load is not None:
-                self.slots.free(load.slots, failed=req_id in failed)
+                self.slots.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
 
     def has_pending_push_work(self) -> bool:
         """P keeps stepping while it holds leased blocks (their release needs steps); D while it waits to

@@ -239,6 +239,18 @@ class DSAConnectorWorker(ReceiveSide):
             self._retired.discard(agent)
             logger.info("DSAConnector %s: removed NIXL remote agent %s (its engine restarted)", self.engine_id, agent)
 
+    def _forget(self, engine: str) -> None:
+        """The scheduler forgot an idle peer: drop its plan and retire its NIXL remote agents (removed once no
+        post of this worker uses them: removing one earlier would abort that WRITE); a later handshake brings
+        them back."""
+        remote = self.remotes.pop(engine, None)
+        if remote is None:
+            return
+        self._retired.update(remote.agents.values())
+        self._remove_retired()
+        logger.info("DSAConnector %s: forgot idle peer %s (%d remote agents retired)", self.engine_id, engine,
+                    len(remote.agents))
+
     # ---------------------------------------------------------------- per step
 
     def start_load_kv(self, meta: DSAConnectorMetadata) -> None:
@@ -255,6 +267,8 @@ class DSAConnectorWorker(ReceiveSide):
     def _start_load_kv(self, meta: DSAConnectorMetadata) -> None:
         if meta.local is not None:
             self.local = sorted((decode_payload(p) for p in meta.local.payloads), key=lambda p: p.rank)
+        for engine in meta.forget:
+            self._forget(engine)
         for peer in meta.peers:
             self._learn(peer)
         for job in meta.push:

@@ -40,6 +40,11 @@ new start never writes them; D still keeps their blocks until the write bound un
 the registration confirms a cancel); a request naming an epoch that is not P's current one fails its load
 (its lease died with that start). D's payloads reach the new start with its first registration (P asks
 for them), and the workers get the new start's :class:`~.wire.PeerInfo` (scheduler's job).
+The staging slots of a failed load follow the same rule (:meth:`Consumer.writes_over_at`).
+
+Nothing grows without bound: a peer no load has used for ``peer_idle_s`` is forgotten
+(:meth:`Consumer.forget_idle`: its control thread stops, the workers drop it; its next request handshakes
+again), and a peer's unanswered heartbeats queue at most :data:`_HB_PENDING` deep.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ SAFETY_MARGIN_S = 1.0
 _RETRY_S = 0.5
 _TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings arrive within steps)
 _EPOCHS = 64  # epochs a peer's requests named that already caused a fresh handshake (remembered per peer)
+# Heartbeats of one peer still unanswered (its control thread is behind, P is slow or gone): beyond this no new
+# one is queued for it (each waits handshake_timeout_s; a queue growing every heartbeat_s would never drain).
+_HB_PENDING = 64
 
 
 class RemoteParams(msgspec.Struct, frozen=True):
@@ -170,6 +178,8 @@ class Peer:
     attempt: int = 1
     stale: str = ""  # a reply came from another start of P than the handshake's: redo it (why)
     epochs_asked: set[int] = field(default_factory=set)  # request epochs that already caused a fresh handshake
+    last_used: float = 0.0  # the last step a request used this peer (idle peers are forgotten)
+    warned: set[str] = field(default_factory=set)  # caps already logged for this peer (once each)
 
     @property
     def retryable(self) -> bool:
@@ -185,7 +195,7 @@ class Loading:
     ref: ReqRef
     state: LoadState = LoadState.QUEUED
     give_up_at: float = 0.0
-    release_at: float = 0.0  # GIVING_UP: report the request finished at this time at the latest
+    release_at: float = 0.0  # registered: no WRITE lands after this (GIVING_UP: reported finished by then)
     reason: str = ""
     reg: Future | None = None
     reg_body: RegReq | None = None
@@ -273,7 +283,28 @@ class Consumer:
             self.peers[engine] = peer
         if peer.future is not None and peer.future.done():
             self._settle_handshake(engine, peer, peer.future, now)
+        peer.last_used = now
         return peer
+
+    def forget_idle(self) -> list[str]:
+        """Forget the peers no load has used for ``peer_idle_s`` (no handshake, heartbeat or load in
+        flight): their control thread stops once its queued cancels went out, and the returned engines are
+        the ones the workers must drop (their plan). A later request to such an engine handshakes again;
+        without this every P ever seen (each restart is a new engine) would keep a thread and its state."""
+        now = self.clock()
+        busy = {load.engine for load in self.loads.values()} | {engine for engine, _, _ in self._heartbeats}
+        gone = []
+        for engine, peer in list(self.peers.items()):
+            if engine in busy or peer.future is not None:
+                peer.last_used = now
+            elif now - peer.last_used >= self.settings.peer_idle_s:
+                del self.peers[engine]
+                if peer.control is not None:
+                    peer.control.shutdown(wait=False)
+                gone.append(engine)
+                logger.info("DSAConnector %s: peer %s (%s:%d) idle for %.0f s: forgotten", self.engine_id, engine,
+                            peer.host, peer.port, now - peer.last_used)
+        return gone
 
     def patient(self, waiting_since: float | None) -> bool:
         """Whether a request queued at ``waiting_since`` may still wait for a handshake to be retried."""
@@ -379,6 +410,7 @@ class Consumer:
         load.epoch = load.epoch or peer.meta.epoch
         load.to(LoadState.REGISTERING)
         load.give_up_at = now + self.settings.transfer_timeout_s
+        load.release_at = now + self._release_bound(peer)  # no WRITE of this registration lands after it
         load.slots = held_slots
         reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_token, num_tokens,
                      dst_blocks, peer.meta.clock.to_peer_before(load.give_up_at, now),
@@ -414,6 +446,16 @@ class Consumer:
     def _release_bound(self, peer: Peer | None) -> float:
         write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
         return self.settings.transfer_timeout_s + max(write, self.settings.transfer_timeout_s) + SAFETY_MARGIN_S
+
+    def writes_over_at(self, load: Loading) -> float:
+        """From when no WRITE of P can land in this load's blocks or staging slots: at once for a FAILED
+        load (P refused it, confirmed ``not_posted``, or the bound passed: the only ways there) or a cancel
+        P answered ``not_posted``; else the load's release bound (give-up time + P's write timeout +
+        :data:`SAFETY_MARGIN_S`). The workers may report a load failed before the scheduler gave up on it
+        (a writer's failure notice, a bad notice): its slots wait for this bound, never for less."""
+        if load.state is LoadState.FAILED or self._cancel_confirmed(load):
+            return 0.0
+        return load.release_at
 
     def give_up(self, req_id: str, reason: str) -> None:
         """Stop waiting for P: cancel there, hand the blocks back once no WRITE can land in them."""
@@ -513,12 +555,23 @@ class Consumer:
         for load in self.loads.values():
             if load.state in (LoadState.QUEUED, LoadState.REGISTERING, LoadState.REGISTERED) and not load.error:
                 by_engine.setdefault(load.engine, []).append(load.ref)
+        pending: dict[str, int] = {}
+        for engine, _, _ in self._heartbeats:
+            pending[engine] = pending.get(engine, 0) + 1
         for engine, refs in by_engine.items():
             peer = self.peers.get(engine)
             if peer is not None and peer.control is not None and not peer.error:
                 for i in range(0, len(refs), MAX_REQS_PER_MESSAGE):
+                    if pending.get(engine, 0) >= _HB_PENDING:
+                        if "heartbeats" not in peer.warned:
+                            peer.warned.add("heartbeats")
+                            logger.warning("DSAConnector %s: %d heartbeats to %s (%s:%d) unanswered; no more "
+                                           "are queued until they are", self.engine_id, _HB_PENDING, engine,
+                                           peer.host, peer.port)
+                        break
                     chunk = refs[i : i + MAX_REQS_PER_MESSAGE]
                     self._heartbeats.append((engine, chunk, peer.control.submit(self._send_heartbeat, peer, chunk)))
+                    pending[engine] = pending.get(engine, 0) + 1
 
     def _send_heartbeat(self, peer: Peer, refs: list[ReqRef]) -> tuple[Reply, Origin]:
         return exchange(peer.host, peer.port, HeartbeatReq(refs), self.settings.handshake_timeout_s, self.auth,

@@ -38,6 +38,9 @@ else it is refused naming both. The rule for a registration from engine E at epo
 Two live D engines sharing one engine id (a misconfiguration) therefore take turns being the record: each
 replacement is a warning naming both epochs, and each side's registrations are served with its own
 payloads or dropped, never written with the other's agent or layout.
+
+A D engine no lease has named for ``peer_idle_s`` is forgotten (its record here, its remote agents in the
+workers: :attr:`Dispatch.forget`); its next registration is answered ``need_payloads`` and re-sends them.
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class Dispatch:
     peers: list[PeerInfo] = field(default_factory=list)
     push: list[PushJob] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)  # idle D engines the workers drop (before ``peers``)
 
 
 class Producer:
@@ -156,6 +160,7 @@ class Producer:
         self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
         self._peers: dict[str, DPeer] = {}  # D engine id -> the start P knows (one record per id)
         self._peers_sent: dict[str, int] = {}  # D engine id -> the epoch whose PeerInfo the workers have
+        self._peer_seen: dict[str, float] = {}  # D engine -> the last step a lease named it
 
     # ------------------------------------------------------------ engine thread
 
@@ -189,7 +194,21 @@ class Producer:
                     self._release(out, lease, "cancelled by D")
                 elif lease.state is LeaseState.HELD and now > lease.deadline:
                     self._release(out, lease, "deadline passed")
+            self._forget_idle(out, now)
         return out
+
+    def _forget_idle(self, out: Dispatch, now: float) -> None:
+        """Drop the D engines no lease has named for ``peer_idle_s`` (caller holds the lock)."""
+        for lease in self._leases.values():
+            if lease.reg is not None:
+                self._peer_seen[lease.reg.d_engine] = now
+        for d_engine in [d for d in self._peers if now - self._peer_seen.get(d, now) >= self.settings.peer_idle_s]:
+            self._peers.pop(d_engine, None)
+            self._peer_seen.pop(d_engine, None)
+            if self._peers_sent.pop(d_engine, None) is not None:
+                out.forget.append(d_engine)
+            logger.info("DSAConnector %s: decode engine %s idle for %.0f s: forgotten (its next registration "
+                        "re-sends its payloads)", self.engine_id, d_engine, self.settings.peer_idle_s)
 
     @staticmethod
     def _release(out: Dispatch, lease: Lease, why: str) -> None:
@@ -339,6 +358,7 @@ class Producer:
                            "payloads replace the old ones; %d registration(s) of the old start dropped, not written "
                            "(%s)", self.engine_id, d_engine, peer.epoch, old.epoch, len(dropped), dropped[:8])
         self._peers[d_engine] = peer
+        self._peer_seen[d_engine] = self.clock()
 
     def _check_reg(self, reg: RegReq, lease: Lease, peer: DPeer) -> None:
         limit = peer.num_blocks

@@ -18,9 +18,10 @@ class HandoffSettings:
     handshake_timeout_s: float = 10.0  #: one side-channel request/reply
     heartbeat_s: float = 5.0  #: D renews P's leases this often
     verify_transfers: bool = False  #: checksum every transferred run
+    peer_idle_s: float = 300.0  #: a peer with no request for this long is forgotten (handshakes again on use)
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "heartbeat_s"):
+        for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "heartbeat_s", "peer_idle_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"HandoffSettings.{name} must be > 0 seconds, got {value!r}")

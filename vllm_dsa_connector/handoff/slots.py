@@ -6,11 +6,15 @@ the slot bookkeeping (a torch-free :class:`~vllm_dsa_connector.transport.slots.S
 destination rank; the bytes live in D's workers) and puts the slots in the registration, so P's workers
 know where to write. A pair gets no slot (= a direct WRITE) when its runs do not fit one write, the
 bounce gate prefers direct, or the arena has no room right now. After a failed transfer a slot is
-quarantined, never reused: a late WRITE could still land in it.
+quarantined until the consumer's bound says no WRITE can land in it any more (P's word, or give-up time +
+P's write timeout + margin: :meth:`~vllm_dsa_connector.handoff.consumer.Consumer.writes_over_at`), then
+:meth:`StagingSlots.step` hands it back; before that a late WRITE could still land in it.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +66,9 @@ class StagingSlots:
         self._local = local
         self._gate: Any = None
         self._arenas: dict[int, SlotAllocator] | None = None
+        # (safe from, tie-break, rank, reservation): quarantined slots, at most one per live slot of an arena
+        self._quarantine: list[tuple[float, int, int, Reservation]] = []
+        self._seq = 0
 
     @property
     def enabled(self) -> bool:
@@ -86,13 +93,31 @@ class StagingSlots:
         return plan_slots(plan, src, self._local(), src_blocks, dst_blocks, self._gate, self._arenas or {},
                           first_token=first_token, num_tokens=num_tokens)
 
-    def free(self, held: Held, failed: bool) -> None:
-        """The transfer is over: release its slots, or quarantine them when it failed."""
+    def free(self, held: Held, failed: bool, *, safe_at: float = math.inf) -> None:
+        """The transfer is over: release its slots; when it failed, quarantine them until ``safe_at`` (from
+        then no WRITE can land in them; ``inf``: never known, never reused) and let :meth:`step` return them."""
         for rank, res in held:
             arena = (self._arenas or {}).get(rank)
             if arena is None:
                 continue
-            if failed:  # a late WRITE could still land there: never reuse it
+            if failed:  # a late WRITE could still land there: not before ``safe_at``
                 arena.quarantine(res)
+                if safe_at < math.inf:
+                    self._seq += 1
+                    heapq.heappush(self._quarantine, (safe_at, self._seq, rank, res))
             else:
                 arena.release(res)
+
+    def step(self, now: float) -> int:
+        """Hand back the quarantined slots whose ``safe_at`` has come; returns how many."""
+        n = 0
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, _, rank, res = heapq.heappop(self._quarantine)
+            (self._arenas or {})[rank].restore(res)
+            n += 1
+        return n
+
+    @property
+    def quarantined(self) -> int:
+        """Slots waiting for their ``safe_at`` (diagnostics, tests)."""
+        return len(self._quarantine)

@@ -13,8 +13,11 @@ and :meth:`Receiver.collect` settles a request (:class:`RecvState`) once every w
 CORRUPT when one is) or its deadline passed (TIMED_OUT); :meth:`Receiver.cancel` ends it (CANCELLED).
 ``_mark`` and ``_settle`` are the only places where these states change.
 
-Notifications before :meth:`~Receiver.arm` are kept (bounded, expired after ``early_ttl_s``), those of a
-settled request dropped. A tag is opaque here: ``hooks.split`` maps it to the request key and a payload (the
+Notifications before :meth:`~Receiver.arm` are kept (expired after ``early_ttl_s``), those of a settled
+request dropped. Early ones are bounded three ways: ``early_cap`` keys, ``early_per_key`` per key (a flood
+for one request is dropped with a warning, and that request FAILS when armed: never a load that waits on
+notifications thrown away) and ``early_per_peer`` per sending agent (beyond it that agent's early ones are
+dropped, warned once; their requests time out). A tag is opaque here: ``hooks.split`` maps it to the request key and a payload (the
 connector's Notice), ``hooks.admit`` accepts, ignores or fails a writer's notification on its payload,
 ``hooks.landed`` checks the landed bytes. :class:`PlainTags` (the default) keys requests by the tag itself.
 A hook that raises never escapes :meth:`Receiver.handle` (an engine step): ``split`` raising makes the
@@ -155,16 +158,22 @@ class Receiver:
 
     def __init__(self, engine: NixlEngine, arena: StagingArena | None = None, *,
                  hooks: ReceiveHooks | None = None, clock: Callable[[], float] = time.monotonic,
-                 early_ttl_s: float = 600.0, early_cap: int = 65536) -> None:
+                 early_ttl_s: float = 600.0, early_cap: int = 65536, early_per_key: int = 4096,
+                 early_per_peer: int = 65536) -> None:
         self.engine = engine
         self.hooks: ReceiveHooks = hooks if hooks is not None else PlainTags()
         self.clock = clock
         self.early_ttl_s = early_ttl_s
         self.early_cap = early_cap
+        self.early_per_key = early_per_key
+        self.early_per_peer = early_per_peer
         self.arena: StagingArena | None = None
         self.region: Region | None = None
         self._expected: dict[bytes, _Armed] = {}
         self._early: dict[bytes, list[tuple[float, str | None, Notif, Any]]] = {}
+        self._early_by_peer: dict[str | None, list[Any]] = {}  # agent -> [early ones kept, cap warned]
+        # keys whose early notifications overflowed early_per_key -> why their request fails when armed
+        self._early_over: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._ipc_events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         self._bad_events: set[bytes] = set()
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent keys
@@ -197,7 +206,11 @@ class Receiver:
                      context, states={w: WriterState.EXPECTED for w in writers})
         self._expected[key] = exp
         self._closed.pop(key, None)
-        for _, peer, n, payload in self._early.pop(key, []):
+        over = self._early_over.pop(key, None)
+        if over is not None:  # its early notifications were dropped: it can never complete
+            for w in exp.writers:
+                self._mark(exp, w, WriterState.FAILED, over)
+        for _, peer, n, payload in self._drop_early(key):
             self._arrive(exp, peer, n, payload)
 
     def writer_states(self, key: bytes) -> dict[int, WriterState]:
@@ -241,9 +254,44 @@ class Receiver:
                 logger.debug("receiver: ipc notification for finished %r dropped", key)
             else:
                 logger.warning("receiver: late notification for finished/cancelled %r dropped", key)
+        elif key in self._early_over:
+            pass  # its flood was dropped (warned once); the request fails when armed
         elif key in self._early or len(self._early) < self.early_cap:
-            self._early.setdefault(key, []).append((self.clock(), peer, n, payload))
+            self._keep_early(key, peer, n, payload)
         return True
+
+    def _keep_early(self, key: bytes, peer: str | None, n: Notif, payload: Any) -> None:
+        """Keep a notification that came before its request was armed, inside the per-key and per-agent caps."""
+        if len(self._early.get(key, ())) >= self.early_per_key:
+            self._drop_early(key)
+            why = (f"more than {self.early_per_key} notifications (early_per_key) before it was armed, the last "
+                   f"from agent {peer!r}; all dropped")
+            self._early_over[key] = why
+            while len(self._early_over) > self.early_cap:
+                self._early_over.popitem(last=False)
+            logger.warning("receiver: %r: %s; the request fails when armed", key, why)
+            return
+        count = self._early_by_peer.setdefault(peer, [0, False])
+        if count[0] >= self.early_per_peer:
+            if not count[1]:
+                count[1] = True
+                logger.warning("receiver: agent %r has %d early notifications kept (early_per_peer); more are "
+                               "dropped until those are armed or expire (their requests time out)", peer, count[0])
+            return
+        count[0] += 1
+        self._early.setdefault(key, []).append((self.clock(), peer, n, payload))
+
+    def _drop_early(self, key: bytes) -> list[tuple[float, str | None, Notif, Any]]:
+        """The one place early notifications leave (armed, cancelled, expired, overflowed): the agents'
+        counts follow."""
+        kept = self._early.pop(key, [])
+        for _, peer, _, _ in kept:
+            count = self._early_by_peer.get(peer)
+            if count is not None:
+                count[0] -= 1
+                if count[0] <= 0:
+                    del self._early_by_peer[peer]
+        return kept
 
     def pump(self) -> None:
         """Handle the engine's new notifications (scatters bounced bytes); settles nothing."""
@@ -386,7 +434,7 @@ class Receiver:
         """Settle the requests that are over (every writer final, or past the deadline)."""
         now = self.clock()
         for key in [k for k, v in self._early.items() if v and now - v[0][0] > self.early_ttl_s]:
-            del self._early[key]
+            self._drop_early(key)
         out = []
         for exp in list(self._expected.values()):
             self._fire_events(exp)
@@ -455,7 +503,8 @@ class Receiver:
 
     def cancel(self, key: bytes) -> RecvResult | None:
         """Abandon ``key``; its staging range is quarantined (a late writer may still write into it)."""
-        self._early.pop(key, None)
+        self._drop_early(key)
+        self._early_over.pop(key, None)
         exp = self._expected.get(key)
         if exp is None:
             self._remember(key)

@@ -2,7 +2,8 @@
 
 :class:`SlotAllocator` hands out ``align``-aligned byte ranges of an arena of ``size`` bytes: first fit,
 freed holes reused (neighbours coalesce), a bounded wait for space, and quarantine (a range whose
-transfer failed is never reused: a late write cannot corrupt a later transfer). It holds no memory, so a
+transfer failed is not reused while a late write could still land in it: a caller that knows when that
+transfer is over hands it back with :meth:`SlotAllocator.restore`, otherwise it stays out for good). It holds no memory, so a
 scheduler can plan slots of an arena that lives in another process; :class:`~.staging.StagingArena`
 pairs one with the buffer.
 """
@@ -46,6 +47,7 @@ class SlotAllocator:
         self.clock = clock
         self._holes: list[list[int]] = [[0, self.size]] if self.size else []  # sorted, coalesced
         self._live: dict[int, Reservation] = {}
+        self._held_back: dict[int, Reservation] = {}  # quarantined, until restored
         self._quarantined = 0
         self._cv = threading.Condition()
 
@@ -114,7 +116,18 @@ class SlotAllocator:
             self._cv.notify_all()
 
     def quarantine(self, res: Reservation) -> None:
-        """Never reuse this reservation (a failed transfer might still write into it)."""
+        """Do not reuse this reservation (a failed transfer might still write into it) until :meth:`restore`."""
         with self._cv:
             if self._live.pop(res.offset, None) is not None:
+                self._held_back[res.offset] = res
                 self._quarantined += res.size
+
+    def restore(self, res: Reservation) -> None:
+        """Hand a quarantined reservation back: its transfer is known to be over (no write can land any more)."""
+        with self._cv:
+            if self._held_back.get(res.offset) != res:
+                raise ValueError(f"SlotAllocator.restore: {res} is not quarantined")
+            del self._held_back[res.offset]
+            self._quarantined -= res.size
+            self._live[res.offset] = res
+        self.release(res)
