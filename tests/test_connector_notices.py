@@ -96,6 +96,21 @@ def _good_checks(p: Any, d: Any) -> list[tuple[int, int, int, int]]:
     return out
 
 
+
+def _until_received(p, d, req_id: str, what: str) -> set[str]:
+    """Progress both sides (a WRITE completes only while P polls it too) until D reports ``req_id``; D's
+    failed loads meanwhile. ``what`` is the assertion message when 20 s pass first."""
+    deadline = time.monotonic() + 20
+    done: set[str] = set()
+    failed: set[str] = set()
+    while req_id not in done:
+        p.get_transfer_results()
+        _, r, f = d.get_transfer_results()
+        done, failed = done | r, failed | f
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+    return failed
+
 def test_a_real_verified_push_lands_and_is_checksummed(pd) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
@@ -105,15 +120,7 @@ def test_a_real_verified_push_lands_and_is_checksummed(pd) -> None:
     push = PushJob("p-good", d.engine_id, "d-good", SRC_BLOCKS, DST_BLOCKS, verify=True)
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
                                          peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
-    deadline = time.monotonic() + 20
-    done: set[str] = set()
-    failed: set[str] = set()
-    while "d-good" not in done:
-        p.get_transfer_results()
-        _, r, f = d.get_transfer_results()
-        done, failed = done | r, failed | f
-        assert time.monotonic() < deadline, "the push never landed"
-        time.sleep(0.002)
+    failed = _until_received(p, d, "d-good", "the push never landed")
     assert not failed and not d.get_block_ids_with_load_errors()
     assert d.stats.data["checksummed_runs"] == len(_good_checks(p, d)) > 0
     assert d.stats.data["checksum_mismatches"] == 0
@@ -218,15 +225,7 @@ def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> N
         assert d2.nixl.name in p.nixl.peers
         with pytest.raises(TransferError, match=old_agent):  # NIXL's own refusal: its agent no longer knows it
             p.nixl.send_notification(old_agent, b"after the restart")
-        deadline = time.monotonic() + 20
-        done: set[str] = set()
-        failed: set[str] = set()
-        while "d-restart" not in done:  # both sides progress: a WRITE completes only while P polls it too
-            p.get_transfer_results()
-            _, r, f = d2.get_transfer_results()
-            done, failed = done | r, failed | f
-            assert time.monotonic() < deadline, "the push never landed in the new start's pools"
-            time.sleep(0.002)
+        failed = _until_received(p, d2, "d-restart", "the push never landed in the new start's pools")
         assert not failed and not d2.get_block_ids_with_load_errors() and d2.stats.data["checksummed_runs"] > 0
         before, sent = p.stats.data["send_failed"], p.stats.data["send_bytes"]
         p.start_load_kv(DSAConnectorMetadata(push=[PushJob("p-stale", d.engine_id, "d-stale", SRC_BLOCKS, DST_BLOCKS,
@@ -262,15 +261,7 @@ def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
     push = PushJob("p-again", d.engine_id, "d-again", SRC_BLOCKS, DST_BLOCKS, verify=True)
     p.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
     assert d.nixl.name in p.nixl.peers
-    deadline = time.monotonic() + 20
-    done: set[str] = set()
-    failed: set[str] = set()
-    while "d-again" not in done:
-        p.get_transfer_results()
-        _, r, f = d.get_transfer_results()
-        done, failed = done | r, failed | f
-        assert time.monotonic() < deadline, "the push after the re-handshake never landed"
-        time.sleep(0.002)
+    failed = _until_received(p, d, "d-again", "the push after the re-handshake never landed")
     assert not failed and not d.get_block_ids_with_load_errors()
 
 
