@@ -53,7 +53,9 @@ echo "[test] ---------------- shard 'not slow' (ran concurrently with the slow s
 cat "$fast_log"
 if [ -s "$VLLM_DSA_TEST_DIAG" ]; then
   echo "[test] ---------------- failed tests: exception lines and what they printed (last 150 lines) ----------------"
-  tail -n 150 "$VLLM_DSA_TEST_DIAG"
+  tail -n 200 "$VLLM_DSA_TEST_DIAG"
+  echo "[test] ---------------- the first failure: its exception line and the engines' key log lines ----------------"
+  awk '/^=== /{n++} n==1 && /^--- .*last lines/{exit} n==1' "$VLLM_DSA_TEST_DIAG" | head -n 24
 fi
 echo "[test] pytest: slow shard rc=$slow_rc in $slow_s s; not-slow shard rc=$fast_rc; both done in $((SECONDS - start)) s"
 [ "$slow_rc" = 0 ] && [ "$fast_rc" = 0 ]

@@ -77,20 +77,47 @@ def load_module_from_file(path: Path, name: str) -> types.ModuleType:
 _MODULE_SECONDS: dict[str, float] = {}
 
 
+_NOISE = ("failed to automatically increase", "Unknown vLLM environment variable", "is not found in LD_PRELOAD",
+          "Triton is not installed", "Model Runner V2 requires Triton", "Enforce eager set",
+          "Initializing KVConnectorBase_V1", "SECURITY WARNING", "No DeepseekV2MoE layer",
+          "has no dense-MHA prefill path", "Reset SSM cache type")
+
+
+def key_log_lines(text: str, keep: int) -> list[str]:
+    """The last ``keep`` lines of an engine log that say what went wrong: errors, tracebacks, the
+    connector's warnings (start-up noise left out), each cut to 300 characters."""
+    hits = [x for x in text.splitlines()
+            if ("ERROR" in x or "Traceback" in x or "Error:" in x or ("WARNING" in x and "DSAConnector" in x))
+            and not any(n in x for n in _NOISE)]
+    return [x[:300] for x in hits[-keep:]]
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add each phase's duration (setup, call, teardown) to its module's total; with ``VLLM_DSA_TEST_DIAG``
-    set (``ci/test.sh`` sets it), append a failed test's exception line and what it printed (engine log
-    excerpts) to that file, which CI prints last, where a truncated CI log still shows it."""
+    set (``ci/test.sh`` sets it), append a failed test's exception line, the last lines it printed and the
+    key lines of every running engine's log to that file, which CI prints last, where a truncated CI log
+    still shows it."""
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
     diag = os.environ.get("VLLM_DSA_TEST_DIAG")
     if diag and report.failed:
+        from vllm_dsa_connector.harness.procs import running_procs
+
         crash = getattr(report.longrepr, "reprcrash", None)
-        lines = [f"=== {report.nodeid} ({report.when}): {crash.message if crash else ''}"[:2000]]
+        lines = [f"=== {report.nodeid} ({report.when}): {crash.message if crash else ''}"[:1000]]
+        for proc in running_procs():
+            try:
+                text = proc.log.read_text(errors="replace")
+            except OSError:
+                continue
+            hits = key_log_lines(text, 12)
+            if hits:
+                lines.append(f"--- {proc.name} ({proc.log.name}), key lines:")
+                lines.extend("  " + x for x in hits)
         for name, text in report.sections:
             if "stdout" in name or "stderr" in name:
-                lines.append(f"--- {name}")
-                lines.extend(x[:400] for x in text.splitlines()[-80:])
+                lines.append(f"--- {name}, last lines")
+                lines.extend(x[:300] for x in text.splitlines()[-25:])
         with open(diag, "a", encoding="utf-8") as fh:
             fh.write("\n".join(lines) + "\n")
 

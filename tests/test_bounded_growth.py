@@ -98,15 +98,15 @@ def test_an_idle_peer_is_forgotten_on_both_sides_and_handshakes_again(pd) -> Non
     d.consumer.queue("d-gcq", parse_remote_params(params))  # waiting for blocks
     assert d.consumer.loads["d-gcq"].state is LoadState.QUEUED
     clock.t += IDLE_S - 1
-    assert not d.build_connector_meta(None).forget and not p.build_connector_meta(None).forget
+    assert not d.build_connector_meta(None).forget_sources and not p.build_connector_meta(None).forget
     clock.t += 2
-    assert d.build_connector_meta(None).forget == [] and "P-gc" in d.consumer.peers  # the queued load
+    assert d.build_connector_meta(None).forget_sources == [] and "P-gc" in d.consumer.peers  # the queued load
     assert p.build_connector_meta(None).forget == ["D-gc"] and "D-gc" not in p.producer._peers
     d.consumer.forget_queued("d-gcq")
     _wait_for(lambda: all(f.done() for _, _, f in d.consumer._heartbeats), "heartbeats unanswered")
     d.build_connector_meta(None)  # collects them
     clock.t += IDLE_S + 1
-    assert d.build_connector_meta(None).forget == ["P-gc"]  # the workers drop P's plan
+    assert d.build_connector_meta(None).forget_sources == ["P-gc"]  # the workers drop P's plan
     assert "P-gc" not in d.consumer.peers
     _wait_for(lambda: _control_threads() == before, "the idle peer's control thread did not stop")
 

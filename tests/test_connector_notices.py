@@ -70,7 +70,7 @@ def _arm(p: Any, d: Any, req: str) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.handoff.wire import PeerInfo, RecvJob, encode
 
-    peers = [] if p.engine_id in d.remotes else [PeerInfo(p.engine_id, [encode(p.payload)], as_source=True)]
+    peers = [] if p.engine_id in d.sources else [PeerInfo(p.engine_id, [encode(p.payload)], as_source=True)]
     d.start_load_kv(DSAConnectorMetadata(peers=peers, recv=[RecvJob(req, p.engine_id, DST_BLOCKS, {0: [0]}, 30.0,
                                                                      verify=True, src_blocks=SRC_BLOCKS)]))
 
@@ -87,7 +87,7 @@ def _good_checks(p: Any, d: Any) -> list[tuple[int, int, int, int]]:
     """What a real sender puts in its notice for this request (D's plan of P rank 0 -> D rank 0)."""
     from vllm_dsa_connector.connector.pages import crc_runs
 
-    plan = d.remotes[p.engine_id].plan
+    plan = d.sources[p.engine_id].plan
     out = []
     for sp, dp, runs in plan.runs(0, 0, SRC_BLOCKS, DST_BLOCKS):
         crcs = crc_runs(p.regions[sp].tensor, runs.src_offsets, runs.lengths)
@@ -110,6 +110,7 @@ def _until_received(p, d, req_id: str, what: str) -> set[str]:
         assert time.monotonic() < deadline, what
         time.sleep(0.002)
     return failed
+
 
 def test_a_real_verified_push_lands_and_is_checksummed(pd) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
@@ -161,7 +162,7 @@ def test_every_bad_notice_fails_its_load_and_never_raises(pd) -> None:
     from vllm_dsa_connector.transport.receiver import RecvState
 
     p, d = pd
-    if p.engine_id not in d.remotes:
+    if p.engine_id not in d.sources:
         _arm(p, d, "d-warm")  # D learns P's plan as the scheduler's first step would
         d.receiver.cancel(b"d-warm")
     for req, (notice, why) in _bad_notices(p, d).items():
@@ -254,9 +255,9 @@ def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
     _arm(p, d, "d-warm2")  # D knows P's plan
     d.receiver.cancel(b"d-warm2")
     p.start_load_kv(DSAConnectorMetadata(forget=[d.engine_id]))
-    d.start_load_kv(DSAConnectorMetadata(forget=[p.engine_id]))
+    d.start_load_kv(DSAConnectorMetadata(forget_sources=[p.engine_id]))
     assert d.engine_id not in p.remotes and d.nixl.name not in p.nixl.peers
-    assert p.engine_id not in d.remotes
+    assert p.engine_id not in d.sources
     _arm(p, d, "d-again")  # D handshakes again: P's plan is back
     push = PushJob("p-again", d.engine_id, "d-again", SRC_BLOCKS, DST_BLOCKS, verify=True)
     p.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
@@ -271,7 +272,7 @@ def test_a_flood_of_early_notices_for_one_load_fails_it(pd) -> None:
     from vllm_dsa_connector.handoff.wire import Notice
 
     p, d = pd
-    good = _good_checks(p, d) if p.engine_id in d.remotes else []
+    good = _good_checks(p, d) if p.engine_id in d.sources else []
     cap, d.receiver.early_per_key = d.receiver.early_per_key, 3
     try:
         for _ in range(10):
@@ -282,3 +283,31 @@ def test_a_flood_of_early_notices_for_one_load_fails_it(pd) -> None:
         assert "d-flood" in failed and not errors
     finally:
         d.receiver.early_per_key = cap
+
+
+def test_kv_both_engines_swap_roles_and_each_direction_lands() -> None:
+    """Two ``kv_both`` workers: A pushes to B, then B pushes to A, then A to B again (an engine of a kv_both
+    pair is P of its peer for one request and its D for the next). Each role keeps its own record of the
+    peer: with one record per engine, B's record of A as a source (a plan of A -> B, no NIXL agent) answered
+    A's PeerInfo as a destination, so B's push posted nothing, was reported sent, and A waited until its
+    load timed out."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    a, _ = _worker("A-both", "kv_both")
+    b, _ = _worker("B-both", "kv_both")
+    try:
+        for src, dst, req in ((a, b, "ab"), (b, a, "ba"), (a, b, "ab2")):
+            _arm(src, dst, f"d-{req}")
+            src.start_load_kv(DSAConnectorMetadata(
+                local=PeerInfo(src.engine_id, [encode(src.payload)]),
+                peers=[PeerInfo(dst.engine_id, [encode(dst.payload)])],
+                push=[PushJob(f"p-{req}", dst.engine_id, f"d-{req}", SRC_BLOCKS, DST_BLOCKS, verify=True)]))
+            failed = _until_received(src, dst, f"d-{req}", f"{src.engine_id} -> {dst.engine_id} never landed")
+            assert not failed and not dst.get_block_ids_with_load_errors(), req
+            assert dst.stats.data["checksummed_runs"] > 0, req
+        assert a.stats.data["send_failed"] == 0 and b.stats.data["send_failed"] == 0
+        assert set(a.remotes) == set(a.sources) == {"B-both"} and set(b.remotes) == set(b.sources) == {"A-both"}
+    finally:
+        a.shutdown()
+        b.shutdown()

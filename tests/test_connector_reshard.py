@@ -332,11 +332,11 @@ def h_corrupt_notice(key: str, src_engine: str, src_payloads: list[bytes], src_b
                                               recv=[RecvJob("bad-req", src_engine, blocks, {me: [0]}, 30.0, True,
                                                             src_blocks=src_blocks)]))
     region = worker.regions[0]
-    plan = worker.remotes[src_engine].plan
+    plan = worker.sources[src_engine].plan
     checks = [(dp, int(o), int(n), 12345) for _, dp, runs in plan.runs(0, me, src_blocks, blocks)
               for o, n in zip(runs.dst_offsets, runs.lengths, strict=True)]
     bad = Notice("bad-req", 0, True, sum(c[2] for c in checks), len(checks), checks=checks)
-    agent = next(p.agent_name for p in worker.remotes[src_engine].payloads if p.rank == 0)
+    agent = next(p.agent_name for p in worker.sources[src_engine].payloads if p.rank == 0)
     with worker._lock:  # as the worker's own progress thread does
         worker.receiver.handle(agent, encode_notif("direct", 0, encode(bad)))
     done = worker.get_transfer_results()

@@ -178,7 +178,7 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
     worker = DSAConnectorWorker("D-unit", ConnectorOptions(), {}, role="kv_consumer")  # a real NIXL agent
     try:
         worker.table = SimpleNamespace(rank=0)  # no KV caches registered: only the rank is read
-        worker.remotes["P"] = _RemoteEngine([RankPayload("P", 0, 0, 0, "agent-p0", b"", {}, [], {})], {})
+        worker.sources["P"] = _RemoteEngine([RankPayload("P", 0, 0, 0, "agent-p0", b"", {}, [], {})], {})
         worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("d1", "P", [3], {0: [0]}, 30.0)]))
         rcv = worker.receiver
         assert feed("agent-evil", Notice("d1", 0, True, 10, 1))  # a forged notice: ignored

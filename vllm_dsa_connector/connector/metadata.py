@@ -39,10 +39,12 @@ class DSAConnectorMetadata(KVConnectorMetadata):
     recv: list[RecvJob] = field(default_factory=list)
     fail_recv: dict[str, str] = field(default_factory=dict)  # D req -> reason
     release: list[str] = field(default_factory=list)  # P reqs whose lease ended without a push
-    forget: list[str] = field(default_factory=list)  # idle peer engines: drop their remote (before ``peers``)
+    forget: list[str] = field(default_factory=list)  # idle D engines we write to: drop them (before ``peers``)
+    forget_sources: list[str] = field(default_factory=list)  # idle P engines that write to us: drop them
 
     def is_empty(self) -> bool:
         """Nothing for the workers to do."""
         return not (
             self.peers or self.local or self.push or self.recv or self.fail_recv or self.release or self.forget
+            or self.forget_sources
         )

@@ -52,7 +52,7 @@ class ReceiveSide:
     stats: Any
     table: Any
     regions: list[Any]
-    remotes: dict[str, Any]
+    sources: dict[str, Any]
     recv_arena: Any
     receiver: Receiver
     _progress_stop: threading.Event
@@ -113,7 +113,7 @@ class ReceiveSide:
     def _expected_checks_problem(self, job: RecvJob, writer: int, n: Notice) -> str:
         """``""`` when the checksum entries name exactly the (pool, offset, length) runs of D's plan for
         ``writer`` (the sender's plan is the same one); else what differs. Without a plan nothing can be checked."""
-        remote = self.remotes.get(job.src_engine)
+        remote = self.sources.get(job.src_engine)
         if remote is None or remote.plan is None:
             return f"no transfer plan for {job.src_engine!r} to check the checksums against"
         try:
@@ -181,7 +181,7 @@ class ReceiveSide:
 
     def _source_agent(self, engine: str, rank: int, epoch: int = 0) -> str | None:
         """The NIXL agent of ``engine``'s ``rank`` in its start ``epoch`` (0: any); None when unknown."""
-        remote = self.remotes.get(engine)
+        remote = self.sources.get(engine)
         if remote is None or (epoch and remote.epoch != epoch):
             return None
         return next((p.agent_name for p in remote.payloads if p.rank == rank), None)
@@ -195,7 +195,7 @@ class ReceiveSide:
         if slot is None:
             return WriterSpec(peer=peer)
         where = (int(slot[0]), int(slot[1]))
-        remote = self.remotes.get(job.src_engine)
+        remote = self.sources.get(job.src_engine)
         if remote is None or remote.plan is None or self.recv_arena is None:
             return WriterSpec(peer=peer, slot=where, error=f"bounced write from rank {src_rank} without a "
                                                              "staging slot / peer plan")

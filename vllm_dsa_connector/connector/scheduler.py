@@ -277,7 +277,7 @@ class DSAConnectorScheduler:
         self.slots.step(self.clock())
         for engine in self.consumer.forget_idle():
             if self._sources_sent.pop(engine, None) is not None:  # the workers know its plan: they drop it
-                meta.forget.append(engine)
+                meta.forget_sources.append(engine)
         dispatch = self.producer.step()
         meta.forget.extend(dispatch.forget)
         meta.peers.extend(dispatch.peers)

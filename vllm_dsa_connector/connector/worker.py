@@ -127,7 +127,9 @@ class DSAConnectorWorker(ReceiveSide):
         self.regions: list[Any] = []
         self.payload: RankPayload | None = None
         self.local: list[RankPayload] = []
-        self.remotes: dict[str, _RemoteEngine] = {}
+        # one record per peer engine and role: an engine of a kv_both pair is both P and D of the same peer
+        self.remotes: dict[str, _RemoteEngine] = {}  # engines we write to (we are P): plan + NIXL agents
+        self.sources: dict[str, _RemoteEngine] = {}  # engines that write to us (we are D): plan only
         self._retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self.stats = DSAKVConnectorStats()
         self.transport: Transport = DirectTransport(self.nixl, options.transfer_timeout_s)
@@ -197,9 +199,13 @@ class DSAConnectorWorker(ReceiveSide):
         return DSAHandshakeMetadata(encode(self.payload))
 
     def _learn(self, peer: PeerInfo) -> None:
-        """The one place a peer record changes: ``peer`` becomes the record of its engine id (a PeerInfo of
-        the start already known changes nothing); a replaced start's NIXL agents are retired."""
-        old = self.remotes.get(peer.engine_id)
+        """The one place a peer record changes: ``peer`` becomes the record of its engine id in its role
+        (``as_source``: it writes to us, :attr:`sources`; else we write to it, :attr:`remotes`); a PeerInfo
+        of the start already known in that role changes nothing; a replaced start's NIXL agents are retired.
+        The roles keep separate records: a kv_both engine is P of a peer for one request and its D for the
+        next, and each role needs its own plan (the direction of the pages) and, as P, the peer's agents."""
+        records = self.sources if peer.as_source else self.remotes
+        old = records.get(peer.engine_id)
         if old is not None and old.epoch == peer.epoch and not old.error:
             return
         payloads = sorted((decode_payload(p) for p in peer.payloads), key=lambda p: p.rank)
@@ -209,7 +215,7 @@ class DSAConnectorWorker(ReceiveSide):
         if old is not None:
             self._retired.update(old.agents.values())
         try:
-            if peer.as_source:  # it writes to us: we only need the plan (to scatter bounced bytes)
+            if peer.as_source:  # it writes to us: we only need the plan (to check and scatter its bytes)
                 remote.plan = validate_peer(payloads, local)
             else:
                 remote.plan = validate_peer(local, payloads)
@@ -223,10 +229,11 @@ class DSAConnectorWorker(ReceiveSide):
             remote.error = str(e)
             logger.error("DSAConnector %s: peer %s refused: %s", self.engine_id, peer.engine_id, e)
         if old is not None:
-            logger.warning("DSAConnector %s: peer %s restarted (epoch %016x replaces %016x): NIXL agents %s "
-                           "retired, %s added", self.engine_id, peer.engine_id, peer.epoch, old.epoch,
+            logger.warning("DSAConnector %s: peer %s (as %s) restarted (epoch %016x replaces %016x): NIXL agents "
+                           "%s retired, %s added", self.engine_id, peer.engine_id,
+                           "source" if peer.as_source else "destination", peer.epoch, old.epoch,
                            sorted(old.agents.values()), sorted(remote.agents.values()))
-        self.remotes[peer.engine_id] = remote
+        records[peer.engine_id] = remote
         self._remove_retired()
 
     def _remove_retired(self) -> None:
@@ -239,17 +246,17 @@ class DSAConnectorWorker(ReceiveSide):
             self._retired.discard(agent)
             logger.info("DSAConnector %s: removed NIXL remote agent %s (its engine restarted)", self.engine_id, agent)
 
-    def _forget(self, engine: str) -> None:
-        """The scheduler forgot an idle peer: drop its plan and retire its NIXL remote agents (removed once no
-        post of this worker uses them: removing one earlier would abort that WRITE); a later handshake brings
-        them back."""
-        remote = self.remotes.pop(engine, None)
+    def _forget(self, engine: str, as_source: bool) -> None:
+        """The scheduler forgot an idle peer in one role: drop that record; a destination's NIXL remote
+        agents are retired (removed once no post of this worker uses them: removing one earlier would abort
+        that WRITE). A later handshake or registration brings the record back."""
+        remote = (self.sources if as_source else self.remotes).pop(engine, None)
         if remote is None:
             return
         self._retired.update(remote.agents.values())
         self._remove_retired()
-        logger.info("DSAConnector %s: forgot idle peer %s (%d remote agents retired)", self.engine_id, engine,
-                    len(remote.agents))
+        logger.info("DSAConnector %s: forgot idle peer %s as %s (%d remote agents retired)", self.engine_id, engine,
+                    "source" if as_source else "destination", len(remote.agents))
 
     # ---------------------------------------------------------------- per step
 
@@ -268,7 +275,9 @@ class DSAConnectorWorker(ReceiveSide):
         if meta.local is not None:
             self.local = sorted((decode_payload(p) for p in meta.local.payloads), key=lambda p: p.rank)
         for engine in meta.forget:
-            self._forget(engine)
+            self._forget(engine, as_source=False)
+        for engine in meta.forget_sources:
+            self._forget(engine, as_source=True)
         for peer in meta.peers:
             self._learn(peer)
         for job in meta.push:
@@ -316,7 +325,10 @@ class DSAConnectorWorker(ReceiveSide):
         me = self.payload
         assert me is not None, "register_kv_caches first"
         for dst in remote.payloads:
-            if dst.rank not in remote.agents:
+            if dst.rank not in remote.agents:  # never silently "sent": D would wait for bytes that never come
+                logger.error("DSAConnector: cannot push %s to %s rank %d: no NIXL agent of that rank is loaded",
+                             job.req_id, job.dst_engine, dst.rank)
+                send.failed = True
                 continue
             agent = remote.agents[dst.rank]
             if (now := time.monotonic()) >= job.post_deadline:

@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +75,15 @@ def kill_group(pgid: int, sig: int) -> bool:
     return True
 
 
+_CLUSTERS: weakref.WeakValueDictionary[int, Cluster] = weakref.WeakValueDictionary()
+
+
+def running_procs() -> list[Proc]:
+    """Every process some live :class:`Cluster` of this Python process started and has not stopped (a test
+    run's failure report reads their logs)."""
+    return [p for c in list(_CLUSTERS.values()) for p in c.procs]
+
+
 @dataclass
 class Cluster:
     """Every process a command starts; :meth:`close` stops them all, whole process groups.
@@ -86,6 +96,9 @@ class Cluster:
     grace_s: float = 10.0
     kill_wait_s: float = 10.0
     procs: list[Proc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _CLUSTERS[id(self)] = self
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         """Start ``cmd`` as the leader of a new session; stdout and stderr go to ``<workdir>/<name>.log``."""
