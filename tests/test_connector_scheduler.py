@@ -5,6 +5,7 @@ WRITE can land), cancels that do not queue behind a dead peer's handshake."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -312,12 +313,16 @@ def test_unanswered_handshake_is_retried_inside_the_transfer_budget(pd, tiny_mla
         p2.shutdown()
 
 
-def test_malformed_kv_transfer_params_compute_locally(pd) -> None:
+def test_malformed_kv_transfer_params_are_a_load_failure(pd) -> None:
     _, d, _ = pd
     bad = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "x",
            "remote_host": "127.0.0.1", "remote_port": "not a port", "remote_block_ids": [1],
            "remote_num_tokens": 16, "remote_token": "t"}
-    assert d.get_num_new_matched_tokens(_request("d-bad", 16, bad), 0) == (0, False)
+    req = _request("d-bad", 16, bad)
+    assert d.get_num_new_matched_tokens(req, 0) == (16, True)  # claimed: failed at allocation
+    d.update_state_after_alloc(req, _blocks(0, [95]), 16)
+    reason = d.build_connector_meta(None).fail_recv["d-bad"]
+    assert "(malformed)" in reason and "remote_port" in reason
 
 
 def test_one_p_request_feeds_one_d_request(pd, tiny_mla_dir: Path) -> None:
@@ -400,7 +405,7 @@ def test_heartbeats_of_many_queued_requests_stay_under_p_s_cap(pd) -> None:
 
 def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
     """Issue 29 item 5: P refusing a heartbeat (here P's real check refusing a request id over 512 characters
-    in it, the D load queued directly: kv_transfer_params with such an id are now computed locally) is logged,
+    in it, the D load queued directly: kv_transfer_params with such an id now fail their load) is logged,
     counted, and the loads it covered fail by name at allocation instead of waiting for expired leases."""
     import msgspec
 
@@ -411,7 +416,8 @@ def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
     req = _request("d-victim", BLOCK, dict(params))
     assert d.get_num_new_matched_tokens(req, 0) == (BLOCK, True)  # handshake done; no blocks yet: queued
     long_id = {**params, "remote_request_id": "x" * 600}
-    assert d.get_num_new_matched_tokens(_request("d-long", BLOCK, long_id), 0) == (0, False)  # refused by name
+    long_req = _request("d-long", BLOCK, long_id)
+    assert d.get_num_new_matched_tokens(long_req, 0) == (BLOCK, True)  # refused by name: its load fails
     d.consumer.queue("d-poison", msgspec.structs.replace(parse_remote_params(params), remote_request_id="x" * 600))
     before = d.consumer.heartbeats_refused
     try:
@@ -425,6 +431,8 @@ def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
         assert d.get_num_new_matched_tokens(req, 0) == (BLOCK, True)
         d.update_state_after_alloc(req, _blocks(0, [80]), BLOCK)
         assert "refused the heartbeat" in d.build_connector_meta(None).fail_recv["d-victim"]
+        d.update_state_after_alloc(long_req, _blocks(0, [81]), BLOCK)
+        assert "remote_request_id must be 1..512 characters" in d.build_connector_meta(None).fail_recv["d-long"]
     finally:
         d.consumer.forget_queued("d-poison")
         d.consumer.forget_queued("d-victim")
@@ -573,3 +581,161 @@ def test_d_redoes_the_handshake_after_p_restarts_on_the_same_id_and_port(pd, tin
         d.update_connector_output(_output(recving={"d-r1", "d-r2"}, failed={"d-r1"}))
     finally:
         p2.shutdown()
+
+
+class _Lines(logging.Handler):
+    """The records of one logger (vLLM's loggers do not propagate to the root, so caplog alone sees nothing)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger(name)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _Lines:
+        self._level = self._logger.level
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+    def at(self, level: int) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+_NIXL_PULL = {  # what vLLM's NixlConnector (pull) P hands out
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2], "remote_engine_id": "nixl-P",
+    "remote_request_id": "cmpl-1", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1,
+    "remote_num_tokens": 2 * BLOCK, "transfer_mode": "pull"}
+_NO_BLOCKS = {  # DSAConnector's keys, remote_block_ids missing
+    "do_remote_prefill": True, "remote_engine_id": "P-noblocks", "remote_request_id": "x", "remote_host": "127.0.0.1",
+    "remote_port": 24999, "remote_num_tokens": 2 * BLOCK, "remote_token": "secret-lease-token",
+    "transfer_mode": "push", "kv_connector": "DSAConnector"}
+_ROUTER_NULLS = {  # a router's placeholders, sent to D as they are
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None, "remote_block_ids": None,
+    "remote_host": None, "remote_port": None}
+
+
+@pytest.mark.parametrize(("params", "reason", "peer", "problem"), [
+    (_NIXL_PULL, "other_connector", "engine 'nixl-P'", "transfer_mode 'pull' is another producer's"),
+    ({**_NIXL_PULL, "remote_engine_id": "lm-P", "transfer_mode": "push", "kv_connector": "LMCacheConnector"},
+     "other_connector", "engine 'lm-P'", "kv_connector 'LMCacheConnector' names another connector"),
+    (_NO_BLOCKS, "malformed", "engine 'P-noblocks'", "Object missing required field `remote_block_ids`"),
+    (_ROUTER_NULLS, "malformed", "unknown", "got `null`"),
+    ({**_ROUTER_NULLS, "remote_host": "10.0.0.9", "remote_port": 7000}, "malformed", "10.0.0.9:7000",
+     "got `null`"),
+    ({**_ROUTER_NULLS, "remote_engine_id": "P-nullmode", "transfer_mode": None}, "malformed", "engine 'P-nullmode'",
+     "got `null`"),
+], ids=["nixl-pull", "other-kv_connector", "no-remote_block_ids", "router-nulls", "nulls-host-port", "null-mode"])
+def test_unusable_params_fail_the_load_counted_and_logged_once_per_peer(pd, request, params: dict, reason: str,
+                                                                        peer: str, problem: str) -> None:
+    """Issue 31 item 0: kv_transfer_params D cannot use (another connector's, missing keys, the nulls of a
+    router) are a load failure: claimed, failed at allocation with a reason naming what was wrong (vLLM's
+    kv_load_failure_policy then decides), counted by reason, and logged once per peer with what was received
+    (the lease token's value never). Asking again for a request not yet allocated counts it once."""
+    from vllm_dsa_connector.connector.stats import unusable_key
+
+    _, d, _ = pd
+    d.get_stats()  # what earlier tests counted
+    ids = [f"d-unusable-{request.node.callspec.id}-{i}" for i in range(3)]
+    reqs = [_request(i, 2 * BLOCK + 3, dict(params)) for i in ids]
+    with _Lines("vllm.vllm_dsa_connector.connector.scheduler") as lines:
+        for req in reqs:
+            assert d.get_num_new_matched_tokens(req, BLOCK) == (BLOCK + 3, True)
+        assert d.get_num_new_matched_tokens(reqs[0], BLOCK) == (BLOCK + 3, True)  # not allocated last step
+        for req in reqs:
+            d.update_state_after_alloc(req, _blocks(1, [96, 97]), BLOCK + 3)
+        meta = d.build_connector_meta(None)
+    assert d.get_stats().data[unusable_key(reason)] == 3
+    (line,) = [m for m in lines.at(logging.ERROR) if "cannot use" in m]
+    assert ids[0] in line and peer in line and f"({reason})" in line and problem in line
+    assert "kv_load_failure_policy" in line and f"vllm:dsa_kv_unusable_params_total{{reason={reason!r}}}" in line
+    for key, value in params.items():  # what was received: every key, a short repr of its value
+        assert repr(key) in line and (key == "remote_token" or repr(value)[:20] in line)
+    assert "secret-lease-token" not in line and not lines.at(logging.WARNING)
+    for req in reqs:
+        assert meta.fail_recv[req.request_id].startswith(f"kv_transfer_params D cannot use ({reason}): ")
+        assert problem in meta.fail_recv[req.request_id]
+        assert not req.kv_transfer_params["do_remote_prefill"] and req.request_id not in d.consumer.loads
+    assert meta.fail_quiet == set(ids) and not meta.recv  # the workers do not log each one again
+    d.update_connector_output(_output(recving=ids, failed=ids))
+    with _Lines("vllm.vllm_dsa_connector.connector.scheduler") as lines:
+        later = _request(f"{ids[0]}-later", 2 * BLOCK, dict(params))
+        assert d.get_num_new_matched_tokens(later, 0) == (2 * BLOCK, True)
+        d.update_state_after_alloc(later, _blocks(0, [98, 99]), 2 * BLOCK)
+        assert reason in d.build_connector_meta(None).fail_recv[later.request_id]
+    assert not lines.at(logging.ERROR) and any(problem in m for m in lines.at(logging.DEBUG))  # once per peer
+    assert d.get_stats().data[unusable_key(reason)] == 1
+
+
+def test_unusable_params_fail_on_the_workers_without_any_expectation(pd) -> None:
+    """The failed load reaches vLLM as one: a real D worker handed the step's metadata reports the request
+    finished and failed (vLLM's kv_load_failure_policy applies to failed_recving), though nothing was ever
+    armed for it, and counts the failure without logging it per request."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+
+    _, d, _ = pd
+    req = _request("d-unusable-worker", BLOCK, dict(_NIXL_PULL, remote_engine_id="nixl-P-worker"))
+    assert d.get_num_new_matched_tokens(req, 0) == (BLOCK, True)
+    d.update_state_after_alloc(req, _blocks(0, [94]), BLOCK)
+    meta = d.build_connector_meta(None)
+    worker = DSAConnectorWorker("D-unusable", ConnectorOptions(), {}, role="kv_consumer")  # a real NIXL agent
+    try:
+        with _Lines("vllm.vllm_dsa_connector.connector.worker") as lines:
+            worker.start_load_kv(DSAConnectorMetadata(fail_recv=meta.fail_recv, fail_quiet=meta.fail_quiet))
+        assert worker.get_transfer_results() == (set(), {"d-unusable-worker"}, {"d-unusable-worker"})
+        assert worker.stats.data["recv_failed"] == 1 and not lines.at(logging.ERROR)
+    finally:
+        worker.shutdown()
+    d.update_connector_output(_output(recving={"d-unusable-worker"}, failed={"d-unusable-worker"}))
+
+
+def test_params_without_remote_prefill_are_left_alone(pd) -> None:
+    """No do_remote_prefill (or false): not a load, nothing counted or changed, whatever else the params hold."""
+    _, d, _ = pd
+    d.get_stats()
+    for params in ({}, {"do_remote_prefill": False, **{k: v for k, v in _NIXL_PULL.items() if k != "do_remote_prefill"}},
+                   {"do_remote_decode": True}, {"remote_block_ids": None}):
+        req = _request("d-local", BLOCK, dict(params))
+        assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+        d.update_state_after_alloc(req, _blocks(0, []), 0)
+        assert req.kv_transfer_params == params
+    assert d.get_stats() is None and "d-local" not in d.build_connector_meta(None).fail_recv
+
+
+def test_unusable_params_with_every_token_computed_claim_nothing(pd) -> None:
+    """Nothing left to load (D computed the whole prompt): nothing to claim or fail; still counted."""
+    from vllm_dsa_connector.connector.stats import unusable_key
+
+    _, d, _ = pd
+    d.get_stats()
+    req = _request("d-unusable-all", BLOCK, dict(_ROUTER_NULLS, remote_engine_id="P-allcomputed"))
+    assert d.get_num_new_matched_tokens(req, BLOCK) == (0, False)
+    assert not req.kv_transfer_params["do_remote_prefill"] and "d-unusable-all" not in d._unusable
+    assert d.get_stats().data[unusable_key("malformed")] == 1
+
+
+def test_unusable_params_log_memory_is_bounded(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peers whose unusable params were logged are remembered up to a cap (least recently seen forgotten
+    first): made-up engine ids cannot grow it, and a forgotten peer is logged again when it comes back."""
+    from vllm_dsa_connector.connector import scheduler
+
+    _, d, _ = pd
+    monkeypatch.setattr(scheduler, "_UNUSABLE_LOGGED", 4)
+    with _Lines("vllm.vllm_dsa_connector.connector.scheduler") as lines:
+        for i in [0, 1, 2, 3, 4, 5, 5, 0]:
+            req = _request(f"d-cap-{i}-{len(lines.records)}", BLOCK, dict(_NIXL_PULL, remote_engine_id=f"P-cap-{i}"))
+            assert d.get_num_new_matched_tokens(req, 0) == (BLOCK, True)
+            d.request_finished(req, ([],))  # aborted before allocation: nothing left behind
+    logged = [m for m in lines.at(logging.ERROR) if "cannot use" in m]
+    assert [next(f"P-cap-{i}" for i in range(6) if f"'P-cap-{i}'" in m) for m in logged] == [
+        "P-cap-0", "P-cap-1", "P-cap-2", "P-cap-3", "P-cap-4", "P-cap-5", "P-cap-0"]
+    assert len(d._unusable_logged) == 4 and not any(r.startswith("d-cap-") for r in d._unusable)
+    d.get_stats()

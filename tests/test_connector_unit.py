@@ -69,6 +69,37 @@ def test_stats_aggregate_across_workers() -> None:
     assert a.is_empty() and not snap.is_empty()
 
 
+def test_unusable_params_are_exported_by_reason() -> None:
+    """``vllm:dsa_kv_unusable_params_total{reason}``: the scheduler's counts (aggregated with the workers'
+    by vLLM) reach Prometheus under a fixed set of reasons; an unknown reason is a bug, never a new label."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from prometheus_client import CollectorRegistry
+
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, DSAPromMetrics, unusable_key
+
+    registry = CollectorRegistry()
+    types = {cls: partial(cls, registry=registry) for cls in (prometheus_client.Gauge, prometheus_client.Counter,
+                                                            prometheus_client.Histogram)}
+    prom = DSAPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    scheduler, worker = DSAKVConnectorStats(), DSAKVConnectorStats()
+    scheduler.add(unusable_key("malformed"), 2)
+    scheduler.add(unusable_key("other_connector"))
+    worker.add("recv_failed", 3)
+    data = worker.aggregate(scheduler).data
+    assert DSAKVConnectorStats(data=dict(data)).reduce()["unusable_malformed"] == 2
+    prom.observe(data, 0)
+    for reason, count in (("malformed", 2), ("other_connector", 1)):
+        labels = {"engine": "0", "reason": reason}
+        assert registry.get_sample_value("vllm:dsa_kv_unusable_params_total", labels) == count
+    assert registry.get_sample_value("vllm:dsa_kv_requests_total",
+                                     {"engine": "0", "side": "recv", "outcome": "failed"}) == 3
+    with pytest.raises(ValueError, match="expected one of"):
+        unusable_key("nulls")
+
+
 def test_notice_and_payload_round_trip() -> None:
     from vllm_dsa_connector.handoff.wire import (
         PROTOCOL_VERSION,

@@ -267,7 +267,11 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
         return set() if self._worker is None else self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return None if self._worker is None else self._worker.get_stats()
+        """A worker's stats, or on the scheduler side the scheduler's own (unusable kv_transfer_params):
+        vLLM's scheduler asks its connector too and aggregates that with the workers' stats."""
+        if self._worker is not None:
+            return self._worker.get_stats()
+        return None if self._scheduler is None else self._scheduler.get_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

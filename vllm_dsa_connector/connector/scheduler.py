@@ -13,7 +13,10 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    peer is a load failure like any other: D claims the tokens and fails the load, and vLLM's scheduler
    applies the top-level ``kv_load_failure_policy`` (recompute = prefill locally, fail = the request
    fails). The connector never reads the policy itself: under vLLM's MultiConnector a child's copy of it
-   is not the one vLLM applies (:mod:`.compose`).
+   is not the one vLLM applies (:mod:`.compose`). ``kv_transfer_params`` D cannot use (another
+   connector's, or malformed: missing keys, wrong types) are such a failure too, never a silent local
+   prefill: counted (``vllm:dsa_kv_unusable_params_total{reason}``) and logged once per peer with what was
+   received (:meth:`DSAConnectorScheduler._unusable_params`).
 3. D: :meth:`update_state_after_alloc` pairs D's new blocks with P's blocks of the SAME token positions
    (``matching.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
    count must match D's prompt; P's block size, from its page tables, may differ from D's), tells its
@@ -32,15 +35,19 @@ same engine id), so the workers replace their record and NIXL remote agents of i
 
 from __future__ import annotations
 
+import reprlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_dsa_connector.connector.compose import DSA_CONNECTOR
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, Reply, Request, new_epoch
 from vllm_dsa_connector.handoff.producer import Producer
@@ -65,6 +72,64 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request as VllmRequest
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+
+#: (peer, reason) pairs whose unusable kv_transfer_params were logged, remembered at most this many (least
+#: recently seen forgotten first): each peer is logged once, and engine ids that change with every P start
+#: (vLLM's default) or a hostile proxy's made-up ids cannot grow the set without bound.
+_UNUSABLE_LOGGED = 1024
+#: kv_transfer_params keys whose value is never logged (a lease token lets its holder register for P's KV)
+_SECRET_KEYS = frozenset({"remote_token"})
+_SUMMARY_CHARS = 800  # the whole "received" part of the log line
+
+
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()  # bounded work and length whatever the (untrusted) values are
+    r.maxstring, r.maxother, r.maxlong = 60, 60, 40
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 6
+    r.maxlevel = 2
+    return r
+
+
+_REPR = _short_repr()
+
+
+def params_summary(params: dict[str, Any]) -> str:
+    """The keys of ``params`` with a short repr of each value (truncated; a secret shown by its type and
+    length only), so the log line says what D received, whatever the params are."""
+    parts = []
+    for key in sorted(params, key=str)[:40]:
+        value = params[key]
+        shown = (f"<{type(value).__name__}, {len(value)} chars>" if key in _SECRET_KEYS and isinstance(value, str)
+                 else _REPR.repr(value))
+        parts.append(f"{_REPR.repr(key)}: {shown}")
+    out = "{" + ", ".join(parts) + (", ..." if len(params) > 40 else "") + "}"
+    return out if len(out) <= _SUMMARY_CHARS else out[:_SUMMARY_CHARS] + "...}"
+
+
+def peer_key(params: dict[str, Any]) -> str:
+    """Which peer handed out ``params`` (unusable ones are logged once per peer): its ``remote_engine_id``
+    when present, else ``remote_host:remote_port``, else ``"unknown"`` (short reprs: the params are untrusted)."""
+    engine = params.get("remote_engine_id")
+    if engine not in (None, ""):
+        return f"engine {_REPR.repr(engine)}"
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if host not in (None, "") or port not in (None, ""):
+        return ":".join(v[:80] if isinstance(v, str) else _REPR.repr(v) for v in (host, port))
+    return "unknown"
+
+
+def other_connector(params: dict[str, Any]) -> str:
+    """Why ``params`` are another connector's (``""``: they may be DSAConnector's): a ``transfer_mode`` that
+    is not DSAConnector's (e.g. NixlConnector's ``"pull"``), or a ``kv_connector`` naming another connector.
+    A value that is not a string names nothing: such params are malformed, not another connector's."""
+    mode = params.get("transfer_mode", TRANSFER_MODE)
+    if isinstance(mode, str) and mode != TRANSFER_MODE:
+        return (f"transfer_mode {_REPR.repr(mode)} is another producer's (DSAConnector's P hands out "
+                f"{TRANSFER_MODE!r})")
+    name = params.get("kv_connector", DSA_CONNECTOR)
+    if isinstance(name, str) and name != DSA_CONNECTOR:
+        return f"kv_connector {_REPR.repr(name)} names another connector (DSAConnector's P hands out {DSA_CONNECTOR!r})"
+    return ""
 
 
 def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
@@ -102,6 +167,10 @@ class DSAConnectorScheduler:
                     self.server.port, kvc.kv_role, ", authenticated" if self.auth.secret else "", self.epoch)
         self._pending_recv: list[RecvJob] = []
         self._fail: dict[str, str] = {}
+        self._fail_quiet: set[str] = set()  # of _fail: already logged (unusable params, once per peer)
+        self._unusable: dict[str, str] = {}  # D req claimed with unusable kv_transfer_params -> why (until alloc)
+        self._unusable_logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) logged
+        self.stats = DSAKVConnectorStats()  # what only the scheduler sees (unusable params)
         self._sources_sent: dict[str, int] = {}  # P engine id -> the epoch whose PeerInfo the workers have
         self._new_sources: list[PeerInfo] = []
         self.slots = StagingSlots(options.bounce, lambda: self.local_payloads)
@@ -132,16 +201,15 @@ class DSAConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        if params.get("transfer_mode", TRANSFER_MODE) != TRANSFER_MODE:
-            logger.warning("DSAConnector: request %s comes from a %r producer; computing locally",
-                           request.request_id, params.get("transfer_mode"))
-            return 0, False
+        if request.request_id in self._unusable:  # asked again (no blocks for it last step): counted once
+            return self._claim(request, num_computed_tokens)
+        if problem := other_connector(params):
+            return self._unusable_params(request, num_computed_tokens, "other_connector", problem)
         try:
             rp = parse_remote_params(params)
         except ValueError as e:
-            logger.error("DSAConnector: request %s: %s; computing locally", request.request_id, e)
-            params["do_remote_prefill"] = False
-            return 0, False
+            return self._unusable_params(request, num_computed_tokens, "malformed",
+                                         str(e).removeprefix("malformed kv_transfer_params: "))
         if (other := self.consumer.taken_by(request.request_id, rp)) is not None:
             logger.warning("DSAConnector: request %s names P request %s of %s, which D request %s already takes "
                            "(n > 1, or a prompt list sent as one request); computing it locally",
@@ -164,6 +232,45 @@ class DSAConnectorScheduler:
         # so vLLM applies its (top-level) kv_load_failure_policy, the one place the policy is read.
         return count, True
 
+    def _unusable_params(self, request: VllmRequest, num_computed_tokens: int, reason: str,
+                         problem: str) -> tuple[int, bool]:
+        """D cannot load from this request's ``kv_transfer_params`` (``reason``: ``other_connector`` or
+        ``malformed``, see :data:`~.stats.UNUSABLE_REASONS`). Like every load D cannot do, the tokens are
+        claimed here and the load fails at allocation, so vLLM's ``kv_load_failure_policy`` decides
+        (recompute: D prefills; fail: the request fails): prefilling locally without a word would hide a
+        misrouted or broken proxy behind slow, P-less prefills. Counted per request
+        (``vllm:dsa_kv_unusable_params_total{reason}``); logged once per peer (:func:`peer_key`) and reason,
+        with what was received (:func:`params_summary`)."""
+        params = request.kv_transfer_params
+        assert params is not None
+        why = f"kv_transfer_params D cannot use ({reason}): {problem}"
+        self.stats.add(unusable_key(reason))
+        key = (peer_key(params), reason)
+        if key in self._unusable_logged:
+            self._unusable_logged.move_to_end(key)
+            logger.debug("DSAConnector: request %s: %s", request.request_id, why)
+        else:
+            self._unusable_logged[key] = None
+            while len(self._unusable_logged) > _UNUSABLE_LOGGED:
+                self._unusable_logged.popitem(last=False)
+            logger.error("DSAConnector: request %s: %s; received from peer %s: %s. Every such request's load fails "
+                         "(vLLM's kv_load_failure_policy decides: recompute = D prefills it, fail = the request "
+                         "fails), counted in vllm:dsa_kv_unusable_params_total{reason=%r}; not logged again for "
+                         "this peer and reason", request.request_id, why, key[0], params_summary(params), reason)
+        self._unusable[request.request_id] = why
+        return self._claim(request, num_computed_tokens)
+
+    def _claim(self, request: VllmRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """Claim the prompt tokens D has not computed of a request whose load will fail at allocation
+        (:meth:`update_state_after_alloc`); nothing to claim means nothing to fail (``(0, False)``)."""
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count > 0:
+            return count, True
+        assert request.kv_transfer_params is not None
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self._unusable.pop(request.request_id, None)
+        return 0, False
+
     def update_state_after_alloc(self, request: VllmRequest, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """D: pair blocks by position, expect the transfer and register our blocks with P."""
         params = request.kv_transfer_params
@@ -171,6 +278,13 @@ class DSAConnectorScheduler:
             return
         params["do_remote_prefill"] = False  # once
         req_id = request.request_id
+        if (why := self._unusable.pop(req_id, None)) is not None:
+            if num_external_tokens > 0:  # else vLLM loads nothing (and waits for nothing): nothing to fail
+                logger.debug("DSAConnector: request %s: %s; failing the load (vLLM applies "
+                             "kv_load_failure_policy)", req_id, why)
+                self._fail[req_id] = why
+                self._fail_quiet.add(req_id)
+            return
         load = self.consumer.loads.get(req_id)
         if load is None:
             return
@@ -227,6 +341,7 @@ class DSAConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        self._unusable.pop(request.request_id, None)  # claimed, never allocated: nothing was loading
         if not params:
             return False, None
         load = self.consumer.loads.get(request.request_id)
@@ -258,7 +373,7 @@ class DSAConnectorScheduler:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "transfer_mode": TRANSFER_MODE,
-            "kv_connector": "DSAConnector",
+            "kv_connector": DSA_CONNECTOR,
         }
 
     # ---------------------------------------------------------------- every step
@@ -274,6 +389,7 @@ class DSAConnectorScheduler:
         meta.recv, self._pending_recv = self._pending_recv, []
         self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
+        meta.fail_quiet, self._fail_quiet = self._fail_quiet & meta.fail_recv.keys(), set()
         self.slots.step(self.clock())
         for engine in self.consumer.forget_idle():
             if self._sources_sent.pop(engine, None) is not None:  # the workers know its plan: they drop it
@@ -302,6 +418,11 @@ class DSAConnectorScheduler:
             load = self.consumer.finished(req_id)
             if load is not None:
                 self.slots.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
+
+    def get_stats(self) -> DSAKVConnectorStats | None:
+        """The scheduler's stats since the last call (vLLM's scheduler aggregates them with the workers'),
+        or None when nothing happened."""
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def has_pending_push_work(self) -> bool:
         """P keeps stepping while it holds leased blocks (their release needs steps); D while it waits to

@@ -1,6 +1,8 @@
 """DSAConnector transfer statistics and their Prometheus export (through vLLM's connector hooks).
 
-Workers record into :class:`DSAKVConnectorStats`; vLLM aggregates the stats of every worker
+Workers record into :class:`DSAKVConnectorStats`, and so does the scheduler for what only it sees
+(``kv_transfer_params`` it cannot use: vLLM's scheduler asks its own connector for stats too, the
+scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every worker and the scheduler's
 (:meth:`aggregate`) and hands them to the frontend, where :class:`DSAPromMetrics` (built by
 ``DSAConnector.build_prom_metrics``) exports them:
 
@@ -10,6 +12,9 @@ Workers record into :class:`DSAKVConnectorStats`; vLLM aggregates the stats of e
 - ``vllm:dsa_kv_transfer_seconds``: histogram, NIXL post-to-completion per (request, destination rank)
 - ``vllm:dsa_kv_requests_total{side,outcome}``: requests sent/received ok, failed, timed out, expired
 - ``vllm:dsa_kv_checksum_mismatches_total``: verify_transfers mismatches (each is a load failure)
+- ``vllm:dsa_kv_unusable_params_total{reason}``: D requests whose ``kv_transfer_params`` D could not use
+  (each is a load failure), by :data:`UNUSABLE_REASONS`: ``other_connector`` (another producer's params,
+  e.g. NixlConnector's ``transfer_mode``), ``malformed`` (missing keys, wrong types or values)
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -45,10 +50,22 @@ _COUNTERS = (
     "recv_timeout",
     "checksum_mismatches",
     "checksummed_runs",
+    "unusable_other_connector",
+    "unusable_malformed",
 )
 _LISTS = ("transfer_s", "recv_wait_s")
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
 _SIDES = ("send", "recv")
+#: Why D could not use a request's kv_transfer_params: the ``reason`` label of ``vllm:dsa_kv_unusable_params_total``
+UNUSABLE_REASONS = ("other_connector", "malformed")
+
+
+def unusable_key(reason: str) -> str:
+    """Counter key of the D requests whose kv_transfer_params were unusable for ``reason`` (one of
+    :data:`UNUSABLE_REASONS`: a fixed label set, never a value taken from the params)."""
+    if reason not in UNUSABLE_REASONS:
+        raise ValueError(f"unusable params reason {reason!r}: expected one of {list(UNUSABLE_REASONS)}")
+    return f"unusable_{reason}"
 
 
 def pair_key(side: str, src_rank: int, dst_rank: int) -> str:
@@ -154,6 +171,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._reqs, _ = counter("vllm:dsa_kv_requests", "Requests by side and outcome", ("side", "outcome"))
         self._mismatch, _ = counter("vllm:dsa_kv_checksum_mismatches", "verify_transfers mismatches")
         self._checked, _ = counter("vllm:dsa_kv_checksummed_runs", "Runs verified by checksum")
+        self._unusable, _ = counter("vllm:dsa_kv_unusable_params",
+                                    "D requests whose kv_transfer_params D could not use, by reason", ("reason",))
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -190,6 +209,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
             ("recv_timeout", "recv", "timeout"),
         ):
             self._inc(self._reqs, engine_idx, d.get(key, 0), side, outcome)
+        for reason in UNUSABLE_REASONS:
+            self._inc(self._unusable, engine_idx, d.get(unusable_key(reason), 0), reason)
         for (side, src, dst), nbytes in pair_bytes(d).items():
             self._inc(self._pairs, engine_idx, nbytes, side, str(src), str(dst))
         for s in d.get("transfer_s", []):
