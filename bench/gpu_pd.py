@@ -1,19 +1,34 @@
-"""GPU P/D page check: DSAConnector pairs on one GPU, every layer's KV pages compared block by block on P and D.
+"""GPU P/D bench: DSAConnector (and vLLM's NixlConnector beside it) on one GPU, pages, page tables and timings.
 
-Runs on a host with vLLM's GPU build (see shared/gpu/README.md for the H200 payload). Per mode (``eager``:
-``--enforce-eager``; ``graphs``: vLLM's default torch.compile + CUDA graphs), a prefill and a decode engine
-with DSAConnector (``verify_transfers`` on, so every run is CRC-checked on the GPU pools) and the KV probe
-worker extension start at once (``--kv-cache-memory-bytes``, so concurrent starts on one GPU do not disturb
-each other's memory profile). Then three turns as multi-turn traffic has them: a prompt of 3 blocks + 1
-token, one that keeps its first 3 blocks (D serves them from its own prefix cache) and one that keeps 2.
-Each turn: P prefills (``do_remote_decode``), D decodes with P's ``kv_transfer_params`` and, while it runs,
-the probe returns D's block list and a CRC32 per layer and block; the same prompt on P alone gives P's.
-Every full block must be equal on every layer; bytes received per turn come from D's counters.
+Runs on a host with vLLM's GPU build (see shared/gpu/README.md for the H200 payload). Each pair (``--pairs``:
+``name=connector/mode/kv_cache_dtype``; connector ``dsa`` or ``nixl``, mode ``eager`` (``--enforce-eager``)
+or ``graphs`` (vLLM's default torch.compile + CUDA graphs; async scheduling is vLLM's default either way))
+is a prefill and a decode engine with the KV probe worker extension; every engine starts at once
+(``--kv-cache-memory-bytes``, so concurrent starts on one GPU do not disturb each other's memory profile).
+Per pair:
 
-    python bench/gpu_pd.py --model /tmp/models/tiny-glm-dsa-h32-k128 [--modes eager,graphs]
+- **pages**: three turns as multi-turn traffic has them (a prompt of 3 blocks + 1 token, one that keeps its
+  first 3 blocks so D serves them from its own prefix cache, one that keeps 2). P prefills
+  (``do_remote_decode``), D decodes with P's ``kv_transfer_params`` and, while it runs, the probe returns
+  D's block list and a CRC32 per layer and block; the same prompt on P alone gives P's. Every full block
+  must be equal on every layer.
+- **page table** (DSAConnector pairs): the table the connector built from the engine's ``kv_caches``
+  (``KVProbe.dsa_page_table``) against the offline builder's prediction (``layout.build_offline``, what
+  ``vllm-dsa inspect`` prints) for the same model, block size and KV cache dtype; run-specific fields
+  (pointers, region sizes, block counts) left out.
+- **timing**: fresh prompts of 16 and 30 blocks, one request at a time (the first, with the peer
+  handshake, reported apart): TTFT as the client sees it (P's one-token prefill + D's first streamed
+  token), the connector's own transfer time from its metrics (DSAConnector: P's post-to-completion
+  ``vllm:dsa_kv_transfer_seconds``; NixlConnector: D's ``vllm:nixl_xfer_time_seconds``), bytes and NIXL
+  descriptors, and whether D's 8 greedy tokens equal P's own plain reply (bf16 with random weights can flip
+  a flat argmax: the pages are the exact check, the reply rate is reported).
 
-Prints a JSON line and writes ``$OUT/gpu_pd.json`` when ``OUT`` is set; exit 1 when a page differs or a
-turn fails.
+    python bench/gpu_pd.py --model /tmp/models/tiny-glm-dsa-h32-k128 \\
+        [--pairs dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla]
+
+Prints a JSON line and writes ``$OUT/gpu_pd.json`` (and trimmed engine logs) when ``OUT`` is set; exit 1
+when a DSAConnector page or page table differs or one of its turns fails (NixlConnector results are
+reported, not judged).
 """
 
 from __future__ import annotations
@@ -22,53 +37,83 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.harness.client import metric, post_json, probe_running, scrape
-from vllm_dsa_connector.harness.procs import Cluster, cluster, wait_healthy
+from vllm_dsa_connector.harness.client import complete, metric, post_json, probe_running, scrape
+from vllm_dsa_connector.harness.procs import Cluster, Proc, cluster, wait_healthy
 
 BLOCK = 64
 PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+CONNECTORS = ("dsa", "nixl")
+MODES = ("eager", "graphs")
+LOG_MARKS = ("attention backend", "DSAConnector", "NixlConnector", "sync scheduling", "CUDA graph",
+             "kv_cache_dtype", "KV cache", "Error", "Traceback", "WARNING")
 
 
-def _engine(c: Cluster, name: str, model: str, port: int, side: int, role: str, eager: bool,
-            kv_bytes: int) -> tuple[Any, str]:
-    cfg = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-           "kv_connector_extra_config": {"verify_transfers": True, "side_channel_port": side}}
+@dataclass(frozen=True)
+class PairSpec:
+    """One P/D pair of the run."""
+
+    name: str
+    connector: str
+    mode: str
+    kv_cache_dtype: str
+
+    @classmethod
+    def parse(cls, text: str) -> PairSpec:
+        name, _, rest = text.partition("=")
+        parts = rest.split("/")
+        if not name or len(parts) != 3 or parts[0] not in CONNECTORS or parts[1] not in MODES:
+            raise SystemExit(f"--pairs: {text!r} is not name=connector/mode/kv_cache_dtype with connector in "
+                             f"{CONNECTORS} and mode in {MODES}")
+        return cls(name, parts[0], parts[1], parts[2])
+
+
+def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: int, role: str,
+            kv_bytes: int) -> tuple[Proc, str]:
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if spec.connector == "dsa":
+        cfg: dict[str, Any] = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
+                               "kv_connector_extra_config": {"verify_transfers": spec.name != "dsa",
+                                                             "side_channel_port": side}}
+    else:
+        cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
            "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
-           "--seed", "0", "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", str(kv_bytes),
-           "--kv-transfer-config", json.dumps(cfg), *PROBE]
-    if eager:
+           "--seed", "0", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(kv_bytes),
+           "--kv-cache-dtype", spec.kv_cache_dtype, "--kv-transfer-config", json.dumps(cfg), *PROBE]
+    if spec.mode == "eager":
         cmd.append("--enforce-eager")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     return c.start(name, cmd, env), f"http://127.0.0.1:{port}"
 
 
-def _by_layer(entry: dict[str, Any]) -> dict[str, list[int]]:
-    return entry["layer_digests"]
+def _rng_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 20000) for _ in range(n)]
 
 
 def _turns() -> list[list[int]]:
     rng = random.Random(7)
-    new = lambda n: [rng.randrange(100, 20000) for _ in range(n)]  # noqa: E731
-    x = new(3 * BLOCK + 1)
-    y = x[: 3 * BLOCK] + new(2 * BLOCK + 1)
-    z = y[: 2 * BLOCK] + new(3 * BLOCK + 1)
+    x = _rng_ids(rng, 3 * BLOCK + 1)
+    y = x[: 3 * BLOCK] + _rng_ids(rng, 2 * BLOCK + 1)
+    z = y[: 2 * BLOCK] + _rng_ids(rng, 3 * BLOCK + 1)
     return [x, y, z]
 
 
-def _run_mode(p_url: str, d_url: str) -> dict[str, Any]:
+def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
     out: list[dict[str, Any]] = []
     ok = True
     for turn, ids in enumerate(_turns(), 1):
         row: dict[str, Any] = {"turn": turn, "prompt_tokens": len(ids)}
         try:
-            recv0 = metric(scrape(d_url), "vllm:dsa_kv_bytes_total", side="recv")
+            recv0 = recv_bytes()
             t0 = time.perf_counter()
             res = post_json(p_url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
                                                         "kv_transfer_params": {"do_remote_decode": True}})
@@ -76,16 +121,14 @@ def _run_mode(p_url: str, d_url: str) -> dict[str, Any]:
             params = res["kv_transfer_params"]
             (d,) = probe_running(d_url, "tiny", ids, params)
             (p,) = probe_running(p_url, "tiny", ids, None)
-            time.sleep(0.5)
-            row["recv_bytes"] = metric(scrape(d_url), "vllm:dsa_kv_bytes_total", side="recv") - recv0
+            time.sleep(1.0)
+            row["recv_bytes"] = recv_bytes() - recv0
             full = (len(ids) - 1) // BLOCK
-            lp, ld = _by_layer(p), _by_layer(d)
-            bad = {name: [j for j in range(full) if lp[name][j] != ld.get(name, [None] * full)[j]]
-                   for name in lp}
+            lp, ld = p["layer_digests"], d["layer_digests"]
+            bad = {name: [j for j in range(full) if lp[name][j] != ld.get(name, [None] * full)[j]] for name in lp}
             bad = {k: v for k, v in bad.items() if v}
             row.update(full_blocks=full, layers=len(lp), p_blocks=p["block_ids"], d_blocks=d["block_ids"],
-                       pages_equal=not bad and len(p["digests"]) == len(d["digests"]) == full,
-                       differing=bad)
+                       pages_equal=not bad and len(p["digests"]) == len(d["digests"]) == full, differing=bad)
         except Exception as e:  # noqa: BLE001 - a failed turn is reported, the others still run
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         ok = ok and bool(row.get("pages_equal"))
@@ -94,47 +137,184 @@ def _run_mode(p_url: str, d_url: str) -> dict[str, Any]:
     return {"turns": out, "ok": ok}
 
 
+def _shape(table: dict[str, Any]) -> dict[str, Any]:
+    """A page table without what differs from run to run (pointers, region sizes, block counts, device)."""
+    return {**{k: v for k, v in table.items() if k != "pools"},
+            "pools": [{"block_stride": p["block_stride"]} for p in table["pools"]]}
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: engine {a!r} vs offline {b!r}"]
+
+
+def _table_check(url: str, model: str, kv_cache_dtype: str) -> dict[str, Any]:
+    from vllm_dsa_connector.layout import build_offline
+
+    out = post_json(url + "/collective_rpc", {"method": "dsa_page_table"})
+    (engine,) = [t for t in out["results"] if t]
+    dtype = engine["kv_cache_dtype"]
+    (offline,) = build_offline(model, block_size=engine["block_size"], kv_cache_dtype=dtype)
+    diffs = _diff(_shape(engine), _shape(offline.to_dict()))
+    views = [(v["role"], v["page_format"], v["bytes_per_token"], [e["global_layer"] for e in v["entries"]])
+             for v in engine["views"]]
+    return {"requested_dtype": kv_cache_dtype, "engine_dtype": dtype, "pools": len(engine["pools"]),
+            "block_strides": [p["block_stride"] for p in engine["pools"]], "views": views,
+            "bytes_per_block": sum(e["nbytes"] for v in engine["views"] for e in v["entries"]),
+            "equal": not diffs, "differences": diffs[:20]}
+
+
+def _stream_d(d_url: str, ids: list[int], params: dict[str, Any] | None, max_tokens: int) -> tuple[float, str]:
+    """Seconds to D's first streamed token and the text of ``max_tokens`` greedy tokens."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    req = urllib.request.Request(d_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    text: list[str] = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[5:]).get("choices", []):
+                if ch.get("text"):
+                    first = first if first is not None else time.perf_counter() - t0
+                    text.append(ch["text"])
+    return (first if first is not None else time.perf_counter() - t0), "".join(text)
+
+
+def _counters(connector: str, p_url: str, d_url: str) -> dict[str, float]:
+    mp, md = scrape(p_url), scrape(d_url)
+    if connector == "dsa":
+        return {"xfer_s": metric(mp, "vllm:dsa_kv_transfer_seconds_sum"),
+                "xfers": metric(mp, "vllm:dsa_kv_transfer_seconds_count"),
+                "bytes": metric(md, "vllm:dsa_kv_bytes_total", side="recv"),
+                "descriptors": metric(mp, "vllm:dsa_kv_descriptors_total"),
+                "recv_ok": metric(md, "vllm:dsa_kv_requests_total", side="recv", outcome="ok")}
+    return {"xfer_s": metric(md, "vllm:nixl_xfer_time_seconds_sum"),
+            "xfers": metric(md, "vllm:nixl_xfer_time_seconds_count"),
+            "bytes": metric(md, "vllm:nixl_bytes_transferred_sum"),
+            "descriptors": metric(md, "vllm:nixl_num_descriptors_sum"),
+            "failed": metric(md, "vllm:nixl_num_failed_transfers_total")}
+
+
+def _timing(connector: str, p_url: str, d_url: str, repeats: int) -> dict[str, Any]:
+    rng = random.Random(11)
+    shapes = [16] + [16] * repeats + [30] * repeats
+    rows = []
+    for k, blocks in enumerate(shapes):
+        ids = _rng_ids(rng, blocks * BLOCK)
+        row: dict[str, Any] = {"blocks": blocks, "warmup": k == 0}
+        try:
+            c0 = _counters(connector, p_url, d_url)
+            t0 = time.perf_counter()
+            res = post_json(p_url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                        "kv_transfer_params": {"do_remote_decode": True}})
+            prefill = time.perf_counter() - t0
+            first, text = _stream_d(d_url, ids, res.get("kv_transfer_params"), 8)
+            plain = complete(p_url, "tiny", ids, 8)["choices"][0]["text"]
+            time.sleep(1.0)
+            c1 = _counters(connector, p_url, d_url)
+            delta = {k2: c1[k2] - c0[k2] for k2 in c0}
+            row.update(ttft_ms=round((prefill + first) * 1e3, 2), p_prefill_ms=round(prefill * 1e3, 2),
+                       d_first_token_ms=round(first * 1e3, 2),
+                       transfer_ms=round(delta["xfer_s"] / delta["xfers"] * 1e3, 3) if delta["xfers"] else None,
+                       reply_equal=text == plain, **{k2: v for k2, v in delta.items() if k2 != "xfer_s"})
+        except Exception as e:  # noqa: BLE001 - reported per request
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        rows.append(row)
+        print(f"[gpu_pd] {connector} timing: {row}", flush=True)
+    summary = {}
+    for blocks in sorted({r["blocks"] for r in rows}):
+        ok = [r for r in rows if r["blocks"] == blocks and not r["warmup"] and "error" not in r]
+        if ok:
+            summary[str(blocks)] = {
+                "n": len(ok),
+                "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in ok), 2),
+                "d_first_token_ms_median": round(statistics.median(r["d_first_token_ms"] for r in ok), 2),
+                "transfer_ms_median": (round(statistics.median(r["transfer_ms"] for r in ok if r["transfer_ms"]), 3)
+                                       if any(r["transfer_ms"] for r in ok) else None),
+                "bytes": ok[0]["bytes"], "descriptors": ok[0]["descriptors"],
+                "reply_equal": sum(r["reply_equal"] for r in ok)}
+    return {"requests": rows, "summary": summary}
+
+
+def _key_lines(proc: Proc, limit: int = 40) -> list[str]:
+    lines = proc.log.read_text(errors="replace").splitlines()
+    keep = [ln[:400] for ln in lines if any(m in ln for m in LOG_MARKS) and "non-default args" not in ln]
+    return keep[:limit]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--modes", default="eager,graphs")
+    ap.add_argument("--pairs", default="dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla")
     ap.add_argument("--base-port", type=int, default=9100)
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30)
     ap.add_argument("--startup-timeout", type=float, default=480.0)
+    ap.add_argument("--repeats", type=int, default=4, help="timed requests per prompt shape (default 4)")
     args = ap.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    result: dict[str, Any] = {"model": args.model, "block_size": BLOCK}
-    work = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-pd-"))
+    specs = [PairSpec.parse(x) for x in args.pairs.split(",") if x]
+    t_start = time.time()
+    result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}}
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    work = Path(tempfile.mkdtemp(prefix="gpu-pd-"))
     with cluster(work / "engines") as c:
-        pairs = {}
-        for k, mode in enumerate(modes):
+        procs = {}
+        for k, spec in enumerate(specs):
             base = args.base_port + 10 * k
-            p = _engine(c, f"{mode}-P", args.model, base, base + 3, "kv_producer", mode == "eager", args.kv_cache_bytes)
-            d = _engine(c, f"{mode}-D", args.model, base + 1, base + 4, "kv_consumer", mode == "eager",
-                        args.kv_cache_bytes)
-            pairs[mode] = (p, d)
-        t0 = time.time()
-        for mode, ((pp, pu), (dp, du)) in pairs.items():
+            procs[spec.name] = (
+                _engine(c, f"{spec.name}-P", spec, args.model, base, base + 3, "kv_producer", args.kv_cache_bytes),
+                _engine(c, f"{spec.name}-D", spec, args.model, base + 1, base + 4, "kv_consumer", args.kv_cache_bytes))
+        for spec in specs:
+            (pp, pu), (dp, du) = procs[spec.name]
+            res: dict[str, Any] = {"connector": spec.connector, "mode": spec.mode, "kv_cache_dtype": spec.kv_cache_dtype}
             try:
                 for url in (pu, du):
                     wait_healthy(url, [pp, dp], args.startup_timeout)
-                result[f"{mode}_up_s"] = round(time.time() - t0, 1)
-                log = pp.log.read_text(errors="replace") + dp.log.read_text(errors="replace")
-                result[f"{mode}_backends"] = sorted({ln.split("Using ")[1].split(" ")[0] for ln in log.splitlines()
-                                                     if "attention backend out of" in ln})
-                result[f"{mode}_registered"] = sorted({ln.split("registered ")[1] for ln in log.splitlines()
-                                                       if "registered" in ln and "pool(s)" in ln})
-                result[mode] = _run_mode(pu, du)
-            except Exception as e:  # noqa: BLE001
-                result[mode] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:800]}
+                res["up_s"] = round(time.time() - t_start, 1)
+
+                def recv(connector: str = spec.connector, d_url: str = du) -> float:
+                    return _counters(connector, d_url, d_url)["bytes"] if connector == "nixl" else \
+                        metric(scrape(d_url), "vllm:dsa_kv_bytes_total", side="recv")
+
+                res["pages"] = _pages(pu, du, recv)
+                if spec.connector == "dsa":
+                    res["page_table"] = {"P": _table_check(pu, args.model, spec.kv_cache_dtype),
+                                         "D": _table_check(du, args.model, spec.kv_cache_dtype)}
+                res["timing"] = _timing(spec.connector, pu, du, args.repeats)
+            except Exception as e:  # noqa: BLE001 - one pair failing does not hide the others
+                res["error"] = f"{type(e).__name__}: {e}"[:800]
+            res["log"] = {proc.name: _key_lines(proc) for proc in (pp, dp)}
+            result["pairs"][spec.name] = res
             for proc in (pp, dp):
-                tail = [ln for ln in proc.log.read_text(errors="replace").splitlines()
-                        if "Error" in ln or "Traceback" in ln][:5]
-                if tail:
-                    result.setdefault("engine_errors", {})[proc.name] = tail
-    result["ok"] = all(result.get(m, {}).get("ok") for m in modes)
+                if out_dir is not None:
+                    tail = proc.log.read_text(errors="replace").splitlines()[-400:]
+                    (out_dir / f"{proc.name}.log").write_text("\n".join(tail))
+                c.stop(proc)
+    judged = [r for r in result["pairs"].values() if r["connector"] == "dsa"]
+    result["ok"] = all(r.get("pages", {}).get("ok") and all(t["equal"] for t in r.get("page_table", {}).values())
+                       and r.get("page_table") for r in judged)
+    dsa, nixl = result["pairs"].get("dsa", {}), result["pairs"].get("nixl", {})
+    side = {}
+    for blocks, s in dsa.get("timing", {}).get("summary", {}).items():
+        n = nixl.get("timing", {}).get("summary", {}).get(blocks)
+        if n:
+            side[blocks] = {"ttft_nixl_over_dsa": round(n["ttft_ms_median"] / s["ttft_ms_median"], 3),
+                            "transfer_nixl_over_dsa": (round(n["transfer_ms_median"] / s["transfer_ms_median"], 3)
+                                                       if n["transfer_ms_median"] and s["transfer_ms_median"] else None)}
+    result["side_by_side"] = side
+    result["wall_s"] = round(time.time() - t_start, 1)
     print(json.dumps(result))
-    (work / "gpu_pd.json").write_text(json.dumps(result, indent=1))
+    if out_dir is not None:
+        (out_dir / "gpu_pd.json").write_text(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1
 
 

@@ -1,7 +1,7 @@
 """A vLLM worker extension that reads back KV pages by token position (for placement checks).
 
 Start an engine with ``--worker-extension-cls vllm_dsa_connector.kv_probe.KVProbe`` and call
-:meth:`KVProbe.dsa_probe_running` (or :meth:`KVProbe.dsa_probe_digest_all`) through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
+:meth:`KVProbe.dsa_probe_running` (or :meth:`KVProbe.dsa_probe_digest_all`, :meth:`KVProbe.dsa_page_table`) through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
 api_server's ``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). For every request the worker is
 running it returns the prompt, vLLM's own block list (position order) and a CRC32 per *full* prompt
 block over every KV cache layer's page of that block (MLA latent and indexer K alike).
@@ -97,6 +97,16 @@ class KVProbe:
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
                         "block_size": block_size, "digests": digests, "layer_digests": per_layer})
         return out
+
+    def dsa_page_table(self) -> dict[str, Any] | None:
+        """This worker's page table as DSAConnector built it from the registered ``kv_caches`` (``to_dict()``),
+        or None when the engine runs another connector (or none)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return None
+        table = getattr(get_kv_transfer_group(), "page_table", None)
+        return None if table is None else table.to_dict()
 
     def dsa_probe_digest_all(self) -> list[int]:
         """CRC32 of every KV cache layer's whole tensor (layers in name order): a snapshot to compare."""

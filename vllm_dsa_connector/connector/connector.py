@@ -238,6 +238,12 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._worker is None else self._worker.handshake_metadata()
 
+    @property
+    def page_table(self) -> Any:
+        """This worker's :class:`~vllm_dsa_connector.layout.PageTable` (built from the ``kv_caches`` vLLM
+        registered), or None on the scheduler side and before ``register_kv_caches``."""
+        return None if self._worker is None else self._worker.table
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and isinstance(self._connector_metadata, DSAConnectorMetadata):
             self._worker.start_load_kv(self._connector_metadata)
