@@ -14,8 +14,8 @@ Per pair:
   must be equal on every layer.
 - **page table** (DSAConnector pairs): the table the connector built from the engine's ``kv_caches``
   (``KVProbe.dsa_page_table``) against the offline builder's prediction (``layout.build_offline``, what
-  ``vllm-dsa inspect`` prints) for the same model, block size and KV cache dtype; run-specific fields
-  (pointers, region sizes, block counts) left out.
+  ``vllm-dsa inspect`` prints) for the same model, block size, KV cache dtype, KV cache layout and block
+  count, every offset included; pointers, allocation sizes and the device left out.
 - **timing**: fresh prompts of 16 and 30 blocks, one request at a time (the first, with the peer
   handshake, reported apart): TTFT as the client sees it (P's one-token prefill + D's first streamed
   token), the connector's own transfer time from its metrics (DSAConnector: P's post-to-completion
@@ -81,7 +81,7 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if spec.connector == "dsa":
         cfg: dict[str, Any] = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-                               "kv_connector_extra_config": {"verify_transfers": spec.name != "dsa",
+                               "kv_connector_extra_config": {"verify_transfers": "verify" in spec.name,
                                                              "side_channel_port": side}}
     else:
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
@@ -138,9 +138,9 @@ def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
 
 
 def _shape(table: dict[str, Any]) -> dict[str, Any]:
-    """A page table without what differs from run to run (pointers, region sizes, block counts, device)."""
+    """A page table without what differs from run to run (pointers, allocation sizes, device)."""
     return {**{k: v for k, v in table.items() if k != "pools"},
-            "pools": [{"block_stride": p["block_stride"]} for p in table["pools"]]}
+            "pools": [{"block_stride": p["block_stride"], "num_blocks": p["num_blocks"]} for p in table["pools"]]}
 
 
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -155,13 +155,16 @@ def _table_check(url: str, model: str, kv_cache_dtype: str) -> dict[str, Any]:
     from vllm_dsa_connector.layout import build_offline
 
     out = post_json(url + "/collective_rpc", {"method": "dsa_page_table"})
-    (engine,) = [t for t in out["results"] if t]
+    (got,) = [t for t in out["results"] if t]
+    engine, layout = got["table"], got["kv_cache_layout"]
     dtype = engine["kv_cache_dtype"]
-    (offline,) = build_offline(model, block_size=engine["block_size"], kv_cache_dtype=dtype)
+    (offline,) = build_offline(model, block_size=engine["block_size"], kv_cache_dtype=dtype,
+                               num_blocks=engine["pools"][0]["num_blocks"], layout=layout)
     diffs = _diff(_shape(engine), _shape(offline.to_dict()))
     views = [(v["role"], v["page_format"], v["bytes_per_token"], [e["global_layer"] for e in v["entries"]])
              for v in engine["views"]]
-    return {"requested_dtype": kv_cache_dtype, "engine_dtype": dtype, "pools": len(engine["pools"]),
+    return {"requested_dtype": kv_cache_dtype, "engine_dtype": dtype, "kv_cache_layout": layout,
+            "pools": len(engine["pools"]),
             "block_strides": [p["block_stride"] for p in engine["pools"]], "views": views,
             "bytes_per_block": sum(e["nbytes"] for v in engine["views"] for e in v["entries"]),
             "equal": not diffs, "differences": diffs[:20]}
@@ -255,7 +258,9 @@ def _key_lines(proc: Proc, limit: int = 40) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--pairs", default="dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla")
+    ap.add_argument("--pairs", default="dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla",
+                    help="name=connector/mode/kv_cache_dtype,...; DSAConnector pairs whose name has \"verify\" run "
+                         "with verify_transfers (CRC of every run on the device pools)")
     ap.add_argument("--base-port", type=int, default=9100)
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30)
     ap.add_argument("--startup-timeout", type=float, default=480.0)

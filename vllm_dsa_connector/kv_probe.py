@@ -99,14 +99,18 @@ class KVProbe:
         return out
 
     def dsa_page_table(self) -> dict[str, Any] | None:
-        """This worker's page table as DSAConnector built it from the registered ``kv_caches`` (``to_dict()``),
-        or None when the engine runs another connector (or none)."""
+        """This worker's page table as DSAConnector built it from the registered ``kv_caches``
+        (``{"table": PageTable.to_dict(), "kv_cache_layout": vLLM's resolved layout name}``), or None when
+        the engine runs another connector (or none)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():
             return None
         table = getattr(get_kv_transfer_group(), "page_table", None)
-        return None if table is None else table.to_dict()
+        if table is None:
+            return None
+        layout = self.vllm_config.cache_config.kv_cache_layout  # type: ignore[attr-defined]
+        return {"table": table.to_dict(), "kv_cache_layout": getattr(layout, "name", str(layout))}
 
     def dsa_probe_digest_all(self) -> list[int]:
         """CRC32 of every KV cache layer's whole tensor (layers in name order): a snapshot to compare."""

@@ -278,6 +278,18 @@ def kv_cache_specs(
         sparse_extra["topk_buffer_width"] = int(hf_config.index_topk)
     specs: dict[str, Any] = {}
     for i in layers:
+        # vLLM registers a layer's indexer K cache before its MLA attention (DeepseekV2MLAAttention builds
+        # its Indexer first), and the KV cache tensors follow that order: the offsets predicted here
+        # match an engine's only in the same order.
+        if i in owners:
+            specs[f"model.layers.{i}{'.self_attn'}{INDEXER_SUFFIX}"] = MLAAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=idx_head + idx_head // 128 * 4,
+                dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER,
+            )
         specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
             block_size=block_size,
             num_kv_heads=1,
@@ -290,15 +302,6 @@ def kv_cache_specs(
             is_index_group_leader=i in owners,
             **sparse_extra,
         )
-        if i in owners:
-            specs[f"model.layers.{i}{'.self_attn'}{INDEXER_SUFFIX}"] = MLAAttentionSpec(
-                block_size=block_size,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=idx_head + idx_head // 128 * 4,
-                dtype=torch.uint8,
-                cache_role=SparseCacheRole.INDEXER,
-            )
     return specs
 
 
