@@ -82,7 +82,14 @@ from vllm_dsa_connector.handoff.side_channel import (
     fetch_payloads,
     validate_peer,
 )
-from vllm_dsa_connector.handoff.wire import TRANSFER_MODE, RankPayload, RecvJob, Slots, encode, max_block_id
+from vllm_dsa_connector.handoff.wire import (
+    TRANSFER_MODE,
+    RankPayload,
+    RecvJob,
+    Slots,
+    encode,
+    max_block_id,
+)
 
 logger = logging.getLogger(__name__)
 
