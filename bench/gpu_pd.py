@@ -2,7 +2,10 @@
 
 Runs on a host with vLLM's GPU build (see shared/gpu/README.md for the H200 payload). Each pair (``--pairs``:
 ``name=connector/mode/kv_cache_dtype``; connector ``dsa`` or ``nixl``, mode ``eager`` (``--enforce-eager``)
-or ``graphs`` (vLLM's default torch.compile + CUDA graphs; async scheduling is vLLM's default either way))
+or ``graphs`` (vLLM's default torch.compile + CUDA graphs; async scheduling is vLLM's default either way);
+a DSAConnector pair whose name has ``verify`` runs with ``verify_transfers``, ``bounce`` with
+``bounce_mode=always`` (the staging arena on the device), ``mtp`` serves ``--mtp-model`` with MTP speculative
+decoding)
 is a prefill and a decode engine with the KV probe worker extension; every engine starts at once
 (``--kv-cache-memory-bytes``, so concurrent starts on one GPU do not disturb each other's memory profile).
 Per pair:
@@ -73,16 +76,25 @@ class PairSpec:
         if not name or len(parts) != 3 or parts[0] not in CONNECTORS or parts[1] not in MODES:
             raise SystemExit(f"--pairs: {text!r} is not name=connector/mode/kv_cache_dtype with connector in "
                              f"{CONNECTORS} and mode in {MODES}")
+        if parts[0] != "dsa" and any(flag in name for flag in ("verify", "bounce")):
+            raise SystemExit(f"--pairs: {text!r}: \"verify\" and \"bounce\" pairs need connector dsa")
         return cls(name, parts[0], parts[1], parts[2])
+
+    @property
+    def mtp(self) -> bool:
+        """The pair serves ``--mtp-model`` with MTP speculative decoding (one draft token)."""
+        return "mtp" in self.name
 
 
 def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: int, role: str,
             kv_bytes: int) -> tuple[Proc, str]:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if spec.connector == "dsa":
+        extra: dict[str, Any] = {"verify_transfers": "verify" in spec.name, "side_channel_port": side}
+        if "bounce" in spec.name:
+            extra["bounce_mode"] = "always"
         cfg: dict[str, Any] = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-                               "kv_connector_extra_config": {"verify_transfers": "verify" in spec.name,
-                                                             "side_channel_port": side}}
+                               "kv_connector_extra_config": extra}
     else:
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
@@ -92,6 +104,8 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
            "--kv-cache-dtype", spec.kv_cache_dtype, "--kv-transfer-config", json.dumps(cfg), *PROBE]
     if spec.mode == "eager":
         cmd.append("--enforce-eager")
+    if spec.mtp:
+        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
     return c.start(name, cmd, env), f"http://127.0.0.1:{port}"
 
 
@@ -200,6 +214,7 @@ def _counters(connector: str, p_url: str, d_url: str) -> dict[str, float]:
                 "xfers": metric(mp, "vllm:dsa_kv_transfer_seconds_count"),
                 "bytes": metric(md, "vllm:dsa_kv_bytes_total", side="recv"),
                 "descriptors": metric(mp, "vllm:dsa_kv_descriptors_total"),
+                "bounce_bytes": metric(mp, "vllm:dsa_kv_bounce_bytes_total"),
                 "recv_ok": metric(md, "vllm:dsa_kv_requests_total", side="recv", outcome="ok")}
     return {"xfer_s": metric(md, "vllm:nixl_xfer_time_seconds_sum"),
             "xfers": metric(md, "vllm:nixl_xfer_time_seconds_count"),
@@ -245,6 +260,7 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int) -> dict[str, A
                 "transfer_ms_median": (round(statistics.median(r["transfer_ms"] for r in ok if r["transfer_ms"]), 3)
                                        if any(r["transfer_ms"] for r in ok) else None),
                 "bytes": ok[0]["bytes"], "descriptors": ok[0]["descriptors"],
+                "bounce_bytes": ok[0].get("bounce_bytes"),
                 "reply_equal": sum(r["reply_equal"] for r in ok)}
     return {"requests": rows, "summary": summary}
 
@@ -261,12 +277,18 @@ def main() -> int:
     ap.add_argument("--pairs", default="dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla",
                     help="name=connector/mode/kv_cache_dtype,...; DSAConnector pairs whose name has \"verify\" run "
                          "with verify_transfers (CRC of every run on the device pools)")
+    ap.add_argument("--mtp-model", default=None,
+                    help="the model of pairs whose name has \"mtp\" (make-model --mtp-layers 1): served with MTP "
+                         "speculative decoding, one draft token")
     ap.add_argument("--base-port", type=int, default=9100)
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30)
     ap.add_argument("--startup-timeout", type=float, default=480.0)
     ap.add_argument("--repeats", type=int, default=4, help="timed requests per prompt shape (default 4)")
     args = ap.parse_args()
     specs = [PairSpec.parse(x) for x in args.pairs.split(",") if x]
+    if any(s.mtp for s in specs) and not args.mtp_model:
+        raise SystemExit("--pairs: a pair named \"mtp\" needs --mtp-model (a model with an MTP layer)")
+    model_of = {s.name: (args.mtp_model if s.mtp else args.model) for s in specs}
     t_start = time.time()
     result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}}
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -276,8 +298,10 @@ def main() -> int:
         for k, spec in enumerate(specs):
             base = args.base_port + 10 * k
             procs[spec.name] = (
-                _engine(c, f"{spec.name}-P", spec, args.model, base, base + 3, "kv_producer", args.kv_cache_bytes),
-                _engine(c, f"{spec.name}-D", spec, args.model, base + 1, base + 4, "kv_consumer", args.kv_cache_bytes))
+                _engine(c, f"{spec.name}-P", spec, model_of[spec.name], base, base + 3, "kv_producer",
+                        args.kv_cache_bytes),
+                _engine(c, f"{spec.name}-D", spec, model_of[spec.name], base + 1, base + 4, "kv_consumer",
+                        args.kv_cache_bytes))
         for spec in specs:
             (pp, pu), (dp, du) = procs[spec.name]
             res: dict[str, Any] = {"connector": spec.connector, "mode": spec.mode, "kv_cache_dtype": spec.kv_cache_dtype}
@@ -292,8 +316,8 @@ def main() -> int:
 
                 res["pages"] = _pages(pu, du, recv)
                 if spec.connector == "dsa":
-                    res["page_table"] = {"P": _table_check(pu, args.model, spec.kv_cache_dtype),
-                                         "D": _table_check(du, args.model, spec.kv_cache_dtype)}
+                    res["page_table"] = {"P": _table_check(pu, model_of[spec.name], spec.kv_cache_dtype),
+                                         "D": _table_check(du, model_of[spec.name], spec.kv_cache_dtype)}
                 res["timing"] = _timing(spec.connector, pu, du, args.repeats)
             except Exception as e:  # noqa: BLE001 - one pair failing does not hide the others
                 res["error"] = f"{type(e).__name__}: {e}"[:800]

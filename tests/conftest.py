@@ -84,12 +84,18 @@ _NOISE = ("failed to automatically increase", "Unknown vLLM environment variable
 
 
 def key_log_lines(text: str, keep: int) -> list[str]:
-    """The last ``keep`` lines of an engine log that say what went wrong: errors, tracebacks, the
-    connector's warnings (start-up noise left out), each cut to 300 characters."""
+    """At most ``keep`` lines of an engine log that say what went wrong: errors, tracebacks, the connector's
+    warnings (start-up noise left out), each cut to 300 characters: the first ones of the engine's own
+    processes (the root cause), then the last ones."""
     hits = [x for x in text.splitlines()
             if ("ERROR" in x or "Traceback" in x or "Error:" in x or ("WARNING" in x and "DSAConnector" in x))
             and not any(n in x for n in _NOISE)]
-    return [x[:300] for x in hits[-keep:]]
+    # the first hits of an engine process (EngineCore, a worker) are the root cause; the API server's
+    # traceback of the dead engine comes last and would push them out
+    first = [x for x in hits if "APIServer" not in x][: keep // 2]
+    rest = keep - len(first)
+    last = [x for x in hits if x not in first][-rest:] if rest > 0 else []
+    return [x[:300] for x in first + last]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

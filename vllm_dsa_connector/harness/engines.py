@@ -31,10 +31,16 @@ NOBIND = "nobind"
 
 def engine_env(bind: str) -> dict[str, str]:
     """Environment of a CPU engine bound to the given cores (``VLLM_CPU_OMP_THREADS_BIND``); with
-    :data:`NOBIND`, one OpenMP thread per rank placed by the kernel."""
+    :data:`NOBIND`, one OpenMP thread per rank placed by the kernel. ``TORCH_COMPILE_DISABLE`` defaults to 1
+    (eager engines, no C++ compile in a fresh engine's first step)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    # vLLM torch.compiles a few helpers even with --enforce-eager (the vocab-parallel embedding mask of a
+    # TP>1 engine): on a machine with an empty inductor cache the first request of a fresh TP engine then
+    # spends tens of seconds in the C++ compiler inside its first step (two loaded cores: 25-40 s and more).
+    # The harness's engines are eager: run those helpers eagerly too (set it to 0 to keep compiling).
+    env.setdefault("TORCH_COMPILE_DISABLE", "1")
     if bind == NOBIND:
         env["OMP_NUM_THREADS"] = "1"
     # check_backend reads vLLM's INFO line naming the attention backend: never quieter than INFO
