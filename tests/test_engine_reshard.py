@@ -19,8 +19,10 @@ then the next set), the reference ("one engine") is P's own plain request made b
   gets every block from P each turn.
 
 Two cores host each engine set (see the comment above ``DIRECTIONS``): ranks placed by the kernel. The ``dsa``
-set runs cold with the connector's default timeouts: its first directions are the first requests of a fresh
-tp2 D and a fresh pp2 D (issue 29 item 9); the other sets warm each engine up with one plain request first.
+set runs cold (no warm-up request): its first directions are the first requests of a fresh tp2 D and a fresh
+pp2 D (issue 29 item 9); the other sets warm each engine up with one plain request first. Every set has a 60 s
+transfer timeout: with the other CI shard on the same two cores a fresh P engine was seen stalled for 30 s,
+past the default give-up.
 
 Each conversation has 3 turns (prompt token ids; turn k+1 = turn k's prompt + D's reply + new tokens), so
 from turn 2 a DSA decode engine serves the first blocks from its own prefix cache and only the rest comes
@@ -79,7 +81,7 @@ PAIR = "vllm:dsa_kv_pair_bytes_total"
 # a small bounce arena; a generous transfer time (a TP2 producer took 55 s to hand a push to its workers under
 # load, past D's default 30 s give-up).
 LEAN = {"prefault_kv_cache": False, "bounce_arena_bytes": 32 << 20, "transfer_timeout_s": 60.0}
-COLD = {"prefault_kv_cache": False, "bounce_arena_bytes": 32 << 20}  # "dsa" set: default timeouts, no warm-up
+COLD = LEAN  # "dsa" set: the same options, no warm-up request
 
 
 @dataclass(frozen=True)
@@ -221,9 +223,9 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         out = Engines(request.param, kind, str(model), started, time.monotonic() - t0, stacks=work / "stacks")
         out.rss_mb = {k: round(_rss_mb(e.proc.pid)) for k, e in started.items()}
         print(f"[reshard] {request.param}: engines {list(started)} up in {out.start_s:.0f} s, RSS MiB {out.rss_mb}")
-        # An engine's first forward with TP > 1 compiles vLLM's vocab-parallel embedding (torch.compile,
-        # inductor: tens of seconds on 2 cores). The "dsa" set runs cold, with the connector's default
-        # timeouts (issue 29 item 9): its first direction, tp1 -> tp2, is the first request of a fresh tp2 D
+        # An engine's first forward with TP > 1 would compile vLLM's vocab-parallel embedding (torch.compile,
+        # inductor: tens of seconds on 2 cores; harness.engine_env turns that off). The "dsa" set runs cold
+        # (issue 29 item 9): its first direction, tp1 -> tp2, is the first request of a fresh tp2 D
         # (P tp1's first forward is the reference request), pp1 -> pp2 the first of a fresh pp2 D. The other
         # sets warm every engine up with one plain request, so that a compile never runs inside a transfer.
         if kind.name != "dsa":
