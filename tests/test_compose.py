@@ -254,7 +254,7 @@ def test_refused_peer_is_a_failed_load_whatever_the_childs_policy(tiny_mla_dir: 
     try:
         dead = {"do_remote_prefill": True, "remote_engine_id": "P-gone", "remote_request_id": "x",
                 "remote_host": "127.0.0.1", "remote_port": free_port(), "remote_block_ids": [1, 2, 3],
-                "remote_num_tokens": 40, "remote_token": "t", "transfer_mode": "push"}
+                "remote_num_tokens": 40, "remote_token": "t", "transfer_mode": "dsa-push"}
         req = Request("d-gone", list(range(100, 140)),
                       SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dead}), None)
         deadline = time.monotonic() + 15

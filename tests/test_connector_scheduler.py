@@ -241,7 +241,7 @@ def test_dead_producer_is_a_load_failure_and_cancels_do_not_queue_behind_it(pd) 
     p, d, clock = pd
     dead = {"do_remote_prefill": True, "remote_engine_id": "P-dead", "remote_request_id": "x",
             "remote_host": "127.0.0.1", "remote_port": 24971, "remote_block_ids": [1, 2, 3],
-            "remote_num_tokens": 40, "remote_token": "t", "transfer_mode": "push"}
+            "remote_num_tokens": 40, "remote_token": "t", "transfer_mode": "dsa-push"}
     req = _request("d-dead", 40, dead)
     assert d.get_num_new_matched_tokens(req, 0) == (None, False)  # handshake in flight: ask later
     t0 = time.monotonic()
@@ -612,7 +612,7 @@ _NIXL_PULL = {  # what vLLM's NixlConnector (pull) P hands out
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2], "remote_engine_id": "nixl-P",
     "remote_request_id": "cmpl-1", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1,
     "remote_num_tokens": 2 * BLOCK, "transfer_mode": "pull"}
-_NO_BLOCKS = {  # DSAConnector's keys, remote_block_ids missing
+_NO_BLOCKS = {  # DSAConnector's keys (an older P's legacy "push"), remote_block_ids missing
     "do_remote_prefill": True, "remote_engine_id": "P-noblocks", "remote_request_id": "x", "remote_host": "127.0.0.1",
     "remote_port": 24999, "remote_num_tokens": 2 * BLOCK, "remote_token": "secret-lease-token",
     "transfer_mode": "push", "kv_connector": "DSAConnector"}
@@ -625,13 +625,15 @@ _ROUTER_NULLS = {  # a router's placeholders, sent to D as they are
     (_NIXL_PULL, "other_connector", "engine 'nixl-P'", "transfer_mode 'pull' is another producer's"),
     ({**_NIXL_PULL, "remote_engine_id": "lm-P", "transfer_mode": "push", "kv_connector": "LMCacheConnector"},
      "other_connector", "engine 'lm-P'", "kv_connector 'LMCacheConnector' names another connector"),
+    ({**_NIXL_PULL, "remote_engine_id": "push-P", "transfer_mode": "push"}, "other_connector", "engine 'push-P'",
+     "transfer_mode 'push' without kv_connector 'DSAConnector' is another producer's"),
     (_NO_BLOCKS, "malformed", "engine 'P-noblocks'", "Object missing required field `remote_block_ids`"),
     (_ROUTER_NULLS, "malformed", "unknown", "got `null`"),
     ({**_ROUTER_NULLS, "remote_host": "10.0.0.9", "remote_port": 7000}, "malformed", "10.0.0.9:7000",
      "got `null`"),
     ({**_ROUTER_NULLS, "remote_engine_id": "P-nullmode", "transfer_mode": None}, "malformed", "engine 'P-nullmode'",
      "got `null`"),
-], ids=["nixl-pull", "other-kv_connector", "no-remote_block_ids", "router-nulls", "nulls-host-port", "null-mode"])
+], ids=["nixl-pull", "other-kv_connector", "bare-push", "no-remote_block_ids", "router-nulls", "nulls-host-port", "null-mode"])
 def test_unusable_params_fail_the_load_counted_and_logged_once_per_peer(pd, request, params: dict, reason: str,
                                                                         peer: str, problem: str) -> None:
     """Issue 31 item 0: kv_transfer_params D cannot use (another connector's, missing keys, the nulls of a

@@ -184,3 +184,26 @@ def test_tables_from_a_real_cpu_engine(tiny_mla_dir, backend: str, block_size: i
     mla = table.view(Role.MLA)
     assert mla.layers == (0, 1, 2, 3) and mla.bytes_per_token == 1152  # 576 bf16 elements per token
     assert checks and all(all(c) for c in checks)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+@pytest.mark.parametrize("dtype", ["auto", "fp8_ds_mla"])
+def test_offline_table_equals_the_runtime_table_of_vllm_allocated_tensors(layout: str, dtype: str) -> None:
+    """What ``vllm-dsa inspect`` predicts equals what a worker builds from vLLM's own allocation: pools in
+    the same order (layer-name order, whatever order vLLM lists its tensors in), every offset, pointers aside.
+    The H200 engine (LBNHC, indexer spec before MLA spec) showed the pools swapped before this held."""
+    cfg = _cfg("freq2")
+    _, _, runtime = allocate_offline(cfg, kv_cache_dtype=dtype, num_blocks=8, layout=layout)
+    (offline,) = build_offline(cfg, kv_cache_dtype=dtype, num_blocks=8, layout=layout)
+
+    def bare(t: PageTable) -> dict:
+        d = t.to_dict()
+        for p in d["pools"]:
+            p.pop("base_ptr", None)
+            p.pop("nbytes", None)
+        return d
+
+    assert bare(runtime) == bare(offline)
+    if layout == "LBNHC":  # one pool per role; BLHNC keeps both roles in one pool
+        assert offline.view(Role.MLA).pool == 0 and offline.view(Role.INDEXER_K).pool == 1
+    assert [v.role for v in offline.views] == [Role.MLA, Role.INDEXER_K]

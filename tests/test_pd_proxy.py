@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -44,12 +45,14 @@ class Stub:
         self.bodies: list[dict[str, Any]] = []
         self.peers: list[Any] = []
         self.ids: list[str | None] = []  # X-Request-Id of each request
+        self.auth: list[str | None] = []  # Authorization of each request
         self.release = asyncio.Event()  # set at the end of a test: stalled handlers return
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.peers.append(request.transport.get_extra_info("peername"))
         self.ids.append(request.headers.get("X-Request-Id"))
+        self.auth.append(request.headers.get("Authorization"))
         return await self.handler(request, self.bodies[-1])
 
     async def stall(self, seconds: float = 30.0) -> None:
@@ -198,7 +201,7 @@ def error_of(r: requests.Response, status: int, side: str) -> dict[str, Any]:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
-    assert err["side"] == side and err["message"]
+    assert err["side"] == side and err["message"] and err["code"] == status
     return err
 
 
@@ -209,22 +212,35 @@ def test_client_kv_transfer_params_never_forwarded(h: Harness) -> None:
     assert r.status_code == 200 and r.json()["id"] == "d"
     assert r.headers["x-kv-transfer"] == "1" and float(r.headers["x-prefill-ms"]) >= 0
     (pbody,), (dbody,) = h.prefill.bodies, h.decode.bodies
-    assert pbody["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert pbody["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,  # vllm-router's
+                                           "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                                           "remote_port": None}
     assert dbody["kv_transfer_params"] == P_PARAMS
     assert pbody["vllm_xargs"] == dbody["vllm_xargs"] == {"k": 1}
 
 
+def _pair_id(h: Harness) -> re.Pattern[str]:
+    """vllm-router's request id for the stubs' P/D pair."""
+    addr = [u.removeprefix("http://") for u in (h.prefill.url, h.decode.url)]
+    return re.compile(rf"___prefill_addr_{re.escape(addr[0])}___decode_addr_{re.escape(addr[1])}_[0-9a-f]{{32}}")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_both_legs_carry_one_request_id(h: Harness, stream: bool) -> None:
-    """vLLM's NixlPushConnector matches D's registration to P's request by this id."""
+    """As vllm-router: one fresh id per P/D pair on both legs (vLLM's NixlPushConnector matches D's
+    registration to P's request by it), ``___prefill_addr_<P>___decode_addr_<D>_<hex>``; the client's
+    X-Request-Id is echoed in the response only. The client's Authorization reaches both legs."""
     url = h.proxy()
-    for headers in ({}, {}, {"X-Request-Id": "client-id-1"}):
+    echoed = []
+    for headers in ({}, {"Authorization": "Bearer k"}, {"X-Request-Id": "client-id-1"}):
         with requests.post(url + "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers,
                            timeout=10) as r:
             assert r.status_code == 200
-    assert h.prefill.ids == h.decode.ids
-    fresh_a, fresh_b, client = h.prefill.ids
-    assert fresh_a and fresh_b and fresh_a != fresh_b and client == "client-id-1"
+            echoed.append(r.headers.get("x-request-id"))
+    assert h.prefill.ids == h.decode.ids and len(set(h.prefill.ids)) == 3
+    assert all(_pair_id(h).fullmatch(i or "") for i in h.prefill.ids), h.prefill.ids
+    assert echoed == [None, None, "client-id-1"]
+    assert h.prefill.auth == h.decode.auth == [None, "Bearer k", None]
 
 
 def test_no_params_from_prefill_means_none_on_decode(h: Harness) -> None:
@@ -305,7 +321,8 @@ def test_prompt_list_is_split_into_one_p_d_pair_per_prompt(h: Harness) -> None:
     assert all(b["n"] == 1 and b["max_tokens"] == 1 for b in h.prefill.bodies)
     assert sorted((b["prompt"], b["kv_transfer_params"]["remote_request_id"], b["n"]) for b in h.decode.bodies) == [
         ("a", "p-a", 2), ("b", "p-b", 2), ("c", "p-c", 2)]
-    assert sorted(h.prefill.ids) == sorted(h.decode.ids) == ["cli-0", "cli-1", "cli-2"]
+    assert sorted(h.prefill.ids) == sorted(h.decode.ids) and len(set(h.prefill.ids)) == 3  # fresh per pair
+    assert all(_pair_id(h).fullmatch(i or "") for i in h.prefill.ids) and r.headers["x-request-id"] == "cli"
     pairs = {b["prompt"]: i for b, i in zip(h.prefill.bodies, h.prefill.ids, strict=True)}
     assert {b["prompt"]: i for b, i in zip(h.decode.bodies, h.decode.ids, strict=True)} == pairs  # one id per pair
 

@@ -2,10 +2,17 @@
 
 Each ``/v1/chat/completions`` or ``/v1/completions`` request goes (1) to the prefill server (P) as a
 one-token, non-streaming request with ``kv_transfer_params={"do_remote_decode": true,
-"do_remote_prefill": false}``, then (2) to the decode server (D) with exactly the ``kv_transfer_params``
-P returned, or none; D's answer is returned (or streamed) with headers ``x-prefill-ms`` and
-``x-kv-transfer`` (``1`` when D got P's params). Both legs carry the same ``X-Request-Id`` (the client's,
-else a fresh one), so P and D name the request alike (vLLM's NixlPushConnector matches on it).
+"do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+"remote_port": null}``, then (2) to the decode server (D) with exactly the ``kv_transfer_params`` P
+returned, or none; D's answer is returned (or streamed) with headers ``x-prefill-ms`` and
+``x-kv-transfer`` (``1`` when D got P's params).
+
+It behaves as vllm-router (``--vllm-pd-disaggregation``, the production router the README recommends)
+where the engines can tell: the prefill leg's six ``kv_transfer_params`` keys above, and one fresh
+``X-Request-Id`` per P/D pair, ``___prefill_addr_<P host:port>___decode_addr_<D host:port>_<hex>``, sent on
+both legs (so P and D name the request alike, as vLLM's NixlPushConnector needs); a client's
+``X-Request-Id`` is echoed in the response only, as vllm-router does. The client's ``Authorization`` header
+reaches both legs (vllm-router sends its own ``OPENAI_API_KEY`` instead).
 
 Fields. Only the proxy sets ``kv_transfer_params``: a client's own is dropped on both legs, and so is
 ``vllm_xargs["kv_transfer_params"]`` (vLLM hands ``kv_transfer_params`` to the engine in ``extra_args``).
@@ -20,15 +27,15 @@ the prompt's logits where the answer is made and vLLM ignores external KV for th
 
 One P request feeds one D request. vLLM answers a ``/v1/completions`` request with a list of prompts with
 the ``kv_transfer_params`` of the first prompt only, so the proxy splits such a list into one P/D pair per
-prompt (run concurrently, each with its own ``X-Request-Id``: the client's or a fresh one, ``-<i>``
-appended) and merges D's answers into one response: choice ``j`` of prompt ``i`` gets index ``i * n + j``
-(vLLM's order), ``usage`` is the sum, the rest is the first answer's; ``x-prefill-ms`` is the slowest
+prompt (run concurrently, each pair with its own fresh ``X-Request-Id``) and merges D's answers into one
+response: choice ``j`` of prompt ``i`` gets index ``i * n + j`` (vLLM's order), ``usage`` is the sum, the rest is the first answer's; ``x-prefill-ms`` is the slowest
 prefill leg, ``x-kv-transfer`` is ``1`` when every D leg got P's params. A streamed prompt list is refused
 with a 400 naming ``prompt`` (send one request per prompt). ``n > 1`` stays one D request: vLLM forks it
 into ``n`` children sharing P's params; D's connector lets the first take P's KV and the others compute
 the prompt themselves.
 
-Errors are JSON ``{"error": {"message", "type", "side", "upstream_status", "param"}}``, ``side`` being
+Errors are JSON ``{"error": {"message", "type", "code", "side", "upstream_status", "param"}}`` (``code``:
+the HTTP status answered, as in vLLM's own error bodies), ``side`` being
 ``prefill``, ``decode`` or ``proxy``: a malformed client body is a 400; an upstream 4xx keeps its status and
 message (vLLM's 400 for a bad request stays a 400); an upstream 5xx, unreachable upstream or bad upstream
 body is a 502; an upstream timeout is a 504. Timeouts are per read (``--read-timeout``: the longest wait
@@ -51,6 +58,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -58,13 +66,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.logger import init_logger
 
 __all__ = ["make_app", "main", "prefill_body", "decode_body", "needs_local_prefill", "prompt_list",
-           "merge_completions"]
+           "merge_completions", "pair_request_id", "PREFILL_PARAMS"]
 
 logger = init_logger("vllm." + __name__)
 
 DEFAULT_READ_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
-PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+#: The prefill leg's kv_transfer_params: vllm-router's six keys (P fills in the remote_* it hands out).
+PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _PREFILL_DROP = frozenset({"best_of", "use_beam_search", "min_tokens", "min_completion_tokens",
                            "stream_options", "logprobs", "top_logprobs", "logprob_token_ids",
                            "prompt_logprobs", "echo"})
@@ -91,6 +101,18 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     """The decode leg's body: the client's request with exactly P's ``kv_transfer_params`` (or none)."""
     out = _client_fields(body)
     return {**out, "kv_transfer_params": params} if params else out
+
+
+def _addr(url: str) -> str:
+    """``host:port`` of a base URL (as vllm-router names an engine in its request ids)."""
+    netloc = urlsplit(url).netloc
+    return netloc.rsplit("@", 1)[-1] or url
+
+
+def pair_request_id(prefill_url: str, decode_url: str) -> str:
+    """A fresh request id for one P/D pair, in vllm-router's form:
+    ``___prefill_addr_<P host:port>___decode_addr_<D host:port>_<32 hex digits>``."""
+    return f"___prefill_addr_{_addr(prefill_url)}___decode_addr_{_addr(decode_url)}_{uuid.uuid4().hex}"
 
 
 def needs_local_prefill(body: dict[str, Any], chat: bool) -> bool:
@@ -154,7 +176,7 @@ class ProxyError(Exception):
                  upstream_status: int | None = None, param: Any = None) -> None:
         super().__init__(message)
         self.status, self.message = status, message
-        self.payload = {"error": {"message": message, "type": etype, "side": side,
+        self.payload = {"error": {"message": message, "type": etype, "code": status, "side": side,
                                   "upstream_status": upstream_status, "param": param}}
 
 
@@ -264,12 +286,13 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
         return params or None, prefill_ms
 
     async def split(session: aiohttp.ClientSession, path: str, body: dict[str, Any], prompts: list[Any],
-                    request_id: str) -> Response:
-        """One P/D pair per prompt (concurrently), D's answers merged into one completion."""
+                    auth: dict[str, str], echo: dict[str, str]) -> Response:
+        """One P/D pair per prompt (concurrently, each with its own request id), D's answers merged into one
+        completion."""
 
         async def pair(i: int, prompt: Any) -> tuple[dict[str, Any], bool, float]:
             one = {**body, "prompt": prompt}
-            ids = {"X-Request-Id": f"{request_id}-{i}"}
+            ids = {**auth, "X-Request-Id": pair_request_id(prefill_url, decode_url)}
             params, prefill_ms = await prefill(session, path, one, ids)
             _, answer = await _post_json(session, "decode", decode_url + path, decode_body(one, params), ids)
             return answer, params is not None, prefill_ms
@@ -282,20 +305,22 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
         n = body.get("n")
         merged = merge_completions([answer for answer, _, _ in done], n if isinstance(n, int) and n > 0 else 1)
         headers = {"x-prefill-ms": f"{max(ms for _, _, ms in done):.3f}",
-                   "x-kv-transfer": "1" if all(got for _, got, _ in done) else "0"}
+                   "x-kv-transfer": "1" if all(got for _, got, _ in done) else "0", **echo}
         return JSONResponse(merged, headers=headers)
 
     async def forward(path: str, request: Request) -> Response:
         session: aiohttp.ClientSession = request.app.state.session
+        echo = {"x-request-id": c} if (c := request.headers.get("x-request-id")) else {}
         try:
             if (body := _json_object(await request.body())) is None:
                 raise ProxyError(400, "proxy", "invalid_request_error",
                                  "the request body must be a JSON object (malformed JSON?)")
             params, prefill_ms = None, 0.0
-            # One request id on both legs (the client's, else a fresh one): vLLM's NixlPushConnector
-            # matches D's registration to P's finished request by it.
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            ids = {"X-Request-Id": request_id}
+            # One fresh request id per P/D pair on both legs, as vllm-router makes them (vLLM's
+            # NixlPushConnector matches D's registration to P's finished request by it); the client's own
+            # is echoed in the response only. The client's credentials reach both engines.
+            auth = {"Authorization": a} if (a := request.headers.get("authorization")) else {}
+            ids = {**auth, "X-Request-Id": pair_request_id(prefill_url, decode_url)}
             if not needs_local_prefill(body, chat=path == "/v1/chat/completions"):
                 prompts = prompt_list(body) if path == "/v1/completions" else None
                 if prompts is not None:
@@ -304,16 +329,16 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
                                          f"the P/D proxy does not stream a list of {len(prompts)} prompts (P "
                                          "hands KV to D per prompt): send one request per prompt, or "
                                          "stream=false", param="prompt")
-                    return await split(session, path, body, prompts, request_id)
+                    return await split(session, path, body, prompts, auth, echo)
                 params, prefill_ms = await prefill(session, path, body, ids)
-            headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0"}
+            headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0", **echo}
             dbody = decode_body(body, params)
             if body.get("stream"):
                 return await _stream(session, decode_url + path, dbody, headers, ids)
             data, _ = await _post_json(session, "decode", decode_url + path, dbody, ids)
             return Response(data, headers=headers, media_type="application/json")
         except ProxyError as e:
-            return JSONResponse(e.payload, status_code=e.status)
+            return JSONResponse(e.payload, status_code=e.status, headers=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -18,6 +18,10 @@ pipeline stage sends its own layers); a pipeline-parallel DSA engine gets a ``VL
 whose stages each start with a layer that computes its own top-k
 (:func:`~vllm_dsa_connector.harness.engines.pp_layer_partition`). ``--check``'s reference stays one rank.
 
+``--router vllm-router`` puts vllm-router (``pip install 'vllm-dsa-connector[router]'``, the production
+router the README recommends; ``--vllm-pd-disaggregation --kv-connector nixl``, its metrics exporter on
+``--base-port`` + 6) in front of the pair instead of :mod:`vllm_dsa_connector.pd_proxy`.
+
 ``--compose`` runs each side's DSAConnector as the first child of vLLM's ``MultiConnector`` with vLLM's
 ``ExampleConnector`` (shared-storage reference connector: KV of each new prompt saved per layer as
 safetensors files, loaded on an exact prompt hit; it runs on the CPU platform) second, both engines on
@@ -45,11 +49,14 @@ from typing import Any
 
 from vllm_dsa_connector.harness.client import Reply, chat, metric, scrape
 from vllm_dsa_connector.harness.engines import (
+    ROUTERS,
     Layout,
+    RouterMissing,
     choose_backend,
     connector_config,
     engine_env,
     is_dsa_model_dir,
+    require_vllm_router,
     resolve_model,
     start_engine,
     start_pair,
@@ -96,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{side}-{dim}", type=int, default=1, metavar="N",
                                 help=f"{what}-parallel size of the {side} engine (default 1; ranks are "
                                      "bound to cores round-robin)")
+    parser.add_argument("--router", default="pd-proxy", choices=ROUTERS,
+                        help="what routes between P and D: pd-proxy (the embedded python -m "
+                             "vllm_dsa_connector.pd_proxy, default) or vllm-router (the [router] extra; its "
+                             "metrics exporter on base+6)")
     parser.add_argument("--compose", action="store_true",
                         help="run DSAConnector as the first child of vLLM's MultiConnector, vLLM's "
                              "ExampleConnector (shared-storage KV cache, on a directory under the workdir) "
@@ -197,6 +208,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"vllm-dsa demo: {e}", file=sys.stderr)
         return 2
+    router = getattr(args, "router", "pd-proxy")
+    if router == "vllm-router":
+        try:
+            require_vllm_router()
+        except RouterMissing as e:
+            print(f"vllm-dsa demo --router vllm-router: {e}", file=sys.stderr)
+            return 2
     model = resolve_model(args.model, args.model_kind)
     verify = not args.no_verify
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-dsa-demo-"))
@@ -226,10 +244,11 @@ def run(args: argparse.Namespace) -> int:
             p_url, d_url, x_url = start_pair(
                 c, model, p_cfg, d_cfg, base_port=args.base_port, dtype=args.dtype,
                 startup_timeout=args.startup_timeout, attention_backend=args.attention_backend,
-                p_layout=p_layout, d_layout=d_layout)
-            print(f"[demo] prefill {p_url}, decode {d_url}, proxy {x_url} up in "
+                p_layout=p_layout, d_layout=d_layout, router=router)
+            print(f"[demo] prefill {p_url}, decode {d_url}, {router} {x_url} up in "
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             label = "P/D" if p_layout == d_layout == Layout() else f"P/D {p_layout.label}->{d_layout.label}"
+            label += " via vllm-router" if router == "vllm-router" else ""
             results = run_turns(x_url, p_url, d_url, model, args.turns, args.max_tokens, label)
             pm, dm = scrape(p_url), scrape(d_url)
             failures = {
@@ -272,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
             total = sum(r.kv_bytes for r in results)
             print(f"[demo] CHECK OK: {len(results)} turns identical to one engine; {int(total):,} KV bytes moved "
                   f"and verified ({args.dtype}, greedy"
-                  f"{f', MultiConnector with {COMPOSE_CHILD}' if getattr(args, 'compose', False) else ''})",
+                  f"{f', MultiConnector with {COMPOSE_CHILD}' if getattr(args, 'compose', False) else ''}"
+                  f"{', through vllm-router' if router == 'vllm-router' else ''})",
                   flush=True)
             return 0
         except RuntimeError as e:

@@ -55,6 +55,7 @@ from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
 from vllm_dsa_connector.handoff.slots import Held, StagingSlots
 from vllm_dsa_connector.handoff.wire import (
+    LEGACY_TRANSFER_MODE,
     TRANSFER_MODE,
     PeerInfo,
     RankPayload,
@@ -119,16 +120,20 @@ def peer_key(params: dict[str, Any]) -> str:
 
 
 def other_connector(params: dict[str, Any]) -> str:
-    """Why ``params`` are another connector's (``""``: they may be DSAConnector's): a ``transfer_mode`` that
-    is not DSAConnector's (e.g. NixlConnector's ``"pull"``), or a ``kv_connector`` naming another connector.
+    """Why ``params`` are another connector's (``""``: they may be DSAConnector's): a ``kv_connector`` naming
+    another connector, or a ``transfer_mode`` that is not DSAConnector's (e.g. NixlConnector's ``"pull"``, or
+    a bare ``"push"``: protocol 6's mode is taken only together with ``kv_connector`` ``"DSAConnector"``).
     A value that is not a string names nothing: such params are malformed, not another connector's."""
-    mode = params.get("transfer_mode", TRANSFER_MODE)
-    if isinstance(mode, str) and mode != TRANSFER_MODE:
-        return (f"transfer_mode {_REPR.repr(mode)} is another producer's (DSAConnector's P hands out "
-                f"{TRANSFER_MODE!r})")
     name = params.get("kv_connector", DSA_CONNECTOR)
     if isinstance(name, str) and name != DSA_CONNECTOR:
         return f"kv_connector {_REPR.repr(name)} names another connector (DSAConnector's P hands out {DSA_CONNECTOR!r})"
+    mode = params.get("transfer_mode", TRANSFER_MODE)
+    if mode == LEGACY_TRANSFER_MODE and params.get("kv_connector") == DSA_CONNECTOR:
+        return ""  # an older DSAConnector P (protocol 6)
+    if isinstance(mode, str) and mode != TRANSFER_MODE:
+        bare = (f" without kv_connector {DSA_CONNECTOR!r}" if mode == LEGACY_TRANSFER_MODE else "")
+        return (f"transfer_mode {_REPR.repr(mode)}{bare} is another producer's (DSAConnector's P hands out "
+                f"{TRANSFER_MODE!r})")
     return ""
 
 

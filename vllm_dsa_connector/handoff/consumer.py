@@ -82,7 +82,14 @@ from vllm_dsa_connector.handoff.side_channel import (
     fetch_payloads,
     validate_peer,
 )
-from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Slots, encode, max_block_id
+from vllm_dsa_connector.handoff.wire import (
+    TRANSFER_MODE,
+    RankPayload,
+    RecvJob,
+    Slots,
+    encode,
+    max_block_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +118,7 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_block_ids: list[int]
     remote_num_tokens: int
     remote_token: str
-    transfer_mode: str = "push"
+    transfer_mode: str = TRANSFER_MODE
     remote_epoch: int = 0  # the P start holding the lease (0: not named)
 
     @property

@@ -33,7 +33,13 @@ import msgspec
 #: the handshake result, the workers' :class:`PeerInfo` and every job name the epoch of the peer they belong to,
 #: so a restarted engine (same id, new epoch) replaces the old record everywhere (5 had no epoch).
 PROTOCOL_VERSION = 6
-TRANSFER_MODE = "push"
+#: The ``transfer_mode`` DSAConnector's P hands out in its ``kv_transfer_params`` (they travel through the
+#: router, not the side channel: no protocol bump). Not ``"push"`` (what 0.1.0 handed out; issue 31): vllm-router takes
+#: a returned ``"push"`` for its own push mode and changes the P/D exchange for it.
+TRANSFER_MODE = "dsa-push"
+#: What earlier releases' P handed out; D still takes it together with ``kv_connector`` ``"DSAConnector"``
+#: (so an older P keeps working with a newer D); a bare ``"push"`` is another producer's.
+LEGACY_TRANSFER_MODE = "push"
 
 #: Largest side-channel message accepted (checked before decoding; the ZMQ socket drops bigger ones unread).
 MAX_MESSAGE_BYTES = 16 << 20

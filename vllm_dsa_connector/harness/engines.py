@@ -3,8 +3,9 @@
 The command line and environment of one engine (:func:`engine_cmd`, :func:`engine_env`), the attention
 backend it must run (:func:`choose_backend`, checked from its log by :func:`check_backend`), the
 DSAConnector ``--kv-transfer-config`` (:func:`connector_config`) and :func:`start_pair`: a prefill and a
-decode engine plus :mod:`vllm_dsa_connector.pd_proxy`, all started in a :class:`~.procs.Cluster`
-(own process groups, killed as groups).
+decode engine plus a router in front of them, :mod:`vllm_dsa_connector.pd_proxy` (the embedded default) or
+vllm-router (:func:`router_cmd`, the ``[router]`` extra), all started in a :class:`~.procs.Cluster` (own
+process groups, killed as groups).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -179,6 +181,48 @@ def proxy_cmd(prefill_url: str, decode_url: str, port: int) -> list[str]:
             "--decode", decode_url, "--port", str(port)]
 
 
+#: The routers :func:`start_pair` can put in front of a pair: our embedded proxy, or vllm-router.
+ROUTERS = ("pd-proxy", "vllm-router")
+#: The vllm-router release the ``[router]`` extra pins (tested in tests/test_router.py).
+VLLM_ROUTER_VERSION = "0.1.17"
+
+
+class RouterMissing(RuntimeError):
+    """vllm-router is not installed (the ``[router]`` extra)."""
+
+
+def vllm_router_binary() -> str | None:
+    """The ``vllm-router`` executable: the one next to this Python (its virtual environment's), else the
+    one on ``PATH``; None when neither exists."""
+    local = Path(sys.executable).parent / "vllm-router"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which("vllm-router")
+
+
+def require_vllm_router() -> str:
+    """The ``vllm-router`` executable, or :class:`RouterMissing` saying how to install it."""
+    found = vllm_router_binary()
+    if found is None:
+        raise RouterMissing(f"vllm-router is not installed (neither next to {sys.executable} nor on PATH): "
+                            f"pip install 'vllm-dsa-connector[router]' (vllm-router=={VLLM_ROUTER_VERSION})")
+    return found
+
+
+def router_cmd(prefill_url: str, decode_url: str, port: int, *, prometheus_port: int,
+               host: str = "127.0.0.1", binary: str | None = None) -> list[str]:
+    """Command line of vllm-router in P/D mode in front of one prefill and one decode server.
+
+    ``--kv-connector nixl`` is vllm-router's NIXL-style exchange (prefill with ``max_tokens=1`` and
+    ``kv_transfer_params={"do_remote_decode": true, ...}``, decode with P's returned params), which
+    DSAConnector follows. ``prometheus_port``: the router's own metrics exporter (it otherwise binds a
+    fixed default port, which two routers on one host would share).
+    """
+    return [binary or require_vllm_router(), "--vllm-pd-disaggregation", "--prefill", prefill_url,
+            "--decode", decode_url, "--kv-connector", "nixl", "--host", host, "--port", str(port),
+            "--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
+
+
 class PairUrls(NamedTuple):
     """Base URLs of a started P/D pair and its proxy."""
 
@@ -275,14 +319,21 @@ class Layout:
 def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, Any], *, base_port: int,
                dtype: str, startup_timeout: float, attention_backend: str = "auto",
                extra_env: dict[str, dict[str, str]] | None = None, label: str = "demo",
-               p_layout: Layout | None = None, d_layout: Layout | None = None) -> PairUrls:
-    """Start P (port ``base_port``, from core 0), D (``base_port + 1``, from core 1) and the proxy
+               p_layout: Layout | None = None, d_layout: Layout | None = None,
+               router: str = "pd-proxy", router_metrics_port: int | None = None) -> PairUrls:
+    """Start P (port ``base_port``, from core 0), D (``base_port + 1``, from core 1) and the router
     (``base_port + 2``); return their URLs once all are healthy and both engines run the expected attention
     backend.
 
     ``extra_env`` adds variables per engine (keys ``prefill``, ``decode``); ``p_layout``/``d_layout`` give
-    the engines' TP/PP sizes (default one rank each).
+    the engines' TP/PP sizes (default one rank each). ``router`` (:data:`ROUTERS`): ``pd-proxy`` (our
+    proxy, started next to the engines) or ``vllm-router`` (started once both engines are healthy, as it
+    probes them at start-up; its own metrics exporter on ``router_metrics_port``, default ``base_port + 6``
+    as the demo's ports go; :class:`RouterMissing` when not installed).
     """
+    if router not in ROUTERS:
+        raise ValueError(f"router {router!r}: one of {', '.join(ROUTERS)}")
+    binary = require_vllm_router() if router == "vllm-router" else None
     x_url = f"http://127.0.0.1:{base_port + 2}"
     ncpu = os.cpu_count() or 1
     extra_env = extra_env or {}
@@ -294,10 +345,18 @@ def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, 
     d = start_engine(c, "decode", model, base_port + 1, dtype, d_cfg, backend,
                      {**d_layout.env(model, min(1, ncpu - 1), ranks), **extra_env.get("decode", {})},
                      extra=d_layout.args())
-    x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2))
-    p.ready(startup_timeout, watch=[d.proc, x])
-    d.ready(startup_timeout, watch=[p.proc, x])
+    if binary is None:
+        x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2))
+        p.ready(startup_timeout, watch=[d.proc, x])
+        d.ready(startup_timeout, watch=[p.proc, x])
+    else:
+        p.ready(startup_timeout, watch=[d.proc])
+        d.ready(startup_timeout, watch=[p.proc])
+        x = c.start("router", router_cmd(p.url, d.url, base_port + 2, prometheus_port=router_metrics_port or base_port + 6,
+                                         binary=binary))
     wait_healthy(x_url, [x], 60)
+    if binary is not None:
+        print(f"[{label}] router: vllm-router ({binary}) on {x_url}", flush=True)
     print(f"[{label}] attention backend {backend.expected} on P and D ({backend.reason})", flush=True)
     if p_layout.world > 1 or d_layout.world > 1:
         print(f"[{label}] layouts: prefill {p_layout.label}, decode {d_layout.label}", flush=True)

@@ -351,19 +351,22 @@ def kv_cache_configs(
 
 def _table_from_config(hf_config: Any, kc: Any, **ranks: Any) -> PageTable:
     specs, block_size = _layer_specs(kc)
+    entries = [(name, t, li) for t in kc.kv_cache_tensors for li, name in enumerate(t.layers)]
+    # Pools are numbered in layer-name order, as build_from_kv_caches numbers them on a live worker
+    # (vLLM's tensor order is its own: a layer's indexer spec before its MLA spec).
+    entries.sort(key=lambda e: e[0])
     pool_index: dict[int, int] = {}
     pools: list[Pool] = []
     placed = []
-    for t in kc.kv_cache_tensors:
+    for name, t, li in entries:
         if t.block_stride not in pool_index:
             pool_index[t.block_stride] = len(pools)
             pools.append(Pool(base_ptr=0, nbytes=t.size, block_stride=t.block_stride,
                               num_blocks=kc.num_blocks_of(t)))
-        for li, name in enumerate(t.layers):
-            role, mapper, fmt = role_of(name, specs[name])
-            page = specs[name].page_size_bytes
-            placed.append((name, role, mapper, fmt, layer_of(name), pool_index[t.block_stride],
-                           t.offset + li * t.layer_stride, page))
+        role, mapper, fmt = role_of(name, specs[name])
+        page = specs[name].page_size_bytes
+        placed.append((name, role, mapper, fmt, layer_of(name), pool_index[t.block_stride],
+                       t.offset + li * t.layer_stride, page))
     return _assemble(hf_config, placed, pools, block_size=block_size, **ranks)
 
 
