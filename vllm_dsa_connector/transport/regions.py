@@ -101,6 +101,7 @@ class Transfer:
     _xfer: Any = field(default=None, repr=False)
     _dlists: tuple[Any, ...] = field(default=(), repr=False)
     stats: TransferStats | None = None
+    _error: str = field(default="", repr=False)  # what NIXL raised when its state was read (ERR)
 
 
 @dataclass(eq=False)
@@ -115,6 +116,8 @@ class PreparedList:
     offsets: np.ndarray
     lengths: np.ndarray
     _handle: Any = field(default=None, repr=False)
+    # (addr, mem, dev) of the region: a peer's list is prepared again after a reconnect to that peer
+    _region: tuple[int, str, int] | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
