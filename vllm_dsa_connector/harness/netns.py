@@ -10,7 +10,7 @@ network namespaces, so without it the KV bytes would not go over the veth at all
 Every name carries a per-run tag (unique: pid and a counter), the addresses are a private test range
 (``10.213.0.0/16``) that exists only while the namespaces do, and :func:`two_hosts` removes everything it made
 on exit, exception or failure half-way through set-up. :func:`unavailable` says why namespaces cannot be made
-here (not root, no ``ip``, or the kernel refuses), for a test's skip reason. Faults: :meth:`Link.down`,
+here (not root, no ``ip``, or the kernel refuses namespaces or veth pairs), for a test's skip reason. Faults: :meth:`Link.down`,
 :meth:`Link.up`, :meth:`Link.qdisc` (``tc``; :func:`netem_unavailable` says why the kernel has no ``netem``, if so).
 """
 
@@ -56,6 +56,11 @@ def unavailable() -> str:
     if out.returncode != 0:
         return f"the kernel refuses network namespaces: ip netns add: {out.stderr.strip()}"
     _run(["ip", "netns", "del", name], check=False)
+    a, b = f"dvp{os.getpid() % 100000}"[:15], f"dvq{os.getpid() % 100000}"[:15]
+    out = _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b], check=False)
+    if out.returncode != 0:
+        return f"the kernel refuses veth pairs: ip link add {a} type veth: {out.stderr.strip()}"
+    _run(["ip", "link", "del", a], check=False)
     return ""
 
 
