@@ -104,6 +104,7 @@ class NixlEngine:
         self._meta: dict[str, bytes] = {}  # peer -> the metadata it was added from (for reconnects)
         self._disconnected: dict[str, str] = {}  # peer -> why its connection is gone (reconnect before posting)
         self._remote_lists: dict[str, list[PreparedList]] = {}  # peer -> its live prepared lists
+        self._conn: dict[str, int] = {}  # peer -> how many times it was reconnected (tags transfers)
         self.on_reconnect = on_reconnect
         self.reconnects = 0  # remote agents removed and added again after a disconnect
         self._ids = itertools.count()
@@ -183,6 +184,7 @@ class NixlEngine:
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != peer:  # the metadata names its agent: this would be a bug of this class
             raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
+        self._conn[peer] = self._conn.get(peer, 0) + 1
         for plist in self._remote_lists.get(peer, []):
             self._reprepare(plist)
         why = self._disconnected.pop(peer, "") or reason
@@ -191,10 +193,12 @@ class NixlEngine:
         if self.on_reconnect is not None:
             self.on_reconnect(peer, why)
 
-    def _note_failure(self, peer: str, exc: BaseException) -> bool:
+    def _note_failure(self, peer: str, exc: BaseException, conn: int | None = None) -> bool:
         """Mark ``peer`` disconnected when ``exc`` says its connection is gone, or when NIXL no longer holds
-        the remote agent although this engine does (NIXL drops it after a disconnect). True when marked."""
-        if peer not in self._peers:
+        the remote agent although this engine does (NIXL drops it after a disconnect). True when marked.
+        ``conn``: the connection a failed transfer was posted on; a failure on one already replaced by a
+        reconnect marks nothing (reconnecting again would drop the new, working connection)."""
+        if peer not in self._peers or (conn is not None and conn != self._conn.get(peer, 0)):
             return False
         if not is_disconnect(exc):
             try:
@@ -280,6 +284,7 @@ class NixlEngine:
         self._ensure_connected(peer)
         for attempt in (0, 1):
             xfer_obj = make()
+            xfer_obj._conn = self._conn.get(peer, 0)
             try:
                 state = post(xfer_obj)
             except Exception as e:
@@ -400,7 +405,7 @@ class NixlEngine:
             return _state(self._agent, xfer._xfer)
         except Exception as e:  # noqa: BLE001 - an ERR state; a lost connection marks its peer disconnected
             xfer._error = f"{type(e).__name__}: {e}"
-            if self._note_failure(xfer.peer, e):
+            if self._note_failure(xfer.peer, e, xfer._conn):
                 xfer._error += "; the connection is gone: the next post reconnects"
             return "ERR"
 

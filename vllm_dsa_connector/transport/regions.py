@@ -102,6 +102,7 @@ class Transfer:
     _dlists: tuple[Any, ...] = field(default=(), repr=False)
     stats: TransferStats | None = None
     _error: str = field(default="", repr=False)  # what NIXL raised when its state was read (ERR)
+    _conn: int = field(default=0, repr=False)  # the engine's connection to the peer it was posted on
 
 
 @dataclass(eq=False)
