@@ -281,7 +281,11 @@ class NixlEngine:
               post: Callable[[Transfer], str]) -> Transfer:
         """Reconnect ``peer`` if it is marked disconnected, then ``post`` a fresh ``make()``; a post that fails
         because the connection is gone reconnects and posts once more. Tracks the posted transfer."""
-        self._ensure_connected(peer)
+        try:
+            self._ensure_connected(peer)
+        except TransferError as e:
+            raise TransferError(f"transfer {name} to peer {peer!r} not posted: {e}", peer=peer,
+                                transfer=name) from e
         for attempt in (0, 1):
             xfer_obj = make()
             xfer_obj._conn = self._conn.get(peer, 0)
@@ -292,7 +296,11 @@ class NixlEngine:
                 if self._note_failure(peer, e) and attempt == 0:
                     logger.info("transfer %s: connection to peer %r gone (%s); reconnecting and posting again",
                                 name, peer, e)
-                    self.reconnect(peer, f"{type(e).__name__}: {e}")
+                    try:
+                        self.reconnect(peer, f"{type(e).__name__}: {e}")
+                    except TransferError as e2:
+                        raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}; {e2}",
+                                            peer=peer, transfer=name) from e2
                     continue
                 raise TransferError(
                     f"transfer {name} to peer {peer!r} could not be posted: {e}",
