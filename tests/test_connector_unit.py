@@ -100,6 +100,31 @@ def test_unusable_params_are_exported_by_reason() -> None:
         unusable_key("nulls")
 
 
+def test_peer_reconnects_are_counted_and_exported() -> None:
+    """``peer_reconnects`` (a worker's NIXL engine re-added a remote agent after a lost connection) sums over
+    workers, shows in the log summary and reaches ``vllm:dsa_kv_peer_reconnects_total``."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from prometheus_client import CollectorRegistry
+
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, DSAPromMetrics
+
+    registry = CollectorRegistry()
+    types = {cls: partial(cls, registry=registry) for cls in (prometheus_client.Gauge, prometheus_client.Counter,
+                                                            prometheus_client.Histogram)}
+    prom = DSAPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    a, b = DSAKVConnectorStats(), DSAKVConnectorStats()
+    a.add("peer_reconnects")
+    assert not a.is_empty()
+    b.add("peer_reconnects", 2)
+    data = a.aggregate(b).data
+    assert DSAKVConnectorStats(data=dict(data)).reduce()["peer_reconnects"] == 3
+    prom.observe(data, 0)
+    assert registry.get_sample_value("vllm:dsa_kv_peer_reconnects_total", {"engine": "0"}) == 3
+
+
 def test_notice_and_payload_round_trip() -> None:
     from vllm_dsa_connector.handoff.wire import (
         PROTOCOL_VERSION,

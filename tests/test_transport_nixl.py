@@ -10,6 +10,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
+import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Iterator
@@ -176,6 +179,17 @@ def w_big_writes(peer: str, dst: dict[str, Any], timeout: float, conn_flag: str)
         except TransferError as e:
             return {"error": str(e), "peer": e.peer, "waited": time.perf_counter() - t0}
     return {"error": None}
+
+
+def w_cancel(tag: bytes) -> None:
+    STATE["rcv"].cancel(tag)
+
+
+def w_connection() -> dict[str, Any]:
+    """The engine's reconnect count and the peers it holds disconnected (with why)."""
+    eng = STATE["engine"]
+    return {"reconnects": eng.reconnects, "disconnected": {p: eng.disconnected(p) for p in eng.peers
+                                                           if eng.disconnected(p)}}
 
 
 # -- test-side harness --------------------------------------------------------------------------------
@@ -407,6 +421,101 @@ def test_receiver_killed_mid_transfer(setting: str, tmp_path: Any) -> None:
         t1 = time.perf_counter()
         c.w0.stop()  # close() with a dead peer must not hang either
         assert time.perf_counter() - t1 < 8.0
+    finally:
+        c.stop()
+
+
+def _established(pid: int) -> list[tuple[str, str]]:
+    """(local, peer) ``addr:port`` of the established TCP connections of process ``pid`` (``ss -tnp``)."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, timeout=30)
+    conns = []
+    for line in out.stdout.splitlines():
+        fields = line.split()  # Recv-Q Send-Q Local Peer Process (no State column with a state filter)
+        if len(fields) >= 5 and f"pid={pid}," in line:
+            conns.append((fields[2], fields[3]))
+    return conns
+
+
+def _kill_connections(a: int, b: int) -> int:
+    """Abort every TCP connection between processes ``a`` and ``b`` (``ss -K``: both ends see a reset, both
+    processes live on). Returns how many of ``a``'s sockets went."""
+    b_locals = {local for local, _ in _established(b)}
+    between = [(local, peer) for local, peer in _established(a) if peer in b_locals]
+    for local, peer in between:
+        for src, dst in ((local, peer), (peer, local)):
+            sport, dport = src.rsplit(":", 1)[1], dst.rsplit(":", 1)[1]
+            subprocess.run(["ss", "-K", "-tn", "state", "established", f"( sport = :{sport} and dport = :{dport} )"],
+                           capture_output=True, text=True, timeout=30)
+    still = {c for c in _established(a) if c in between}
+    assert not still, f"ss -K left the connections {sorted(still)}"
+    return len(between)
+
+
+def _kill_unavailable() -> str:
+    """``""`` when ``ss -K`` can abort a TCP connection here, else why not (needs root and a kernel with
+    CONFIG_INET_DIAG_DESTROY)."""
+    if os.geteuid() != 0 or shutil.which("ss") is None:
+        return "aborting TCP connections (ss -K) needs root and iproute2's ss"
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as cli:
+            conn, _ = srv.accept()
+            with conn:
+                subprocess.run(["ss", "-K", "-tn", f"( dport = :{port} )"], capture_output=True, timeout=30)
+                try:
+                    cli.send(b"x")
+                    cli.recv(1)
+                except OSError:
+                    return ""
+    return "ss -K did not abort a TCP connection (kernel without CONFIG_INET_DIAG_DESTROY?)"
+
+
+def _attempt(c: Cluster, tag: bytes, runs: dict[str, Any], timeout: float = 8.0) -> str:
+    """One direct WRITE of ``runs`` from w0; ``""`` when it landed byte-exact, else the writer's error."""
+    c.rcv.call("w_expect", tag=tag, writers=[runs], bounce=False)
+    c.rcv.submit("w_receive", tag=tag, writers=[runs], timeout=timeout)
+    c.w0.submit("w_send", peer=c.rcv_peer[0], dst=c.dst, runs=runs, tag=tag, slot=None, writer=0, path="direct",
+                timeout=timeout)
+    try:
+        c.w0.result(timeout + 20)
+    except AssertionError as e:
+        try:
+            c.rcv.result(timeout + 20)
+        except AssertionError:
+            pass
+        c.rcv.call("w_cancel", tag=tag)
+        return str(e)
+    got = c.rcv.result(timeout + 20)
+    assert got["digests"] == [c.w0.call("w_src_digest", runs=runs)], "received bytes differ from the sent bytes"
+    assert got["untouched_zero"], "bytes outside the runs were written"
+    return ""
+
+
+def test_lost_connection_is_reconnected_and_the_next_transfer_lands() -> None:
+    """The TCP connections between a writer and a live receiver are aborted (``ss -K``: a real lost
+    connection, both agents keep running, as when a link between hosts was down long enough for UCX to give
+    up). The WRITE that meets the dead connection may fail; the writer then removes the receiver's remote
+    agent and adds it again from the metadata it holds, and the next WRITEs land byte-exact."""
+    why = _kill_unavailable()
+    if why:
+        pytest.skip(why)
+    c = Cluster("ucx-tcp", writers=1)
+    try:
+        runs = _scattered(21, 512, 576)
+        assert _attempt(c, b"before", runs) == ""
+        assert c.w0.call("w_connection")["reconnects"] == 0
+        c.rcv.submit("w_poll", seconds=1.0)  # both ends progress: UCX notices the reset at once
+        killed = _kill_connections(c.w0.proc.pid, c.rcv.proc.pid)
+        assert killed > 0, "no TCP connection between the writer and the receiver (UCX_TLS=tcp)"
+        c.w0.call("w_poll", seconds=1.0)
+        c.rcv.result()
+        first = _attempt(c, b"first-after", runs)
+        second = _attempt(c, b"second-after", runs)
+        third = _attempt(c, b"third-after", runs)
+        conn = c.w0.call("w_connection")
+        print(f"after ss -K of {killed} connection(s): first WRITE {first or 'landed'}; reconnects {conn}")
+        assert second == "" and third == "", (first, second, third)
+        assert conn["reconnects"] == 1 and not conn["disconnected"], conn
     finally:
         c.stop()
 

@@ -15,6 +15,8 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
 - ``vllm:dsa_kv_unusable_params_total{reason}``: D requests whose ``kv_transfer_params`` D could not use
   (each is a load failure), by :data:`UNUSABLE_REASONS`: ``other_connector`` (another producer's params,
   e.g. NixlConnector's ``transfer_mode``), ``malformed`` (missing keys, wrong types or values)
+- ``vllm:dsa_kv_peer_reconnects_total``: NIXL remote agents removed and added again after their connection was
+  lost (P side; the next post to that peer then makes a new connection)
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -52,6 +54,7 @@ _COUNTERS = (
     "checksummed_runs",
     "unusable_other_connector",
     "unusable_malformed",
+    "peer_reconnects",
 )
 _LISTS = ("transfer_s", "recv_wait_s")
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
@@ -173,6 +176,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._checked, _ = counter("vllm:dsa_kv_checksummed_runs", "Runs verified by checksum")
         self._unusable, _ = counter("vllm:dsa_kv_unusable_params",
                                     "D requests whose kv_transfer_params D could not use, by reason", ("reason",))
+        self._reconnects, _ = counter("vllm:dsa_kv_peer_reconnects",
+                                      "NIXL remote agents removed and added again after a lost connection")
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -199,6 +204,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._bounce, engine_idx, d.get("bounce_bytes", 0))
         self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
+        self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))
         for key, side, outcome in (
             ("send_ok", "send", "ok"),
             ("send_failed", "send", "failed"),

@@ -22,6 +22,13 @@ start's NIXL remote agents are retired and removed once no post of this worker u
 already posted to the old agent completes or fails there), the new start's are added. A push whose
 ``dst_epoch`` is not the record's start is failed, never written (its blocks are another start's), and a
 receive armed for another start of its source expects no notice from the current one.
+
+Lost connections: when NIXL reports that the connection to a destination's remote agent is gone (e.g. the
+link between the hosts was down long enough for UCX to fail the endpoint) the transport marks that agent
+disconnected and its next post removes it and adds it again from the metadata of the handshake (the same
+start of the peer: its pools are unchanged), retrying a post refused for the lost connection once
+(:meth:`~vllm_dsa_connector.transport.engine.NixlEngine.reconnect`). Each reconnect is counted
+(``peer_reconnects``, ``vllm:dsa_kv_peer_reconnects_total``) and logged as a warning naming the peer.
 """
 
 from __future__ import annotations
@@ -122,7 +129,8 @@ class DSAConnectorWorker(ReceiveSide):
         self.opts = options
         self.compat = dict(compat)
         self.nixl = NixlEngine(f"dsa-{engine_id}-{uuid.uuid4().hex[:8]}", (options.nixl_backend,),
-                               telemetry=True, progress_thread=options.nixl_progress_thread)
+                               telemetry=True, progress_thread=options.nixl_progress_thread,
+                               on_reconnect=self._reconnected)
         self.table: Any = None
         self.regions: list[Any] = []
         self.payload: RankPayload | None = None
@@ -235,6 +243,14 @@ class DSAConnectorWorker(ReceiveSide):
                            sorted(old.agents.values()), sorted(remote.agents.values()))
         records[peer.engine_id] = remote
         self._remove_retired()
+
+    def _reconnected(self, agent: str, reason: str) -> None:
+        """The transport removed and added ``agent`` again after its connection was lost: count and log it."""
+        self.stats.add("peer_reconnects")
+        engines = sorted(e for e, r in self.remotes.items() if agent in r.agents.values()) or ["(unknown engine)"]
+        logger.warning("DSAConnector %s: NIXL connection to peer %s (remote agent %s) was lost (%s); removed the "
+                       "remote agent and added it again from its handshake metadata", self.engine_id,
+                       ", ".join(engines), agent, reason)
 
     def _remove_retired(self) -> None:
         """Remove the retired NIXL agents no post of this worker uses any more."""

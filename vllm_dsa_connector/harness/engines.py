@@ -129,11 +129,13 @@ def check_backend(proc: Proc, choice: BackendChoice) -> None:
 
 def engine_cmd(model: Path, port: int, dtype: str | None, kv_config: dict[str, Any] | None,
                max_model_len: int = 2048, backend: BackendChoice | None = None,
-               extra: list[str] | None = None) -> list[str]:
+               extra: list[str] | None = None, host: str = "127.0.0.1",
+               prefix: Sequence[str] = ()) -> list[str]:
     """``api_server`` command line of one engine (``backend``: see :func:`choose_backend`; ``dtype``
-    None leaves vLLM's default)."""
+    None leaves vLLM's default), serving HTTP on ``host``; ``prefix`` runs it under another command, e.g.
+    :attr:`~.netns.Host.prefix` (``ip netns exec NAME``) to start it inside a network namespace."""
     backend = backend or choose_backend(model, dtype or "auto")
-    cmd = [sys.executable, "-m", API_SERVER, "--model", str(model), "--host", "127.0.0.1",
+    cmd = [*prefix, sys.executable, "-m", API_SERVER, "--model", str(model), "--host", host,
            "--port", str(port), "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
     if dtype is not None:
         cmd += ["--dtype", dtype]
@@ -160,16 +162,23 @@ class Engine:
 
 def start_engine(c: Cluster, name: str, model: Path, port: int, dtype: str | None,
                  kv_config: dict[str, Any] | None, backend: BackendChoice, env: dict[str, str],
-                 extra: list[str] | None = None) -> Engine:
-    """Start one ``api_server`` on 127.0.0.1:``port`` in ``c`` (see :func:`engine_cmd`); returns at once."""
-    cmd = engine_cmd(model, port, dtype, kv_config, backend=backend, extra=extra)
-    return Engine(c.start(name, cmd, env), f"http://127.0.0.1:{port}", backend)
+                 extra: list[str] | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Engine:
+    """Start one ``api_server`` on ``host``:``port`` in ``c`` (see :func:`engine_cmd`; ``prefix``: e.g. inside a
+    network namespace); returns at once."""
+    cmd = engine_cmd(model, port, dtype, kv_config, backend=backend, extra=extra, host=host, prefix=prefix)
+    return Engine(c.start(name, cmd, env), f"http://{host}:{port}", backend)
 
 
-def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int) -> dict[str, Any]:
-    """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``)."""
-    return {"kv_connector": "DSAConnector", "kv_role": role,
-            "kv_connector_extra_config": {"verify_transfers": verify, "side_channel_port": side_port, **extra}}
+def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: int,
+                     side_host: str | None = None, auth_secret: str | None = None) -> dict[str, Any]:
+    """``--kv-transfer-config`` of a DSAConnector engine (side channel on ``side_port``, bound to ``side_host``
+    when given, e.g. a network namespace's wire address; signed with ``auth_secret`` when given)."""
+    extra_cfg: dict[str, Any] = {"verify_transfers": verify, "side_channel_port": side_port}
+    if side_host is not None:
+        extra_cfg["side_channel_host"] = side_host
+    if auth_secret is not None:
+        extra_cfg["auth_secret"] = auth_secret
+    return {"kv_connector": "DSAConnector", "kv_role": role, "kv_connector_extra_config": {**extra_cfg, **extra}}
 
 
 def proxy_cmd(prefill_url: str, decode_url: str, port: int) -> list[str]:

@@ -13,7 +13,7 @@ Runs (``runs.py``)
 
 Engine (``engine.py``; ``Region``, ``RegionDesc``, ``Transfer``, ``TransferStats``, ``TransferError``,
 ``PreparedList`` in ``regions.py``)
-    ``NixlEngine(name, backends=("UCX",), telemetry=False, progress_thread=False)``
+    ``NixlEngine(name, backends=("UCX",), telemetry=False, progress_thread=False, on_reconnect=None)``
     - ``register(tensor) -> Region`` (DRAM for CPU, VRAM for CUDA; contiguous tensors; once at start).
       ``Region.desc() -> RegionDesc``; ``RegionDesc.to_dict()`` / ``RegionDesc.from_dict(d)`` are
       plain dicts of ints/strings for the handshake (msgspec/JSON friendly).
@@ -32,6 +32,12 @@ Engine (``engine.py``; ``Region``, ``RegionDesc``, ``Transfer``, ``TransferStats
       ERR, a NIXL exception, an unknown/vanished peer or the timeout raise ``TransferError`` (``.peer``,
       ``.transfer`` and the message name both) -- never a hang.
     - ``poll_notifications() -> list[(peer, bytes)]``, ``send_notification(peer, msg)``, ``close()``.
+    - Reconnects: a NIXL error saying the connection is gone (``is_disconnect``: ``NIXL_ERR_REMOTE_DISCONNECT``;
+      or NIXL no longer holding a remote agent this engine added, as NIXL drops it after a disconnect) marks
+      the peer disconnected (``disconnected(peer)`` says why); its next post removes the remote agent, adds
+      it again from the metadata ``add_peer`` got and prepares its prepared lists again (``reconnect(peer)``),
+      and a post refused for a lost connection is retried once after a reconnect. ``on_reconnect(peer,
+      reason)`` is called after each; ``reconnects`` counts them.
     - Progress: with ``progress_thread=False`` (default; NIXL's thread busy-polls a core, which costs
       2-10x on small CPU hosts) UCX progresses when you call ``wait``/``state``/``poll_notifications``.
       Under UCX_TLS=tcp a sender's WRITE completes only while the TARGET also polls, so the target must
@@ -148,6 +154,7 @@ __all__ = [
     "Chunk",
     "CopyConfig",
     "CostModel",
+    "DISCONNECT_ERRORS",
     "Decision",
     "DirectTransport",
     "IpcDesc",
@@ -192,6 +199,7 @@ __all__ = [
     "encode_event_notif",
     "encode_notif",
     "export_region",
+    "is_disconnect",
     "gather",
     "link_between",
     "merge_adjacent",
@@ -207,7 +215,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "DISCONNECT_ERRORS": "engine",
     "NixlEngine": "engine",
+    "is_disconnect": "engine",
     "PreparedList": "regions",
     "Region": "regions",
     "RegionDesc": "regions",

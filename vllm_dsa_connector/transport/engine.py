@@ -5,6 +5,15 @@ peers are added from their metadata bytes; a transfer is a list of byte runs WRI
 to a remote one, posted through the two-step API (``prep_xfer_dlist`` for both sides, then
 ``make_prepped_xfer``) and completed by a notification on the target. ``wait`` never hangs: an ``ERR``
 state, a NIXL exception or the timeout becomes :class:`TransferError` naming the peer and the transfer.
+
+Reconnects: once the connection to a peer is gone (:func:`is_disconnect`: ``NIXL_ERR_REMOTE_DISCONNECT``, e.g.
+the link was down long enough for UCX to fail the endpoint; NIXL then drops the remote agent itself, so a
+later prep names an unknown agent) the peer is marked disconnected. Its next post (``write``,
+``write_prepared``, ``send_notification``) first removes the remote agent and adds it again from the metadata
+:meth:`NixlEngine.add_peer` was given (:meth:`NixlEngine.reconnect`; the peer's prepared lists are prepared
+again), and a post that fails with a disconnect is retried once after such a reconnect. Without this a peer
+that became reachable again would never be written to again. ``on_reconnect(peer, reason)`` is called after
+each reconnect (the connector counts and logs them); :attr:`NixlEngine.reconnects` counts them too.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +39,7 @@ from vllm_dsa_connector.transport.runs import Runs
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DISCONNECT_ERRORS",
     "NixlEngine",
     "PreparedList",
     "Region",
@@ -36,7 +47,18 @@ __all__ = [
     "Transfer",
     "TransferError",
     "TransferStats",
+    "is_disconnect",
 ]
+
+#: NIXL's exception class names and status names that mean the connection to the peer is gone (the peer
+#: process died, or the link was down long enough for UCX to fail the endpoint): only a new connection helps.
+DISCONNECT_ERRORS = ("nixlRemoteDisconnectError", "NIXL_ERR_REMOTE_DISCONNECT")
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by NIXL) says the connection to the remote agent is gone."""
+    text = f"{type(exc).__name__} {exc}"
+    return any(name in text for name in DISCONNECT_ERRORS)
 
 
 def _state(agent: Any, xfer: Any) -> str:
@@ -52,7 +74,9 @@ class NixlEngine:
         backends: tuple[str, ...] = ("UCX",),
         telemetry: bool = False,
         progress_thread: bool = False,
+        on_reconnect: Callable[[str, str], None] | None = None,
     ) -> None:
+        """``on_reconnect(peer, reason)``: called after each :meth:`reconnect` (under the caller's lock)."""
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -77,6 +101,12 @@ class NixlEngine:
             )
         self._regions: list[Region] = []
         self._peers: set[str] = set()
+        self._meta: dict[str, bytes] = {}  # peer -> the metadata it was added from (for reconnects)
+        self._disconnected: dict[str, str] = {}  # peer -> why its connection is gone (reconnect before posting)
+        self._remote_lists: dict[str, list[PreparedList]] = {}  # peer -> its live prepared lists
+        self._conn: dict[str, int] = {}  # peer -> how many times it was reconnected (tags transfers)
+        self.on_reconnect = on_reconnect
+        self.reconnects = 0  # remote agents removed and added again after a disconnect
         self._ids = itertools.count()
         self._inflight: dict[int, Transfer] = {}
         self._backlog: list[tuple[str, bytes]] = []  # notifications drained by progress()
@@ -113,16 +143,76 @@ class NixlEngine:
         peer = self._agent.add_remote_agent(meta)
         peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         self._peers.add(peer)
+        self._meta[peer] = bytes(meta)
+        self._disconnected.pop(peer, None)
         return peer
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer (its in-flight transfers should be waited for or abandoned first)."""
         if peer in self._peers:
             self._peers.discard(peer)
+            self._meta.pop(peer, None)
+            self._disconnected.pop(peer, None)
+            self._remote_lists.pop(peer, None)
             try:
                 self._agent.remove_remote_agent(peer)
             except Exception as e:  # NIXL raises if already gone; nothing to undo
                 logger.debug("remove_peer %s: %s", peer, e)
+
+    def disconnected(self, peer: str) -> str:
+        """Why the connection to ``peer`` is gone (its next post reconnects first), or ``""``."""
+        return self._disconnected.get(peer, "")
+
+    def reconnect(self, peer: str, reason: str = "") -> None:
+        """Remove ``peer``'s remote agent and add it again from the metadata :meth:`add_peer` got: NIXL makes
+        a new connection on the next post. The peer's prepared lists are prepared again (their handles
+        belonged to the old connection). :class:`TransferError` naming the peer when its metadata is not
+        held or NIXL refuses it (the peer then stays marked disconnected)."""
+        meta = self._meta.get(peer)
+        if peer not in self._peers or meta is None:
+            raise TransferError(f"reconnect: unknown peer {peer!r} (no metadata held)", peer=peer)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:  # NIXL drops a disconnected remote agent itself: already gone
+            logger.debug("reconnect %s: remove_remote_agent: %s", peer, e)
+        try:
+            name = self._agent.add_remote_agent(meta)
+        except Exception as e:
+            self._disconnected[peer] = reason or self._disconnected.get(peer, "") or "reconnect failed"
+            raise TransferError(f"reconnect to peer {peer!r} failed: adding its metadata again: {e}",
+                                peer=peer) from e
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != peer:  # the metadata names its agent: this would be a bug of this class
+            raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
+        self._conn[peer] = self._conn.get(peer, 0) + 1
+        for plist in self._remote_lists.get(peer, []):
+            self._reprepare(plist)
+        why = self._disconnected.pop(peer, "") or reason
+        self.reconnects += 1
+        logger.info("NIXL agent %s: remote agent %s removed and added again (%s)", self.name, peer, why)
+        if self.on_reconnect is not None:
+            self.on_reconnect(peer, why)
+
+    def _note_failure(self, peer: str, exc: BaseException, conn: int | None = None) -> bool:
+        """Mark ``peer`` disconnected when ``exc`` says its connection is gone, or when NIXL no longer holds
+        the remote agent although this engine does (NIXL drops it after a disconnect). True when marked.
+        ``conn``: the connection a failed transfer was posted on; a failure on one already replaced by a
+        reconnect marks nothing (reconnecting again would drop the new, working connection)."""
+        if peer not in self._peers or (conn is not None and conn != self._conn.get(peer, 0)):
+            return False
+        if not is_disconnect(exc):
+            try:
+                known = bool(self._agent.check_remote_metadata(peer))
+            except Exception:  # noqa: BLE001 - cannot tell: not a disconnect
+                known = True
+            if known:
+                return False
+        self._disconnected[peer] = f"{type(exc).__name__}: {exc}"
+        return True
+
+    def _ensure_connected(self, peer: str) -> None:
+        if peer in self._disconnected:
+            self.reconnect(peer, self._disconnected[peer])
 
     @property
     def peers(self) -> frozenset[str]:
@@ -149,7 +239,9 @@ class NixlEngine:
         """Post a WRITE of ``runs`` (local offsets -> remote offsets); the peer gets ``notif`` after the data.
 
         An empty transfer posts no descriptor and sends ``notif`` alone, so the target still completes.
-        Raises :class:`TransferError` when the peer is unknown or NIXL refuses the request.
+        Raises :class:`TransferError` when the peer is unknown or NIXL refuses the request. A peer marked
+        disconnected is reconnected first; a post refused because the connection is gone is retried once
+        after a reconnect (see the module docstring).
         """
         remote = RegionDesc.from_dict(remote)
         tid = next(self._ids)
@@ -157,20 +249,20 @@ class NixlEngine:
         if peer not in self._peers:
             raise TransferError(f"transfer {name}: unknown peer {peer!r}", peer=peer, transfer=name)
         runs.check_bounds(local.size, remote.size, what=f"transfer {name}")
-        t0 = time.perf_counter()
-        xfer_obj = Transfer(name, peer, runs.num_runs, runs.total_bytes, t0)
-        try:
+
+        def post(xfer_obj: Transfer) -> str:
             if runs.num_runs == 0:
                 self._agent.send_notif(peer, notif)
                 self.progress()  # untracked by NIXL: see send_notification
                 xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
-                return xfer_obj
+                return "DONE"
             n = runs.num_runs
             lh = self._agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
                 self._descs(local.addr, runs.src_offsets, runs.lengths, local.dev),
                 local.mem,
             )
+            xfer_obj._dlists = (lh,)
             rh = self._agent.prep_xfer_dlist(
                 peer,
                 self._descs(remote.addr, runs.dst_offsets, runs.lengths, remote.dev),
@@ -180,23 +272,51 @@ class NixlEngine:
             idx = np.arange(n, dtype=np.int32)
             xh = self._agent.make_prepped_xfer("WRITE", lh, idx, rh, idx, notif)
             xfer_obj._xfer = xh
-            state = self._agent.transfer(xh)
-        except TransferError:
-            raise
-        except Exception as e:
-            self._release(xfer_obj)
-            raise TransferError(
-                f"transfer {name} to peer {peer!r} could not be posted: {e}",
-                peer=peer,
-                transfer=name,
-            ) from e
-        if state == "ERR":
-            self._release(xfer_obj)
-            raise TransferError(
-                f"transfer {name} to peer {peer!r} failed at post (ERR)", peer=peer, transfer=name
-            )
-        self._inflight[tid] = xfer_obj
-        return xfer_obj
+            return self._agent.transfer(xh)
+
+        return self._post(peer, tid, name, lambda: Transfer(name, peer, runs.num_runs, runs.total_bytes,
+                                                             time.perf_counter()), post)
+
+    def _post(self, peer: str, tid: int, name: str, make: Callable[[], Transfer],
+              post: Callable[[Transfer], str]) -> Transfer:
+        """Reconnect ``peer`` if it is marked disconnected, then ``post`` a fresh ``make()``; a post that fails
+        because the connection is gone reconnects and posts once more. Tracks the posted transfer."""
+        try:
+            self._ensure_connected(peer)
+        except TransferError as e:
+            raise TransferError(f"transfer {name} to peer {peer!r} not posted: {e}", peer=peer,
+                                transfer=name) from e
+        for attempt in (0, 1):
+            xfer_obj = make()
+            xfer_obj._conn = self._conn.get(peer, 0)
+            try:
+                state = post(xfer_obj)
+            except Exception as e:
+                self._release(xfer_obj)
+                if self._note_failure(peer, e) and attempt == 0:
+                    logger.info("transfer %s: connection to peer %r gone (%s); reconnecting and posting again",
+                                name, peer, e)
+                    try:
+                        self.reconnect(peer, f"{type(e).__name__}: {e}")
+                    except TransferError as e2:
+                        raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}; {e2}",
+                                            peer=peer, transfer=name) from e2
+                    continue
+                raise TransferError(
+                    f"transfer {name} to peer {peer!r} could not be posted: {e}",
+                    peer=peer,
+                    transfer=name,
+                ) from e
+            if xfer_obj.stats is not None:  # notification only: nothing in flight
+                return xfer_obj
+            if state == "ERR":
+                self._release(xfer_obj)
+                raise TransferError(
+                    f"transfer {name} to peer {peer!r} failed at post (ERR)", peer=peer, transfer=name
+                )
+            self._inflight[tid] = xfer_obj
+            return xfer_obj
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def prepare_local(self, region: Region, offsets: Any, lengths: Any) -> PreparedList:
         """Prepare a local descriptor list once (e.g. one entry per block of a KV pool)."""
@@ -205,11 +325,15 @@ class NixlEngine:
 
     def prepare_remote(self, peer: str, remote: RegionDesc | dict[str, Any], offsets: Any,
                        lengths: Any) -> PreparedList:
-        """Prepare a peer's descriptor list once (after :meth:`add_peer`)."""
+        """Prepare a peer's descriptor list once (after :meth:`add_peer`); prepared again by
+        :meth:`reconnect` (its handle belongs to one connection to the peer)."""
         if peer not in self._peers:
             raise TransferError(f"prepare_remote: unknown peer {peer!r}", peer=peer)
+        self._ensure_connected(peer)
         r = RegionDesc.from_dict(remote)
-        return self._prepare(peer, r.addr, r.size, r.mem, r.dev, offsets, lengths)
+        plist = self._prepare(peer, r.addr, r.size, r.mem, r.dev, offsets, lengths)
+        self._remote_lists.setdefault(peer, []).append(plist)
+        return plist
 
     def _prepare(self, agent: str, addr: int, size: int, mem: str, dev: int, offsets: Any,
                  lengths: Any) -> PreparedList:
@@ -219,21 +343,40 @@ class NixlEngine:
             raise ValueError("prepare: offsets and lengths must be non-empty and of equal length")
         if offs.min() < 0 or lens.min() <= 0 or int((offs + lens).max()) > size:
             raise ValueError(f"prepare: entries must lie inside the {size}-byte region")
+        plist = PreparedList(agent, offs, lens, _region=(addr, mem, dev))
+        self._reprepare(plist)
+        return plist
+
+    def _reprepare(self, plist: PreparedList) -> None:
+        """(Re)make ``plist``'s NIXL handle from its entries (the old handle, if any, is released)."""
+        assert plist._region is not None
+        addr, mem, dev = plist._region
+        if plist._handle is not None:
+            try:
+                self._agent.release_dlist_handle(plist._handle)
+            except Exception as e:  # a handle of the old connection: NIXL may have dropped it already
+                logger.debug("release dlist of %s: %s", plist.agent, e)
+            plist._handle = None
         try:
-            h = self._agent.prep_xfer_dlist(agent, self._descs(addr, offs, lens, dev), mem)
+            plist._handle = self._agent.prep_xfer_dlist(plist.agent, self._descs(addr, plist.offsets,
+                                                                                 plist.lengths, dev), mem)
         except Exception as e:
-            raise TransferError(f"prepare for {agent!r} failed: {e}", peer=agent) from e
-        return PreparedList(agent, offs, lens, h)
+            raise TransferError(f"prepare for {plist.agent!r} failed: {e}", peer=plist.agent) from e
 
     def release_prepared(self, plist: PreparedList) -> None:
         """Free a prepared list (no transfer may still use it)."""
+        lists = self._remote_lists.get(plist.agent)
+        if lists is not None and plist in lists:
+            lists.remove(plist)
         if plist._handle is not None:
             self._agent.release_dlist_handle(plist._handle)
             plist._handle = None
 
     def write_prepared(self, peer: str, local: PreparedList, local_idx: Any, remote: PreparedList,
                        remote_idx: Any, notif: bytes = b"") -> Transfer:
-        """WRITE entries ``local_idx`` of ``local`` to entries ``remote_idx`` of ``remote`` (same lengths)."""
+        """WRITE entries ``local_idx`` of ``local`` to entries ``remote_idx`` of ``remote`` (same lengths).
+
+        Reconnects and retries as :meth:`write` does (``remote`` is prepared again by the reconnect)."""
         li = np.ascontiguousarray(local_idx, dtype=np.int32).reshape(-1)
         ri = np.ascontiguousarray(remote_idx, dtype=np.int32).reshape(-1)
         tid = next(self._ids)
@@ -246,26 +389,19 @@ class NixlEngine:
         if li.size and not np.array_equal(local.lengths[li], remote.lengths[ri]):
             raise ValueError(f"transfer {name}: local and remote entry lengths differ")
         total = int(local.lengths[li].sum()) if li.size else 0
-        xfer_obj = Transfer(name, peer, int(li.size), total, time.perf_counter())
-        try:
+
+        def post(xfer_obj: Transfer) -> str:
             if li.size == 0:
                 self._agent.send_notif(peer, notif)
                 self.progress()  # untracked by NIXL: see send_notification
                 xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
-                return xfer_obj
+                return "DONE"
             xh = self._agent.make_prepped_xfer("WRITE", local._handle, li, remote._handle, ri, notif)
             xfer_obj._xfer = xh
-            state = self._agent.transfer(xh)
-        except Exception as e:
-            self._release(xfer_obj)
-            raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}",
-                                peer=peer, transfer=name) from e
-        if state == "ERR":
-            self._release(xfer_obj)
-            raise TransferError(f"transfer {name} to peer {peer!r} failed at post (ERR)",
-                                peer=peer, transfer=name)
-        self._inflight[tid] = xfer_obj
-        return xfer_obj
+            return self._agent.transfer(xh)
+
+        return self._post(peer, tid, name, lambda: Transfer(name, peer, int(li.size), total, time.perf_counter()),
+                          post)
 
     def state(self, xfer: Transfer) -> str:
         """``"DONE"``, ``"PROC"`` or ``"ERR"`` (no exception)."""
@@ -275,7 +411,10 @@ class NixlEngine:
             return "ERR"
         try:
             return _state(self._agent, xfer._xfer)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - an ERR state; a lost connection marks its peer disconnected
+            xfer._error = f"{type(e).__name__}: {e}"
+            if self._note_failure(xfer.peer, e, xfer._conn):
+                xfer._error += "; the connection is gone: the next post reconnects"
             return "ERR"
 
     def wait(self, xfer: Transfer, timeout_s: float = 10.0) -> TransferStats:
@@ -293,7 +432,7 @@ class NixlEngine:
                 self._release(xfer)
                 raise TransferError(
                     f"transfer {xfer.name} to peer {xfer.peer!r} failed (ERR state; "
-                    f"peer gone or refused)",
+                    f"{xfer._error or 'peer gone or refused'})",
                     peer=xfer.peer,
                     transfer=xfer.name,
                 )
@@ -354,10 +493,19 @@ class NixlEngine:
         progresses. The sender must keep calling :meth:`progress` (or ``wait``/``state``/
         :meth:`poll_notifications`) until the peer saw it; this call progresses once.
         """
+        self._ensure_connected(peer)
         try:
             self._agent.send_notif(peer, msg)
         except Exception as e:
-            raise TransferError(f"notification to peer {peer!r} failed: {e}", peer=peer) from e
+            if not self._note_failure(peer, e):
+                raise TransferError(f"notification to peer {peer!r} failed: {e}", peer=peer) from e
+            self.reconnect(peer, f"{type(e).__name__}: {e}")  # once: a second failure raises
+            try:
+                self._agent.send_notif(peer, msg)
+            except Exception as e2:
+                self._note_failure(peer, e2)
+                raise TransferError(f"notification to peer {peer!r} failed after a reconnect: {e2}",
+                                    peer=peer) from e2
         self.progress()
 
     def progress(self) -> None:

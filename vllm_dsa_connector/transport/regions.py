@@ -101,6 +101,8 @@ class Transfer:
     _xfer: Any = field(default=None, repr=False)
     _dlists: tuple[Any, ...] = field(default=(), repr=False)
     stats: TransferStats | None = None
+    _error: str = field(default="", repr=False)  # what NIXL raised when its state was read (ERR)
+    _conn: int = field(default=0, repr=False)  # the engine's connection to the peer it was posted on
 
 
 @dataclass(eq=False)
@@ -115,6 +117,8 @@ class PreparedList:
     offsets: np.ndarray
     lengths: np.ndarray
     _handle: Any = field(default=None, repr=False)
+    # (addr, mem, dev) of the region: a peer's list is prepared again after a reconnect to that peer
+    _region: tuple[int, str, int] | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
