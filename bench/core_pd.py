@@ -52,8 +52,8 @@ from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_
 from vllm_dsa_connector.handoff.wire import RankPayload, decode_payload, encode  # noqa: E402
 from vllm_dsa_connector.harness.pair import Channel, Kind, run_two  # noqa: E402
 from vllm_dsa_connector.layout.model import PageTable  # noqa: E402
-from vllm_dsa_connector.transport.copy import copy_runs  # noqa: E402
 from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
+from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
 from vllm_dsa_connector.transport.regions import Region, RegionDesc  # noqa: E402
 from vllm_dsa_connector.transport.transports import DirectTransport, PostState  # noqa: E402

@@ -109,12 +109,12 @@ class Bench:
     """P's side of the run (inside the harness's producer process): the sender, the gate, the IPC mapping."""
 
     def __init__(self, side: ProducerSide, a: dict[str, Any]) -> None:
+        from vllm_dsa_connector.harness.paths.links import PATHS, PathChooser, link_between
+        from vllm_dsa_connector.harness.paths.sender import BounceSender
         from vllm_dsa_connector.transport import (
             BounceGate,
-            BounceSender,
             IpcUnavailable,
             enable_peer_access,
-            link_between,
             open_region,
             trace_launches,
         )
@@ -134,12 +134,10 @@ class Bench:
         if link == "auto":
             link = "same_gpu" if self.dev == ddev and self.dev.startswith("cuda") else (
                 "nvlink" if self.dev.startswith("cuda") else "cma")
-        self.gate = BounceGate.from_config({}, device=self.dev, link=link)
+        self.gate = PathChooser(BounceGate.from_config({}, device=self.dev), link=link)
         self.snd = BounceSender(side.engine, side.arena, self.gate)
         self.out.update(link=link, link_profile=repr(self.gate.link_profile), ipc=self.mapped is not None,
                         copy_impl=os.environ.get("VLLM_DSA_COPY_IMPL", "auto"))
-        from vllm_dsa_connector.transport import PATHS
-
         self.avail = tuple(p for p in PATHS if p != "ipc" or self.mapped is not None)
         self.trace = trace_launches(True)
         assert self.trace is not None

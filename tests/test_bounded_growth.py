@@ -165,11 +165,11 @@ def test_early_notices_are_capped_per_key_and_per_agent(caplog) -> None:
         rcv = Receiver(eng, early_per_key=4, early_per_peer=6)
         for _ in range(4):
             rcv.handle("p0", encode_notif("direct", 0, b"flood"))
-        assert len(rcv._early[b"flood"]) == 4
+        assert len(rcv.early.kept[b"flood"]) == 4
         with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.transport.receiver"):
             for _ in range(1000):  # one request's flood: dropped whole, warned once, nothing kept
                 rcv.handle("p0", encode_notif("direct", 0, b"flood"))
-        assert b"flood" not in rcv._early and not rcv._early_by_peer
+        assert b"flood" not in rcv.early.kept and not rcv.early.by_peer
         assert sum("early_per_key" in r.getMessage() for r in caplog.records) == 1
         rcv.handle("p0", encode_notif("direct", 0, b"fine"))
         rcv.arm(b"flood", {0: WriterSpec(peer="p0")})
@@ -182,11 +182,11 @@ def test_early_notices_are_capped_per_key_and_per_agent(caplog) -> None:
         with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.transport.receiver"):
             for i in range(50):  # one agent, many keys: 6 kept in all, the cap warned once
                 rcv.handle("p1", encode_notif("direct", 0, f"k{i}".encode()))
-        assert sum(len(v) for v in rcv._early.values()) == 6 and rcv._early_by_peer["p1"][0] == 6
+        assert sum(len(v) for v in rcv.early.kept.values()) == 6 and rcv.early.by_peer["p1"][0] == 6
         assert sum("early_per_peer" in r.getMessage() for r in caplog.records) == 1
         rcv.handle("p2", encode_notif("direct", 0, b"other"))  # another agent is not held back
-        assert b"other" in rcv._early
+        assert b"other" in rcv.early.kept
         rcv.arm(b"k0", {0: WriterSpec(peer="p1")})  # armed: its notice leaves the early ones
-        assert rcv._early_by_peer["p1"][0] == 5 and [r.state for r in rcv.collect()] == [RecvState.DONE]
+        assert rcv.early.by_peer["p1"][0] == 5 and [r.state for r in rcv.collect()] == [RecvState.DONE]
     finally:
         eng.close()

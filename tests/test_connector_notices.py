@@ -273,16 +273,16 @@ def test_a_flood_of_early_notices_for_one_load_fails_it(pd) -> None:
 
     p, d = pd
     good = _good_checks(p, d) if p.engine_id in d.sources else []
-    cap, d.receiver.early_per_key = d.receiver.early_per_key, 3
+    cap, d.receiver.early.per_key = d.receiver.early.per_key, 3
     try:
         for _ in range(10):
             _feed(p, d, Notice("d-flood", 0, True, sum(c[2] for c in good), len(good), checks=good))
-        assert b"d-flood" not in d.receiver._early
+        assert b"d-flood" not in d.receiver.early.kept
         _arm(p, d, "d-flood")
         done, failed, errors = _results(d, "d-flood")
         assert "d-flood" in failed and not errors
     finally:
-        d.receiver.early_per_key = cap
+        d.receiver.early.per_key = cap
 
 
 def test_kv_both_engines_swap_roles_and_each_direction_lands() -> None:

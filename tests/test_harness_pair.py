@@ -49,7 +49,8 @@ def _boom(side: ConsumerSide) -> None:
 
 def _drive_paths(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
     """Direct and bounce over the real sender; a send with the wrong source bytes must fail verification."""
-    from vllm_dsa_connector.transport import BounceGate, BounceSender, Runs
+    from vllm_dsa_connector.harness.paths.sender import BounceSender
+    from vllm_dsa_connector.transport import BounceGate, Runs
 
     d = side.consumer
     assert d is not None

@@ -178,3 +178,32 @@ def test_the_checker_sees_lazy_and_string_imports(tmp_path: Path) -> None:
     assert strings == ["vllm_dsa_connector.layout"]
     cyc = _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
     assert cyc == [["a", "b", "c"]]
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """A name that starts with ``_`` belongs to its module: no other module of the package imports it
+    (``from x import _y``) or reaches for it (``x._y`` on an imported module). What another module needs is
+    public, with a docstring, or it stays where it is used."""
+    bad = []
+    mods = _modules()
+    for name, path in sorted(mods.items()):
+        tree = ast.parse(path.read_text(), str(path))
+        imported_modules: dict[str, str] = {}  # local alias -> our module it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in mods:
+                        imported_modules[alias.asname or alias.name] = full
+                    elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                        bad.append(f"{name} imports {alias.name} from {node.module}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(PACKAGE + ".") and alias.asname:
+                        imported_modules[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in imported_modules and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                bad.append(f"{name} uses {imported_modules[node.value.id]}.{node.attr}")
+    assert not bad, "private names used across modules:\n" + "\n".join(sorted(set(bad)))

@@ -96,7 +96,7 @@ def test_runtime_fixes_switch() -> None:
 
 def test_copy_switches_go_through_the_mechanism() -> None:
     """VLLM_DSA_COPY_*: parsed by CopySettings; a bad value names the variable, the value and what is allowed."""
-    from vllm_dsa_connector.transport.copy import DEFAULT_CONFIG, CopySettings, copy_settings
+    from vllm_dsa_connector.transport.local_copy import DEFAULT_CONFIG, CopySettings, copy_settings
 
     assert copy_settings({}) == CopySettings() and CopySettings().config is DEFAULT_CONFIG
     s = copy_settings({"VLLM_DSA_COPY_IMPL": " CE ", "VLLM_DSA_COPY_GRAPH": "off",

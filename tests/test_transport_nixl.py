@@ -65,13 +65,9 @@ def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def w_setup(role: str, arena_bytes: int, seed: int, name: str) -> dict[str, Any]:
     import torch
 
-    from vllm_dsa_connector.transport import (
-        BounceGate,
-        BounceReceiver,
-        BounceSender,
-        NixlEngine,
-        StagingArena,
-    )
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.harness.paths.sender import BounceSender
+    from vllm_dsa_connector.transport import BounceGate, NixlEngine, StagingArena
 
     torch.set_num_threads(1)
     eng = NixlEngine(name)

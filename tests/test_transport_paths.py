@@ -1,5 +1,5 @@
 """Transport paths beyond bounce/direct, on CPU: chunk plans, the run-copy planner and kernel (Triton's
-interpreter), the per-link gate, chunk/IPC notifications, the pipelined receiver, and a pipelined bounce
+interpreter), the benches' per-link path chooser, chunk/IPC notifications, the pipelined receiver, and a pipelined bounce
 between two real NIXL agents. Timings are never asserted."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_dsa_connector.harness.paths.links import LINKS, LinkSettings, PathChooser, link_between
 from vllm_dsa_connector.options import OptionError
 from vllm_dsa_connector.transport import (
-    LINKS,
     BounceGate,
     BounceSettings,
     IpcDesc,
@@ -29,7 +29,6 @@ from vllm_dsa_connector.transport import (
     encode_chunk_notif,
     encode_event_notif,
     encode_notif,
-    link_between,
     plan_chunks,
     plan_pieces,
     runs_from_blocks,
@@ -119,7 +118,7 @@ _INTERPRET = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from vllm_dsa_connector.transport import copy as C
+from vllm_dsa_connector.transport import local_copy as C
 from vllm_dsa_connector.transport import kernels as K
 from vllm_dsa_connector.transport import launches as LA
 from vllm_dsa_connector.transport.runs import Runs
@@ -140,7 +139,7 @@ for unit, off, skew in ((1, 3, False), (8, 0, False), (16, 0, True), (256, 0, Fa
     s = torch.randint(0, 256, (size,), dtype=torch.uint8)
     d = torch.zeros(size, dtype=torch.uint8)
     cfg = C.CopyConfig(piece_bytes=1024, block_bytes=64, num_warps=1)
-    K._launch_triton(s, d, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg)
+    K.launch_triton(s, d, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg)
     ref = torch.zeros(size, dtype=torch.uint8)
     C._copy_index(s, ref, runs.src_offsets, runs.dst_offsets, runs.lengths)
     assert torch.equal(d, ref), (unit, off, skew)
@@ -161,7 +160,7 @@ _PLANS = r"""
 import gc, os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from vllm_dsa_connector.transport import copy as C
+from vllm_dsa_connector.transport import local_copy as C
 from vllm_dsa_connector.transport import kernels as K
 from vllm_dsa_connector.transport import launches as LA
 from vllm_dsa_connector.transport.runs import Runs
@@ -181,17 +180,17 @@ d1, d2 = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uin
 ref = torch.zeros(size, dtype=torch.uint8)
 C._copy_index(s, ref, runs.src_offsets, runs.dst_offsets, runs.lengths)
 cfg = C.CopyConfig(piece_bytes=1024, block_bytes=64, num_warps=1)
-LA._copy_planned(runs, s, d1, cfg)
+LA.copy_planned(runs, s, d1, cfg)
 assert torch.equal(d1, ref)
 d1.zero_()
-LA._copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
+LA.copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
 assert torch.equal(d1, ref)
 st = C.plan_stats()
 assert st["plans"] == 1 and st["plan_hits"] == 1, st
-LA._copy_planned(runs, s, d2, cfg)  # another destination: its own plan
+LA.copy_planned(runs, s, d2, cfg)  # another destination: its own plan
 assert C.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
 try:
-    LA._copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
+    LA.copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
     raise SystemExit("no bounds check")
 except ValueError:
     pass
@@ -213,7 +212,7 @@ def test_copy_plans_cached_per_runs_under_interpreter() -> None:
 
 
 def test_copy_graphs_switch() -> None:
-    from vllm_dsa_connector.transport.copy import graphs_enabled, plan_stats
+    from vllm_dsa_connector.transport.local_copy import graphs_enabled, plan_stats
 
     assert graphs_enabled({}) and graphs_enabled({"VLLM_DSA_COPY_GRAPH": "1"})
     assert not graphs_enabled({"VLLM_DSA_COPY_GRAPH": "0"})
@@ -222,7 +221,7 @@ def test_copy_graphs_switch() -> None:
 
 
 def test_copy_config_from_env() -> None:
-    from vllm_dsa_connector.transport.copy import DEFAULT_CONFIG, default_config, default_impl
+    from vllm_dsa_connector.transport.local_copy import DEFAULT_CONFIG, default_config, default_impl
 
     assert default_config({}) is DEFAULT_CONFIG
     cfg = default_config({"VLLM_DSA_COPY_CONFIG": "65536,16384,8"})
@@ -270,7 +269,7 @@ def _profile_arithmetic(link: str, runs: Runs) -> dict[str, float]:
 )
 def test_gate_choose_per_link_follows_profile_arithmetic(link: str, blocks: int, expected: str) -> None:
     runs = _glm(blocks).merged()
-    d = BounceGate(device="cuda:0", link=link, environ={}).choose(runs, merged=True, paths=ALL)
+    d = PathChooser(BounceGate(device="cuda:0", environ={}), link=link).choose(runs, merged=True, paths=ALL)
     assert d.path == expected and d.link == link and f"link {link}" in d.reason
     est = dict(d.estimates)
     want = _profile_arithmetic(link, runs)
@@ -282,24 +281,24 @@ def test_gate_choose_per_link_follows_profile_arithmetic(link: str, blocks: int,
 
 
 def test_gate_choose_paths_thresholds_and_modes() -> None:
-    gate = BounceGate(device="cuda:0", link="nvlink", environ={})
+    gate = PathChooser(BounceGate(device="cuda:0", environ={}), link="nvlink")
     big = _glm(594)
     assert gate.choose(big, paths=("direct", "bounce", "pipelined")).path == "direct"
     # Without the direct path's descriptors being cheap, pipelining beats one bounce across GPUs.
-    slow = BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", link="nvlink", environ={})
+    slow = PathChooser(BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", environ={}), link="nvlink")
     d = slow.choose(big, paths=("direct", "bounce", "pipelined"))
     assert d.path == "pipelined" and d.chunks >= 2
-    one_gpu = BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", link="same_gpu", environ={})
+    one_gpu = PathChooser(BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", environ={}), link="same_gpu")
     assert one_gpu.choose(big, paths=("direct", "bounce", "pipelined")).path == "bounce"  # no overlap
-    never = BounceGate(BounceSettings(mode="never"), device="cuda:0", link="nvlink", environ={})
+    never = PathChooser(BounceGate(BounceSettings(mode="never"), device="cuda:0", environ={}), link="nvlink")
     assert never.choose(big, paths=("direct", "bounce", "pipelined")).path == "direct"
-    always = BounceGate(BounceSettings(mode="always"), device="cuda:0", link="same_gpu", environ={})
+    always = PathChooser(BounceGate(BounceSettings(mode="always"), device="cuda:0", environ={}), link="same_gpu")
     assert always.choose(big, paths=ALL).path in ("bounce", "pipelined")
     few = gate.choose(_glm(4), paths=("bounce", "pipelined"))
     assert few.path == "direct" and "bounce_min_runs" in few.reason
     assert gate.choose(Runs.empty(), paths=ALL).path == "direct"
-    capped = BounceGate(BounceSettings(max_chunks=1, desc_cost_us=50.0), device="cuda:0", link="nvlink",
-                        environ={})
+    capped = PathChooser(BounceGate(BounceSettings(desc_cost_us=50.0), device="cuda:0", environ={}),
+                         LinkSettings(max_chunks=1), link="nvlink")
     assert capped.choose(big, paths=("pipelined",)).path == "direct"  # no chunk count allowed
     with pytest.raises(ValueError):
         gate.choose(big, paths=("teleport",))
@@ -312,31 +311,35 @@ def test_gate_choose_paths_thresholds_and_modes() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_gate_choose_agrees_with_decision_on_cpu_links(seed: int) -> None:
+def test_chooser_agrees_with_the_gate_on_cpu_links(seed: int) -> None:
     rng = np.random.default_rng(seed)
     for profile in ("cma", "tcp"):
         gate = BounceGate(BounceSettings(profile=profile), environ={})
-        assert gate.link == profile and LINKS[profile].ipc_gbps is None
+        chooser = PathChooser(gate)
+        assert chooser.link == profile and LINKS[profile].ipc_gbps is None
         for _ in range(30):
             n = int(rng.integers(1, 5000))
             block = int(rng.choice([576, 4096, 16384, 65536, 1 << 20]))
             runs = runs_from_blocks(np.arange(n), np.arange(n) * 2, block)
-            assert gate.choose(runs, paths=("direct", "bounce")).path == gate.decide(runs)
+            assert chooser.choose(runs, paths=("direct", "bounce")).path == gate.decide(runs)
 
 
-def test_gate_link_options() -> None:
-    g = BounceGate.from_config({"bounce_link": "nvlink", "bounce_ipc_gbps": 100}, device="cuda:0",
-                               environ={})
+def test_chooser_link_settings() -> None:
+    g = PathChooser(BounceGate(device="cuda:0", environ={}), LinkSettings(link="nvlink", ipc_gbps=100))
     assert g.link == "nvlink" and g.link_profile.ipc_gbps == 100.0
-    assert BounceGate.from_config({}, device="cuda:0", environ={}).link == "same_gpu"
-    assert BounceGate.from_config({}, environ={"UCX_TLS": "tcp"}).link == "tcp"
-    cpu_rdma = BounceGate.from_config({"bounce_link": "rdma"}, environ={}).link_profile
+    assert PathChooser(BounceGate(device="cuda:0", environ={})).link == "same_gpu"
+    assert PathChooser(BounceGate.from_config({}, environ={"UCX_TLS": "tcp"})).link == "tcp"
+    cpu_rdma = PathChooser(BounceGate(environ={}), LinkSettings(link="rdma")).link_profile
     assert cpu_rdma.copy_gbps == 4.0 and not cpu_rdma.overlap  # host memory: CPU copies
-    for bad in ({"bounce_link": "pcie"}, {"bounce_max_chunks": 0}, {"bounce_wire_gbps": 0}):
-        with pytest.raises(OptionError, match=next(iter(bad))):
-            BounceGate.from_config(bad, environ={})
+    for bad in ({"link": "pcie"}, {"max_chunks": 0}, {"wire_gbps": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LinkSettings(**bad)
     with pytest.raises(ValueError):
-        BounceGate(device="cpu", link="pcie", environ={})
+        PathChooser(BounceGate(environ={}), link="pcie")
+    # the link keys are the benches' now: the connector's options refuse them (a typo never passes)
+    for gone in ("bounce_link", "bounce_max_chunks", "bounce_wire_gbps", "bounce_ipc_gbps"):
+        with pytest.raises(OptionError, match=gone):
+            BounceGate.from_config({gone: 1}, environ={})
 
 
 def test_link_between_cpu_and_unknown_peer() -> None:
@@ -378,7 +381,8 @@ class _FakeEvent:
 
 
 def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptureFixture) -> None:
-    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.transport import NixlEngine
 
     eng = NixlEngine(f"unit-ipcev-{time.monotonic_ns()}")
     try:
@@ -386,11 +390,11 @@ def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptur
         events: dict[bytes, _FakeEvent] = {b"\x01" * 64: _FakeEvent(), b"\x02" * 64: _FakeEvent()}
         opened: list[bytes] = []
 
-        def open_event(handle: bytes, dst: torch.Tensor) -> _FakeEvent | None:
+        def open_event(handle: bytes, device: torch.device | None = None) -> _FakeEvent | None:
             opened.append(handle)
             return events.get(handle)
 
-        rcv._open_event = open_event  # type: ignore[method-assign]
+        rcv.events.open = open_event  # type: ignore[method-assign]
         dst = torch.zeros(1 << 16, dtype=torch.uint8)
         a, b = runs_from_blocks([0], [0], 4096), runs_from_blocks([1], [1], 4096)
         rcv.expect(b"r", dst, [a, b], bounce=False)
@@ -438,7 +442,9 @@ def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptur
 
 def test_ipc_send_on_cpu_copies_then_notifies() -> None:
     """The ipc path with a CPU "mapping" (the receiver's tensor): copy, then the notification after it."""
-    from vllm_dsa_connector.transport import BounceReceiver, BounceSender, NixlEngine
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.harness.paths.sender import BounceSender
+    from vllm_dsa_connector.transport import NixlEngine
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"ipc-s-{stamp}"), NixlEngine(f"ipc-r-{stamp}")
@@ -493,7 +499,8 @@ def test_ipc_desc_roundtrip_and_refusals() -> None:
 
 
 def test_receiver_scatters_each_chunk_and_completes_after_the_last() -> None:
-    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.transport import NixlEngine
 
     eng = NixlEngine(f"unit-pipe-{time.monotonic_ns()}")
     try:
@@ -524,7 +531,9 @@ def test_receiver_scatters_each_chunk_and_completes_after_the_last() -> None:
 
 
 def test_pipelined_and_gated_sends_between_two_agents_exact() -> None:
-    from vllm_dsa_connector.transport import BounceReceiver, BounceSender, NixlEngine
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.harness.paths.sender import BounceSender
+    from vllm_dsa_connector.transport import NixlEngine
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"pipe-s-{stamp}"), NixlEngine(f"pipe-r-{stamp}")
@@ -577,9 +586,8 @@ def test_pipelined_and_gated_sends_between_two_agents_exact() -> None:
 def test_direct_and_bounce_transports_called_the_same_way_one_receiver() -> None:
     """Both transports through one call pattern (post / progress), into the one Receiver; the receiver's
     caller never looks at the path (two real NIXL agents in this process)."""
+    from vllm_dsa_connector.harness.paths.sender import BounceSender, BounceTransport
     from vllm_dsa_connector.transport import (
-        BounceSender,
-        BounceTransport,
         DirectTransport,
         NixlEngine,
         PostState,
@@ -639,9 +647,8 @@ def test_post_deadline_is_checked_before_every_write_after_staging_waits() -> No
     """Issue 29 item 10: a bounced post that waits for staging space (the sender's arena is held full) until
     past its deadline must not WRITE; the direct transport checks each part before posting it. Two real
     NIXL agents; the receiver sees no bytes and no notification."""
+    from vllm_dsa_connector.harness.paths.sender import BounceSender, BounceTransport
     from vllm_dsa_connector.transport import (
-        BounceSender,
-        BounceTransport,
         DirectTransport,
         NixlEngine,
         PostState,

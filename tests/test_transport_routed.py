@@ -28,7 +28,7 @@ from vllm_dsa_connector.transport import (
 )
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs, packed_offsets, runs_from_blocks
-from vllm_dsa_connector.transport.sends import StagingSlot
+from vllm_dsa_connector.transport.staging import StagingSlot
 
 POOL = 1 << 20
 

@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_dsa_connector.harness.paths.fan_in import LayoutError, check_fan_in
 from vllm_dsa_connector.options import OptionError
 from vllm_dsa_connector.transport import (
     BOUNCE_OPTION_KEYS,
     BounceGate,
     BounceSettings,
-    LayoutError,
     Runs,
     StagingArena,
-    check_fan_in,
     decode_notif,
     encode_notif,
     gather,
@@ -264,7 +263,8 @@ def test_gate_invalid_settings_name_the_key(config, env, key) -> None:
 
 
 def test_receiver_completes_only_after_every_writer_and_scatter() -> None:
-    from vllm_dsa_connector.transport import BounceReceiver, NixlEngine
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.transport import NixlEngine
 
     eng = NixlEngine(f"unit-rcv-{time.monotonic_ns()}")
     try:
@@ -285,7 +285,7 @@ def test_receiver_completes_only_after_every_writer_and_scatter() -> None:
         assert rcv.completed() == [b"t"] and arena.free_bytes == arena.size
         # A late duplicate is dropped, an early notification waits for its expect().
         rcv.handle("w1", encode_notif("direct", 1, b"t"))
-        assert not rcv._early
+        assert not rcv.early.kept
         rcv.handle("w0", encode_notif("direct", 0, b"u"))
         rcv.expect(b"u", dst, [w1], bounce=False)
         assert rcv.completed() == [b"u"]

@@ -43,8 +43,8 @@ from vllm_dsa_connector.harness.pair import (
 )
 
 if TYPE_CHECKING:
+    from vllm_dsa_connector.harness.paths.sends import Send
     from vllm_dsa_connector.transport import BounceGate, Runs
-    from vllm_dsa_connector.transport.sends import Send
 
 METHODS = ("contiguous", "scattered", "bounce", "auto")
 
@@ -144,7 +144,8 @@ def _check_landed(d: RemoteConsumer, send: Send, method: str, what: str) -> None
 
 def _drive(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
     """On P: every method, interleaved rep by rep, timed from the send to D's DONE; bytes verified."""
-    from vllm_dsa_connector.transport import BounceGate, BounceSender
+    from vllm_dsa_connector.harness.paths.sender import BounceSender
+    from vllm_dsa_connector.transport import BounceGate
 
     _, scattered, contiguous = _layout(args["blocks"], args["block_bytes"], args["seed"])
     d = side.consumer
@@ -261,7 +262,8 @@ def block_size_case(model: str, bp: int, bd: int, tokens: int, seed: int, kv_cac
 
 def _drive_block_sizes(side: ProducerSide, args: dict[str, Any]) -> list[dict[str, Any]]:
     """On P: per case, direct/bounce/auto interleaved rep by rep (bytes verified), then gather/scatter."""
-    from vllm_dsa_connector.transport import BounceGate, BounceSender, Runs
+    from vllm_dsa_connector.harness.paths.sender import BounceSender
+    from vllm_dsa_connector.transport import BounceGate, Runs
 
     d = side.consumer
     assert d is not None

@@ -62,7 +62,7 @@ from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.regions import RegionDesc
 from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.sends import StagingSlot
+from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
 from vllm_dsa_connector.transport.transports import Post, PostState
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
@@ -160,8 +160,6 @@ class DSAConnectorWorker(ReceiveSide):
         bouncing allowed a send staging arena (P) and a receive one (D, whose slots D's scheduler hands out);
         on CUDA this rank's GPU, the GPUs its kernels reach and (D, ``ipc_mode`` auto) its pools' CUDA IPC
         exports, so a P on the same host can be routed through them."""
-        from vllm_dsa_connector.transport.staging import StagingArena
-
         self.table = table
         self.regions = [self.nixl.register(pool_tensor(kv_caches, p.base_ptr, p.nbytes)) for p in table.pools]
         staging = None

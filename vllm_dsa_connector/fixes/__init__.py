@@ -67,7 +67,7 @@ class FixReport:
     detail: str
 
 
-def _log_once(key: str, level: str, msg: str, *args: object) -> None:
+def log_once(key: str, level: str, msg: str, *args: object) -> None:
     from vllm.logger import init_logger
 
     if key in _LOGGED:
@@ -92,7 +92,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
     version = getattr(vllm, "__version__", "unknown")
     with _LOCK:
         if runtime_fixes_disabled():
-            _log_once(
+            log_once(
                 "disabled",
                 "info",
                 "vllm-dsa-connector: runtime fixes disabled by VLLM_DSA_DISABLE_RUNTIME_FIXES",
@@ -131,7 +131,7 @@ def _apply_mtp_token_map(version: str) -> FixReport:
         return FixReport(fix.FIX_NAME, "already-applied", version, "")
     result = fix.probe(CommonAttentionMetadata)
     if not result.buggy:
-        _log_once(
+        log_once(
             fix.FIX_NAME,
             "debug",
             "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
@@ -142,7 +142,7 @@ def _apply_mtp_token_map(version: str) -> FixReport:
         return FixReport(fix.FIX_NAME, "not-needed", version, result.detail)
     missing = fix.missing_fields(CommonAttentionMetadata)
     if missing:
-        _log_once(
+        log_once(
             fix.FIX_NAME,
             "warning",
             "vllm-dsa-connector: vLLM %s shows the stale MTP draft-loop token map (%s) "
@@ -159,7 +159,7 @@ def _apply_mtp_token_map(version: str) -> FixReport:
     after = fix.probe(CommonAttentionMetadata)
     if after.buggy:
         fix.uninstall(CommonAttentionMetadata)
-        _log_once(
+        log_once(
             fix.FIX_NAME,
             "warning",
             "vllm-dsa-connector: fix %s did not remove the stale MTP draft-loop token map "
@@ -171,7 +171,7 @@ def _apply_mtp_token_map(version: str) -> FixReport:
             after.detail,
         )
         return FixReport(fix.FIX_NAME, "failed", version, after.detail)
-    _log_once(
+    log_once(
         fix.FIX_NAME,
         "info",
         "vllm-dsa-connector: applied runtime fix %s to vLLM %s: "
@@ -194,7 +194,7 @@ def _install_guards(version: str) -> None:
     if cls is None:
         return
     if not guard.supported(cls):
-        _log_once(
+        log_once(
             guard.GUARD_NAME,
             "warning",
             "vllm-dsa-connector: vLLM %s's MultiConnector has no %s classmethod; DSAConnector "
@@ -204,7 +204,7 @@ def _install_guards(version: str) -> None:
         )
         return
     if guard.install(cls):
-        _log_once(
+        log_once(
             guard.GUARD_NAME,
             "info",
             "vllm-dsa-connector: guard %s installed on vLLM %s: MultiConnector refuses "

@@ -230,7 +230,7 @@ def apply(version: str) -> Any:
     one :class:`~vllm_dsa_connector.fixes.FixReport` (called by ``apply_runtime_fixes`` under its lock)."""
     import importlib
 
-    from vllm_dsa_connector.fixes import FixReport, _log_once
+    from vllm_dsa_connector.fixes import FixReport, log_once
 
     try:
         module = importlib.import_module(MODULE)
@@ -240,7 +240,7 @@ def apply(version: str) -> Any:
         return FixReport(FIX_NAME, "already-applied", version, "")
     if not caller_takes_clean_logits(module):
         detail = "vLLM's fp8_fp4_mqa_logits wrapper takes no clean_logits (it speaks DeepGEMM's newer API)"
-        _log_once(
+        log_once(
             FIX_NAME,
             "debug",
             "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
@@ -250,7 +250,7 @@ def apply(version: str) -> Any:
         )
         return FixReport(FIX_NAME, "not-needed", version, detail)
     if not supported(module):
-        _log_once(
+        log_once(
             FIX_NAME,
             "warning",
             "vllm-dsa-connector: vLLM %s's %s has no _lazy_init/%s; fix %s not "
@@ -266,7 +266,7 @@ def apply(version: str) -> Any:
         "vLLM's wrappers take clean_logits; a DeepGEMM that takes max_seqlen_k (compressed logits) is "
         "adapted when vLLM resolves it"
     )
-    _log_once(
+    log_once(
         FIX_NAME,
         "info",
         "vllm-dsa-connector: applied runtime fix %s to vLLM %s: %s. "

@@ -261,7 +261,7 @@ def apply(version: str) -> Any:
 
 def _apply_now(version: str) -> Any:
     """:func:`apply` on the imported ``CPUModelRunner``."""
-    from vllm_dsa_connector.fixes import FixReport, _log_once
+    from vllm_dsa_connector.fixes import FixReport, log_once
 
     cls = runner_class()
     if cls is None:
@@ -269,7 +269,7 @@ def _apply_now(version: str) -> Any:
     if is_installed(cls):
         return FixReport(FIX_NAME, "already-applied", version, "")
     if not supported(cls):
-        _log_once(
+        log_once(
             FIX_NAME,
             "warning",
             "vllm-dsa-connector: vLLM %s's %s has no %s; fix %s not applied",
@@ -281,7 +281,7 @@ def _apply_now(version: str) -> Any:
         return FixReport(FIX_NAME, "unsupported", version, f"no {METHOD}")
     before = probe(cls)
     if not before.buggy:
-        _log_once(
+        log_once(
             FIX_NAME,
             "debug",
             "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
@@ -294,7 +294,7 @@ def _apply_now(version: str) -> Any:
     after = probe(cls)
     if after.buggy:
         uninstall(cls)
-        _log_once(
+        log_once(
             FIX_NAME,
             "warning",
             "vllm-dsa-connector: fix %s did not give vLLM %s's CPU "
@@ -306,7 +306,7 @@ def _apply_now(version: str) -> Any:
             after.detail,
         )
         return FixReport(FIX_NAME, "failed", version, after.detail)
-    _log_once(
+    log_once(
         FIX_NAME,
         "info",
         "vllm-dsa-connector: applied runtime fix %s to vLLM %s: "

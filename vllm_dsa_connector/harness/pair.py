@@ -235,7 +235,8 @@ def serve_consumer(ch: Channel, spec: PairSpec) -> None:
     _prepare(spec.consumer)
     import torch
 
-    from vllm_dsa_connector.transport import BounceReceiver, Runs, export_region
+    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_connector.transport import Runs, export_region
 
     c = spec.consumer
     pool = torch.zeros(c.pool_bytes, dtype=torch.uint8, device=c.device)

@@ -20,7 +20,7 @@ from vllm_dsa_connector.options import (
     parse_int,
     resolve_options,
 )
-from vllm_dsa_connector.transport.profiles import LINKS, PROFILES
+from vllm_dsa_connector.transport.profiles import PROFILES
 
 __all__ = ["BOUNCE_OPTION_KEYS", "BounceSettings"]
 
@@ -79,22 +79,6 @@ class BounceSettings:
     )
     fixed_us: float | None = option(
         "bounce_fixed_us", _unset_or(_non_negative), None, doc="override the profile's fixed bounce overhead (us)",
-    )
-    link: str = option(
-        "bounce_link", partial(parse_choice, choices=("auto", *LINKS)), "auto",
-        doc=f"link profile for choose() ({', '.join(LINKS)}); auto: same_gpu for GPU memory, else from the "
-        "cost profile",
-    )
-    wire_gbps: float | None = option(
-        "bounce_wire_gbps", _unset_or(_bandwidth), None, doc="override the link profile's engine bandwidth (GB/s)",
-    )
-    ipc_gbps: float | None = option(
-        "bounce_ipc_gbps", _unset_or(_bandwidth), None,
-        doc="override the link profile's IPC single-copy bandwidth (GB/s)",
-    )
-    max_chunks: int = option(
-        "bounce_max_chunks", partial(parse_int, minimum=1, maximum=256), 16,
-        doc="most chunks of a pipelined bounce (1: never pipeline)",
     )
     arena_bytes: int = option(
         "bounce_arena_bytes", partial(parse_int, minimum=4096), 256 << 20,

@@ -1,12 +1,12 @@
 """Same-node single copy: map a peer's GPU region through CUDA IPC and write its pages in one kernel.
 
 On one node (same GPU, or two GPUs with peer access over NVLink) the decode side exports its registered
-KV region once (:func:`export_region`, sent in the handshake as a plain dict); the prefill side opens it
-once (:func:`open_region`) and from then on a transfer is ONE kernel that reads P's scattered pages and
-writes D's scattered pages (:func:`vllm_dsa_connector.transport.copy.copy_runs`): one pass over the bytes,
-no staging buffer, no per-descriptor cost. The notification still goes over NIXL after the kernel
-completed (``BounceSender.send(..., ipc=...)``), so the receiver side is the same as for a direct WRITE.
-Between nodes NIXL stays the engine.
+KV pools once (:func:`export_region`, sent in the handshake as a plain dict); the prefill side opens them
+once (:func:`open_region`) and from then on a transfer is ONE kernel per pool that reads P's scattered pages
+and writes D's scattered pages (:func:`vllm_dsa_connector.transport.local_copy.copy_runs`): one pass over
+the bytes, no staging buffer, no per-descriptor cost. The notification still goes over NIXL once the copy
+completed (:mod:`.routed`), so the receiver side is the same as for a direct WRITE. Between nodes NIXL stays
+the engine.
 
 Export and open use torch's own CUDA IPC sharing (the calls ``torch.multiprocessing`` makes for CUDA
 tensors): the exporting process must keep the region alive while peers use it (a KV pool lives as long
@@ -16,7 +16,9 @@ node or without the GPU gets :class:`IpcUnavailable` and uses NIXL instead.
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 import socket
 import threading
 from dataclasses import dataclass
@@ -24,14 +26,16 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "IpcDesc",
+    "PeerEvents",
     "IpcUnavailable",
     "device_uuid",
     "enable_peer_access",
     "export_region",
     "host_id",
-    "link_between",
     "open_region",
 ]
 
@@ -213,24 +217,40 @@ def enable_peer_access(src: torch.device | str, dst: torch.device | str) -> None
     torch.cuda.synchronize(b)
 
 
-def link_between(
-    local: torch.device | str,
-    remote_host: str | None = None,
-    remote_uuid: str | None = None,
-    *,
-    cpu_link: str = "cma",
-    remote_link: str = "rdma",
-) -> str:
-    """The gate's link name for a peer: ``same_gpu`` / ``nvlink`` / ``remote_link`` / ``cpu_link``.
+class PeerEvents:
+    """Interprocess CUDA events that senders recorded behind their ipc copies, opened once per handle.
 
-    ``remote_host``/``remote_uuid`` come from the peer's :class:`IpcDesc` (None: unknown peer, treated
-    as another node). CPU memory gets ``cpu_link`` (``cma`` or ``tcp``, from UCX_TLS).
-    """
-    dev = torch.device(local)
-    if dev.type != "cuda":
-        return cpu_link
-    if remote_host is None or remote_host != host_id():
-        return remote_link
-    if remote_uuid is not None and remote_uuid == device_uuid(dev):
-        return "same_gpu"
-    return "nvlink"
+    :meth:`open` returns the event of a handle (``None`` when no visible GPU's context can open it: the
+    receiver then completes on the sender's notification after the copy; warned once). At most ``cap``
+    handles are kept (a sender reuses its events, so the set stays small)."""
+
+    def __init__(self, cap: int = 4096) -> None:
+        self.cap = cap
+        self._events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._bad: set[bytes] = set()
+
+    def open(self, handle: bytes, device: torch.device | None = None) -> Any:
+        """The event of ``handle``, tried in ``device``'s context first, then every visible GPU's."""
+        ev = self._events.get(handle)
+        if ev is not None or handle in self._bad:
+            return ev
+        devices = [device] if device is not None and device.type == "cuda" else []
+        if torch.cuda.is_available():
+            devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        err: Exception | None = None
+        for dev in devices:
+            try:
+                ev = torch.cuda.Event.from_ipc_handle(dev, handle)
+                break
+            except Exception as e:  # try the next device context
+                err = e
+        if ev is None:
+            if not self._bad:
+                logger.warning("ipc: cannot open the sender's CUDA event (%s); completing on the sender's "
+                               "notification after the copy instead", err)
+            self._bad.add(handle)
+            return None
+        self._events[handle] = ev
+        while len(self._events) > self.cap:
+            self._events.popitem(last=False)
+        return ev

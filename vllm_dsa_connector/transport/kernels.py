@@ -28,6 +28,7 @@ from vllm_dsa_connector.options import (
     parse_choice,
     resolve_options,
 )
+from vllm_dsa_connector.transport.widths import element_width
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +39,18 @@ __all__ = [
     "CopySettings",
     "copy_settings",
     "default_config",
+    "FAILED_LAUNCHES",
+    "LAUNCH_LOCK",
+    "LaunchPlan",
+    "kernel_error",
+    "kernel_width",
+    "launch_triton",
     "plan_pieces",
+    "prepare_triton",
     "triton_available",
 ]
 
 COPY_IMPLS = ("auto", "triton", "index", "ce")
-
-_WIDTHS = (
-    (8, torch.int64),
-    (4, torch.int32),
-    (2, torch.int16),
-    (1, torch.uint8),
-)
-
 
 class CopyConfig:
     """Launch shape of the Triton copy: piece size (bytes), step size (bytes) and warps per program."""
@@ -181,8 +181,8 @@ def plan_pieces(
 
 _KERNEL: Any = None
 _KERNEL_ERROR: str | None = None
-_LOCK = threading.Lock()
-_FAILED_LAUNCH: set[tuple[Any, ...]] = set()
+LAUNCH_LOCK = threading.Lock()
+FAILED_LAUNCHES: set[tuple[Any, ...]] = set()
 
 
 def _build_kernel() -> Any:
@@ -202,7 +202,7 @@ def _build_kernel() -> Any:
         n = tl.minimum(tl.maximum(ln - start, 0), piece)
         so = tl.multiple_of(tl.load(table + r) + start, ALIGN)
         do = tl.multiple_of(tl.load(table + n_runs + r) + start, ALIGN)
-        n = tl.multiple_of(n, ALIGN)  # lengths share the offsets' alignment (see _launch_triton)
+        n = tl.multiple_of(n, ALIGN)  # lengths share the offsets' alignment (see launch_triton)
         lane = tl.arange(0, BLOCK)
         full = n // BLOCK
         for i in range(full):
@@ -271,9 +271,14 @@ _UPLOADERS: dict[torch.device, _Uploader] = {}
 def _uploader(device: torch.device) -> _Uploader:
     up = _UPLOADERS.get(device)
     if up is None:
-        with _LOCK:
+        with LAUNCH_LOCK:
             up = _UPLOADERS.setdefault(device, _Uploader(device))
     return up
+
+
+def kernel_error() -> str | None:
+    """Why the Triton copy kernel could not be built here (``None``: it was, or was not tried yet)."""
+    return _KERNEL_ERROR
 
 
 def triton_available() -> bool:
@@ -283,7 +288,7 @@ def triton_available() -> bool:
         return True
     if _KERNEL_ERROR is not None:
         return False
-    with _LOCK:
+    with LAUNCH_LOCK:
         if _KERNEL is None and _KERNEL_ERROR is None:
             try:
                 _KERNEL = _build_kernel()
@@ -293,16 +298,15 @@ def triton_available() -> bool:
     return _KERNEL is not None
 
 
-def _width(values: np.ndarray, ptrs: tuple[int, ...]) -> tuple[int, torch.dtype, int]:
-    """(element bytes, dtype, gcd of the values and pointers capped at 16) for the widest fitting view."""
+def kernel_width(values: np.ndarray, ptrs: tuple[int, ...]) -> tuple[int, torch.dtype, int]:
+    """(element bytes, dtype, gcd of the values and pointers capped at 16): the kernel's widest view (at
+    most int64, :func:`~.widths.element_width`) and its alignment hint."""
     g = int(np.gcd.reduce(values)) if values.size else 16
     for p in ptrs:
         g = math.gcd(g, int(p))
     g = math.gcd(g, 16) if g else 16
-    for w, dt in _WIDTHS:
-        if g % w == 0:
-            return w, dt, g
-    return 1, torch.uint8, g
+    w, dt = element_width(g, (), max_width=8)
+    return w, dt, g
 
 
 _MAX_GRID_Y = 1 << 20  # pieces per run (bounds the grid's waste for one huge run)
@@ -333,7 +337,7 @@ def _runs_table(
     return table, -(-longest // piece)
 
 
-class _Plan:
+class LaunchPlan:
     """One prepared Triton launch: typed views, the runs table (on the device for CUDA), grid, meta."""
 
     __slots__ = ("args", "grid", "meta", "device", "ready", "stream", "uses", "graph", "slot")
@@ -354,7 +358,7 @@ class _Plan:
         _KERNEL[self.grid](*self.args, **self.meta)
 
 
-def _prepare_triton(
+def prepare_triton(
     sb: torch.Tensor,
     db: torch.Tensor,
     src_off: np.ndarray,
@@ -362,12 +366,12 @@ def _prepare_triton(
     lens: np.ndarray,
     cfg: CopyConfig,
     own_table: bool = False,
-) -> _Plan | None:
+) -> LaunchPlan | None:
     """Plan one launch (``None``: nothing to copy). ``own_table``: the table gets its own device tensor
     (a cached plan), else a ring slot (``plan.slot``; call ``_uploader(dev).done(slot)`` after the launch).
     """
     vals = np.concatenate([src_off, dst_off, lens])
-    w, dt, g = _width(vals, (sb.data_ptr(), db.data_ptr()))
+    w, dt, g = kernel_width(vals, (sb.data_ptr(), db.data_ptr()))
     align = max(1, g // w)  # elements; offsets and lengths are multiples of this (16 bytes at most)
     block = cfg.block_bytes // w
     piece = max(block, (cfg.piece_bytes // w) // block * block)
@@ -382,25 +386,25 @@ def _prepare_triton(
     meta = {"BLOCK": block, "ALIGN": align, "num_warps": cfg.num_warps}
     flat = np.ascontiguousarray(table).reshape(-1)
     if dev.type != "cuda":  # only under TRITON_INTERPRET=1 (tests)
-        return _Plan((s, d, torch.from_numpy(flat), n, piece, per_run), grid, meta, dev)
+        return LaunchPlan((s, d, torch.from_numpy(flat), n, piece, per_run), grid, meta, dev)
     up = _uploader(dev)
     with torch.cuda.device(dev):
         if own_table:
             out = torch.empty(flat.size, dtype=torch.int64, device=dev)
             idx, slot = up.upload(flat, out=out)
             up.done(slot)  # the pinned slot is free once this copy ran
-            plan = _Plan((s, d, idx, n, piece, per_run), grid, meta, dev)
+            plan = LaunchPlan((s, d, idx, n, piece, per_run), grid, meta, dev)
             plan.stream = torch.cuda.current_stream(dev)
             plan.ready = torch.cuda.Event()
             plan.ready.record(plan.stream)
             return plan
         idx, slot = up.upload(flat)
-    plan = _Plan((s, d, idx, n, piece, per_run), grid, meta, dev)
+    plan = LaunchPlan((s, d, idx, n, piece, per_run), grid, meta, dev)
     plan.slot = slot
     return plan
 
 
-def _launch_triton(
+def launch_triton(
     sb: torch.Tensor,
     db: torch.Tensor,
     src_off: np.ndarray,
@@ -408,7 +412,7 @@ def _launch_triton(
     lens: np.ndarray,
     cfg: CopyConfig,
 ) -> None:
-    plan = _prepare_triton(sb, db, src_off, dst_off, lens, cfg)
+    plan = prepare_triton(sb, db, src_off, dst_off, lens, cfg)
     if plan is None:
         return
     if plan.device.type != "cuda":

@@ -17,21 +17,21 @@ from typing import Any
 import torch
 
 from vllm_dsa_connector.transport.kernels import (
-    _LOCK,
+    LAUNCH_LOCK,
     CopyConfig,
-    _Plan,
-    _prepare_triton,
+    LaunchPlan,
     copy_settings,
+    prepare_triton,
 )
 from vllm_dsa_connector.transport.runs import Runs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["graphs_enabled", "plan_stats", "trace_launches"]
+__all__ = ["copy_planned", "current_trace", "graphs_enabled", "plan_stats", "trace_launches"]
 
 
 # Runs -> {(pointers, sizes, devices, launch shape): plan}; weak, so a plan goes with its request's runs.
-_PLANS: weakref.WeakKeyDictionary[Runs, dict[tuple[Any, ...], _Plan]] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[Runs, dict[tuple[Any, ...], LaunchPlan]] = weakref.WeakKeyDictionary()
 _PLANS_PER_RUNS = 4
 _NO_GRAPH: set[str] = set()  # devices where a capture failed (plain launches there)
 _CAPTURE_STREAMS: dict[str, Any] = {}
@@ -46,6 +46,11 @@ def trace_launches(on: bool = True) -> list[float] | None:
     or replay issued, returned); returns the list that is refilled per copy (``None`` when off)."""
     global _TRACE
     _TRACE = [] if on else None
+    return _TRACE
+
+
+def current_trace() -> list[float] | None:
+    """The stamps list :func:`trace_launches` turned on (``None`` when off)."""
     return _TRACE
 
 
@@ -64,7 +69,7 @@ def _plan_key(sb: torch.Tensor, db: torch.Tensor, cfg: CopyConfig) -> tuple[Any,
             cfg.piece_bytes, cfg.block_bytes, cfg.num_warps)
 
 
-def _capture(plan: _Plan) -> Any:
+def _capture(plan: LaunchPlan) -> Any:
     """Capture the plan's launch into a CUDA graph on a side stream; ``False`` when that fails."""
     dev = plan.device
     key = str(dev)
@@ -90,7 +95,7 @@ def _capture(plan: _Plan) -> Any:
         return False
 
 
-def _run_plan(plan: _Plan) -> None:
+def _run_plan(plan: LaunchPlan) -> None:
     """Launch a cached plan on the current stream (graph replay from its second use)."""
     dev = plan.device
     if dev.type != "cuda":  # only under TRITON_INTERPRET=1 (tests): no streams, no graphs
@@ -118,18 +123,18 @@ def _run_plan(plan: _Plan) -> None:
             tr.append(time.perf_counter())
 
 
-def _copy_planned(runs: Runs, sb: torch.Tensor, db: torch.Tensor, cfg: CopyConfig) -> None:
+def copy_planned(runs: Runs, sb: torch.Tensor, db: torch.Tensor, cfg: CopyConfig) -> None:
     """The Triton copy of ``runs`` through the plan cached on ``runs`` (built on first use)."""
     key = _plan_key(sb, db, cfg)
     per = _PLANS.get(runs)
     plan = per.get(key) if per is not None else None
     if plan is None:
         runs.check_bounds(sb.numel(), db.numel(), what="copy_runs")
-        plan = _prepare_triton(sb, db, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg,
+        plan = prepare_triton(sb, db, runs.src_offsets, runs.dst_offsets, runs.lengths, cfg,
                                own_table=True)
         if plan is None:
             return
-        with _LOCK:
+        with LAUNCH_LOCK:
             per = _PLANS.setdefault(runs, {})
             if len(per) >= _PLANS_PER_RUNS:
                 per.pop(next(iter(per)))

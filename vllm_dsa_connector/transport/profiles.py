@@ -1,4 +1,4 @@
-"""Link cost profiles: what moving bytes to a peer costs per path, measured per transport and per link.
+"""Transport cost profiles: what bouncing and posting runs directly cost, per transport.
 
 :class:`CostModel` (per transport, :data:`PROFILES`) prices ``direct`` vs ``bounce`` for
 :meth:`~vllm_dsa_connector.transport.gate.BounceGate.decision`::
@@ -6,18 +6,17 @@
     direct_us = merged_runs * desc_us
     bounce_us = desc_us + fixed_us + 2 * bytes / copy_bandwidth      # one descriptor, gather + scatter
 
-:class:`LinkProfile` (per link, :data:`LINKS`) prices every path for
-:meth:`~vllm_dsa_connector.transport.gate.BounceGate.choose` (see :meth:`LinkProfile.estimates`).
-:func:`detect_profile` picks a transport profile from the memory and ``UCX_TLS``. No torch, no vLLM.
+:func:`detect_profile` picks a profile from the memory and ``UCX_TLS``. No torch, no vLLM. The
+measurements behind the values are in docs/cost-profiles.md.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-__all__ = ["LINKS", "LINK_OF_PROFILE", "PROFILES", "CostModel", "LinkProfile", "detect_profile"]
+__all__ = ["PROFILES", "CostModel", "detect_profile"]
 
 
 @dataclass(frozen=True)
@@ -37,19 +36,9 @@ class CostModel:
         return self.desc_us + self.fixed_us + 2.0 * total_bytes / (self.copy_gbps * 1e3)
 
 
-# Tuned on this project's hosts (2026-11-29; ``vllm-dsa bench transfer`` and bench/gpu_transfer.py):
-# - cma (UCX default on one host): extra cost per descriptor 5-15 us (grows with run size), gather +
-#   scatter at ~3-6 GB/s effective with one thread; bounce won up to 8 KiB runs, tied at 16 KiB, lost
-#   at 64 KiB -> break-even run ~ desc_us * copy_gbps / 2 = 14 KB.
-# - tcp (UCX_TLS=tcp): 14-21 us per descriptor for runs <= 16 KiB, 18-94 us at 64 KiB (rendezvous
-#   messages; grows with host load). 64 KiB runs: bounce 1.2-1.3x faster on the loaded host (medians of
-#   20-30), 1.27x slower once when idle -> 40 us, so the gate bounces up to ~80 KB runs on tcp.
-#   Re-measured 2026-12-02 (`vllm-dsa bench transfer --json`, UCX_TLS=tcp, 2 vCPU, load 10-20, medians
-#   of 10): 256 x 64 KiB direct 15.9 ms vs bounce 25.1 (1.58x slower; the gate had bounced it: auto/best
-#   1.57), 512 x 16 KiB direct 18.1 vs bounce 11.4 -> 25 us: bounce below ~50 KB runs.
-# - cuda (H200, VRAM->VRAM cuda_ipc): 593 descriptors cost ~5 ms more than one; gather/scatter ~1.8 TB/s
-#   of payload; ~0.5 ms fixed (post + notification + completion) -> bounce pays below ~6 MB per run.
-# - rdma: an estimate (no RDMA NIC here); tune it on such hardware with bounce_desc_cost_us & co.
+# Per transport (measurements: docs/cost-profiles.md): cma and tcp from the CPU hosts' `vllm-dsa bench
+# transfer`, cuda from the H200's bench/gpu_transfer.py, rdma an estimate (tune it with bounce_desc_cost_us
+# & co. on such hardware).
 PROFILES: dict[str, CostModel] = {
     "cma": CostModel(desc_us=7.0, copy_gbps=4.0, fixed_us=200.0),
     "tcp": CostModel(desc_us=25.0, copy_gbps=4.0, fixed_us=200.0),
@@ -57,111 +46,6 @@ PROFILES: dict[str, CostModel] = {
     "cuda": CostModel(desc_us=8.0, copy_gbps=1700.0, fixed_us=500.0),
 }
 
-
-@dataclass(frozen=True)
-class LinkProfile:
-    """What moving bytes to a peer over one link costs (microseconds, GB/s of payload).
-
-    ``desc_us``: engine cost per descriptor; ``wire_gbps``: the engine's bandwidth for one large
-    descriptor; ``copy_gbps``: one local gather or scatter (GPU memory; ``cpu_copy_gbps`` for host
-    memory); ``bounce_us``: fixed extra of a bounce (slot, launches, synchronisation); ``chunk_us``:
-    extra per pipelined chunk (post + notification); ``async_post``: posting overlaps the wire (GPU copy
-    engines, NICs) instead of adding to it (CPU-driven copies); ``overlap``: gather/scatter and the wire
-    use different resources (two GPUs, a NIC), so pipelining chunks overlaps them; on one GPU all three
-    share its memory and pipelining only adds chunk costs; ``ipc_gbps``: the one-kernel copy through a
-    CUDA IPC mapping (``None``: no such path on this link) with ``ipc_us`` fixed (launch, notification);
-    ``post_us``: fixed cost of one engine transfer (prepare, post, completion, notification), so small
-    transfers compare right against ``ipc``.
-    """
-
-    desc_us: float
-    wire_gbps: float
-    copy_gbps: float
-    bounce_us: float
-    chunk_us: float
-    async_post: bool
-    overlap: bool
-    ipc_gbps: float | None = None
-    ipc_us: float = 0.0
-    cpu_copy_gbps: float = 4.0
-    post_us: float = 0.0
-
-    def for_memory(self, gpu: bool) -> LinkProfile:
-        """The profile for host memory (``gpu=False``): CPU copies, no overlap, no IPC."""
-        if gpu:
-            return self
-        return replace(self, copy_gbps=self.cpu_copy_gbps, overlap=False, ipc_gbps=None)
-
-    def pipelined_us(self, total_bytes: int, chunks: int) -> float:
-        """Chunked bounce: three stages (gather, WRITE, scatter) over ``chunks`` equal chunks."""
-        g = total_bytes / (self.copy_gbps * 1e3)
-        w = total_bytes / (self.wire_gbps * 1e3)
-        stages = 2 * g + w
-        if self.overlap and chunks > 1:
-            stages = stages / chunks + (chunks - 1) / chunks * max(g, w)
-        return self.post_us + self.bounce_us + chunks * (self.chunk_us + self.desc_us) + stages
-
-    def estimates(
-        self, num_runs: int, total_bytes: int, chunks: tuple[int, ...] = (2, 4, 8, 16)
-    ) -> dict[str, float]:
-        """Estimated time of each path (us; a cost common to all paths is left out)::
-
-        direct     = post + n * desc + wire        (post + max(n * desc, wire) + desc with async_post)
-        bounce     = post + bounce + desc + wire + 2 * bytes / copy
-        pipelined  = post + bounce + k * (chunk + desc) + pipeline(gather, wire, scatter; k chunks)
-        ipc        = ipc_us + bytes / ipc_gbps
-        """
-        wire = total_bytes / (self.wire_gbps * 1e3)
-        post = num_runs * self.desc_us
-        direct = max(post, wire) + self.desc_us if self.async_post else post + wire
-        copy2 = 2.0 * total_bytes / (self.copy_gbps * 1e3)
-        out = {
-            "direct": self.post_us + direct,
-            "bounce": self.post_us + self.bounce_us + self.desc_us + wire + copy2,
-        }
-        for k in chunks:
-            out[f"pipelined:{k}"] = self.pipelined_us(total_bytes, k)
-        if self.ipc_gbps:
-            out["ipc"] = self.ipc_us + total_bytes / (self.ipc_gbps * 1e3)
-        return out
-
-
-# Per link, measured 2026-11-30 on H200s (bench/gpu_transfer.py, bench/gpu_two_gpu.py; GLM-5.2-shaped
-# request, 2.05 GB, 593 merged runs, and 64- / 8-block requests; NIXL 1.5.1 UCX cuda_ipc):
-# - same_gpu (two processes): one-descriptor WRITE ~1.0 ms (~2 TB/s); 593 descriptors 5.0-7.9 ms
-#   -> ~9 us each, added to the wire time; ~0.45 ms fixed per NIXL transfer (8 blocks: 0.6 ms end to
-#   end); bounce 4.2-4.9 ms -> ~0.8 ms fixed besides gather + scatter; pipelining on one GPU only adds
-#   chunk costs; the IPC kernel 1.04 ms of GPU time (~1.95 TB/s of payload) + ~0.6 ms of launch,
-#   completion and notification (1.6-2.0 ms end to end).
-# - nvlink (H200 -> H200, NV18): one-descriptor WRITE 5.24 ms (391 GB/s); 593 descriptors 7.05-7.46 ms
-#   -> ~3.5 us each, added; 58,806 descriptors 247-335 ms; bounce 8.4-9.2 ms; pipelined x4 7.4-8.9 ms
-#   (gather/scatter overlap the wire; 0.15-0.6 ms per chunk, mostly host launches); the IPC kernel
-#   storing through the mapping 5.52 ms of GPU time (371 GB/s; a plain peer copy 387-394 GB/s, one
-#   copy-engine DMA per run 304 GB/s) + ~0.85 ms fixed (6.53 ms end to end); with the launch plan
-#   cached on the runs (CUDA graph replay) and the completion on an interprocess event whose
-#   notification leaves at launch: 5.85-5.97 ms end to end, ~0.33-0.45 ms fixed (ipc_us); 64 and 8
-#   blocks: ipc 0.80-0.92 / 0.46-0.56 ms vs merged direct 1.07 / 0.53.
-# - same_gpu `ipc`, re-measured 2026-12-01 with the cached plan, graph replay and the event signal (one
-#   H200, bench/gpu_transfer.py --no-tune --reps 10, medians end to end): 594 / 64 / 8 blocks (2.051 /
-#   0.221 / 0.028 GB) 1.571 / 0.569 / 0.451 ms -> a line through them: ~0.44 ms fixed + 1,800 GB/s
-#   (ipc_us 440, ipc_gbps 1800; was 600 / 1950, which priced 8 blocks at 0.61 ms and picked direct,
-#   measured 0.564 ms, over ipc's 0.451). Direct at those shapes: 6.689 / 1.129 / 0.564 ms (model:
-#   6.81 / 1.14 / 0.54).
-# - rdma: GPUDirect over one 400 Gb/s NIC, an estimate (no such NIC here).
-# - cma/tcp: host memory on this project's CPU hosts (the bounce numbers are those of PROFILES, so
-#   the two models agree there).
-LINKS: dict[str, LinkProfile] = {
-    "same_gpu": LinkProfile(
-        9.0, 2000.0, 1900.0, 800.0, 150.0, False, False, 1800.0, 440.0, post_us=450.0
-    ),
-    "nvlink": LinkProfile(3.5, 391.0, 1900.0, 700.0, 400.0, False, True, 371.0, 400.0, post_us=450.0),
-    "rdma": LinkProfile(2.0, 45.0, 1900.0, 100.0, 30.0, True, True, post_us=50.0),
-    "cma": LinkProfile(7.0, 2.8, 4.0, 200.0, 50.0, False, False),
-    "tcp": LinkProfile(25.0, 1.7, 4.0, 200.0, 60.0, False, False),
-}
-#: The link profile :class:`~vllm_dsa_connector.transport.gate.BounceGate` uses per transport profile
-#: when ``bounce_link`` is ``auto``.
-LINK_OF_PROFILE: dict[str, str] = {"cuda": "same_gpu", "cma": "cma", "tcp": "tcp", "rdma": "rdma"}
 
 _RDMA_TLS = ("rc", "ud", "dc", "ib", "roce", "mlx")
 _SHM_TLS = ("sm", "cma", "posix", "sysv", "xpmem", "knem", "shm", "all")

@@ -36,12 +36,14 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm_dsa_connector.transport.early import EarlyNotices
 from vllm_dsa_connector.transport.engine import NixlEngine, Region
+from vllm_dsa_connector.transport.ipc import PeerEvents
+from vllm_dsa_connector.transport.local_copy import scatter
 from vllm_dsa_connector.transport.notices import Notif, parse_notif
 from vllm_dsa_connector.transport.runs import Chunk, Runs, plan_chunks
-from vllm_dsa_connector.transport.sends import _pause
 from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingArena, scatter
+from vllm_dsa_connector.transport.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 
@@ -176,19 +178,12 @@ class Receiver:
         self.engine = engine
         self.hooks: ReceiveHooks = hooks if hooks is not None else PlainTags()
         self.clock = clock
-        self.early_ttl_s = early_ttl_s
-        self.early_cap = early_cap
-        self.early_per_key = early_per_key
-        self.early_per_peer = early_per_peer
+        self.early = EarlyNotices(clock, ttl_s=early_ttl_s, cap=early_cap, per_key=early_per_key,
+                                  per_peer=early_per_peer)
         self.arena: StagingArena | None = None
         self.region: Region | None = None
         self._expected: dict[bytes, _Armed] = {}
-        self._early: dict[bytes, list[tuple[float, str | None, Notif, Any]]] = {}
-        self._early_by_peer: dict[str | None, list[Any]] = {}  # agent -> [early ones kept, cap warned]
-        # keys whose early notifications overflowed early_per_key -> why their request fails when armed
-        self._early_over: collections.OrderedDict[bytes, str] = collections.OrderedDict()
-        self._ipc_events: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._bad_events: set[bytes] = set()
+        self.events = PeerEvents()  # the senders' interprocess CUDA events of event-signalled ipc writers
         self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent keys
         self.other: list[tuple[str, bytes]] = []  # notifications that are not the transport's
         if arena is not None:
@@ -219,11 +214,11 @@ class Receiver:
                      context, states={w: WriterState.EXPECTED for w in writers})
         self._expected[key] = exp
         self._closed.pop(key, None)
-        over = self._early_over.pop(key, None)
+        over, kept = self.early.take(key)
         if over is not None:  # its early notifications were dropped: it can never complete
             for w in exp.writers:
                 self._mark(exp, w, WriterState.FAILED, over)
-        for _, peer, n, payload in self._drop_early(key):
+        for _, peer, n, payload in kept:
             self._arrive(exp, peer, n, payload)
 
     def writer_states(self, key: bytes) -> dict[int, WriterState]:
@@ -267,44 +262,9 @@ class Receiver:
                 logger.debug("receiver: ipc notification for finished %r dropped", key)
             else:
                 logger.warning("receiver: late notification for finished/cancelled %r dropped", key)
-        elif key in self._early_over:
-            pass  # its flood was dropped (warned once); the request fails when armed
-        elif key in self._early or len(self._early) < self.early_cap:
-            self._keep_early(key, peer, n, payload)
+        else:
+            self.early.offer(key, peer, n, payload)
         return True
-
-    def _keep_early(self, key: bytes, peer: str | None, n: Notif, payload: Any) -> None:
-        """Keep a notification that came before its request was armed, inside the per-key and per-agent caps."""
-        if len(self._early.get(key, ())) >= self.early_per_key:
-            self._drop_early(key)
-            why = (f"more than {self.early_per_key} notifications (early_per_key) before it was armed, the last "
-                   f"from agent {peer!r}; all dropped")
-            self._early_over[key] = why
-            while len(self._early_over) > self.early_cap:
-                self._early_over.popitem(last=False)
-            logger.warning("receiver: %r: %s; the request fails when armed", key, why)
-            return
-        count = self._early_by_peer.setdefault(peer, [0, False])
-        if count[0] >= self.early_per_peer:
-            if not count[1]:
-                count[1] = True
-                logger.warning("receiver: agent %r has %d early notifications kept (early_per_peer); more are "
-                               "dropped until those are armed or expire (their requests time out)", peer, count[0])
-            return
-        count[0] += 1
-        self._early.setdefault(key, []).append((self.clock(), peer, n, payload))
-
-    def _drop_early(self, key: bytes) -> list[tuple[float, str | None, Notif, Any]]:
-        """The one place early notifications leave (armed, cancelled, expired, overflowed): the agents'
-        counts follow."""
-        kept = self._early.pop(key, [])
-        for _, peer, _, _ in kept:
-            count = self._early_by_peer.get(peer)
-            if count is not None:
-                count[0] -= 1
-                if count[0] <= 0:
-                    del self._early_by_peer[peer]
-        return kept
 
     def pump(self) -> None:
         """Handle the engine's new notifications (scatters bounced bytes); settles nothing."""
@@ -344,7 +304,7 @@ class Receiver:
             if state is WriterState.PARTIAL:
                 logger.warning("receiver: duplicate launch notification from writer %d of %r", w, exp.key)
                 return
-            ev = self._open_event(n.handle, spec.dst)
+            ev = self.events.open(n.handle, spec.dst.device if spec.dst is not None else None)
             if ev is not None:  # else the sender's notification after the copy will come
                 exp.events[w] = ev
                 self._mark(exp, w, WriterState.PARTIAL)
@@ -411,32 +371,6 @@ class Receiver:
         if reason:
             exp.reasons[w] = reason
 
-    def _open_event(self, handle: bytes, dst: torch.Tensor | None) -> Any:
-        """The sender's interprocess event for ``handle`` (opened once); ``None`` when it cannot be."""
-        ev = self._ipc_events.get(handle)
-        if ev is not None or handle in self._bad_events:
-            return ev
-        devices = [dst.device] if dst is not None and dst.is_cuda else []
-        if torch.cuda.is_available():
-            devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        err: Exception | None = None
-        for dev in devices:
-            try:
-                ev = torch.cuda.Event.from_ipc_handle(dev, handle)
-                break
-            except Exception as e:  # try the next device context
-                err = e
-        if ev is None:
-            if not self._bad_events:
-                logger.warning("ipc: cannot open the sender's CUDA event (%s); completing on the "
-                               "sender's notification after the copy instead", err)
-            self._bad_events.add(handle)
-            return None
-        self._ipc_events[handle] = ev
-        while len(self._ipc_events) > 4096:
-            self._ipc_events.popitem(last=False)
-        return ev
-
     def _fire_events(self, exp: _Armed) -> None:
         """PARTIAL ipc writers whose event fired landed (an unqueryable event: wait for the notification)."""
         for w, ev in list(exp.events.items()):
@@ -457,8 +391,7 @@ class Receiver:
     def collect(self) -> list[RecvResult]:
         """Settle the requests that are over (every writer final, or past the deadline)."""
         now = self.clock()
-        for key in [k for k, v in self._early.items() if v and now - v[0][0] > self.early_ttl_s]:
-            self._drop_early(key)
+        self.early.expire(now)
         out = []
         for exp in list(self._expected.values()):
             self._fire_events(exp)
@@ -522,13 +455,12 @@ class Receiver:
                 exp = self._expected[key]
                 missing = sorted(w for w, s in exp.states.items() if s not in _FINAL)
                 raise TimeoutError(f"receive {key!r}: writers {missing} did not arrive in {timeout_s}s")
-            _pause(started)
+            time.sleep(0 if time.perf_counter() - started < 0.02 else 5e-5)  # spin briefly, then 50 us naps
         return None
 
     def cancel(self, key: bytes) -> RecvResult | None:
         """Abandon ``key``; its staging range is quarantined (a late writer may still write into it)."""
-        self._drop_early(key)
-        self._early_over.pop(key, None)
+        self.early.forget(key)
         exp = self._expected.get(key)
         if exp is None:
             self._remember(key)

@@ -10,7 +10,7 @@ fails the post with the reason, and the caller's failure notice tells D):
   offsets of :func:`~.runs.packed_offsets` (each part packed in its merged run order), then one WRITE into the
   receiver's slot that carries ``dsa1:b<writer>:<tag>``; the receiver scatters each part from the same
   offsets (:class:`~.receiver.WriterSpec` ``parts``).
-- ``ipc`` (same host, CUDA pools): one copy per part (:func:`~.copy.copy_runs`) into this process's
+- ``ipc`` (same host, CUDA pools): one copy per part (:func:`~.local_copy.copy_runs`) into this process's
   CUDA IPC mapping of the receiver's pools (:meth:`RoutedTransport.map_peer`, opened once per peer), a
   CUDA event behind the copies, and ``dsa1:i<writer>:<tag>`` once it fired (polled from
   :meth:`RoutedTransport.progress`, never waited on in a step).
@@ -29,17 +29,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_dsa_connector.transport.copy import copy_runs
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
+from vllm_dsa_connector.transport.local_copy import copy_runs, gather, sync
 from vllm_dsa_connector.transport.notices import encode_notif
 from vllm_dsa_connector.transport.regions import Transfer, TransferError, TransferStats
 from vllm_dsa_connector.transport.runs import Runs, packed_offsets
-from vllm_dsa_connector.transport.sender import check_deadline
-from vllm_dsa_connector.transport.sends import StagingSlot
 from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingArena, gather, sync
-from vllm_dsa_connector.transport.transports import DirectTransport, Part, Post, PostState
+from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
+from vllm_dsa_connector.transport.transports import (
+    DirectTransport,
+    Part,
+    Post,
+    PostState,
+    check_deadline,
+)
 
 logger = logging.getLogger(__name__)
 

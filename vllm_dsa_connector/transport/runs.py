@@ -93,16 +93,6 @@ class Runs:
                 f"{what}: runs write up to byte {self.dst_extent()} of a {dst_size}-byte destination"
             )
 
-    def dst_overlaps(self) -> bool:
-        """True when two runs write the same destination byte (a race for any transport)."""
-        keep = self.lengths > 0
-        if int(keep.sum()) < 2:
-            return False
-        order = np.argsort(self.dst_offsets[keep], kind="stable")
-        starts = self.dst_offsets[keep][order]
-        ends = starts + self.lengths[keep][order]
-        return bool(np.any(starts[1:] < ends[:-1]))
-
     def merged(self) -> Runs:
         """These runs with neighbours contiguous on both sides merged (see :func:`merge_runs`); cached."""
         m = self._merged
@@ -110,10 +100,6 @@ class Runs:
             m = merge_runs(self.src_offsets, self.dst_offsets, self.lengths)
             object.__setattr__(self, "_merged", m)
         return m
-
-    def shifted(self, src_delta: int = 0, dst_delta: int = 0) -> Runs:
-        """The same runs with constant offsets added (e.g. a region's base inside a bigger buffer)."""
-        return Runs(self.src_offsets + src_delta, self.dst_offsets + dst_delta, self.lengths)
 
     def __repr__(self) -> str:
         return f"Runs(num_runs={self.num_runs}, total_bytes={self.total_bytes})"

@@ -1,4 +1,8 @@
-"""One interface for the sending side, two implementations: :class:`DirectTransport`, :class:`BounceTransport`.
+"""The sending side's interface (:class:`Transport`, :class:`Post`) and its direct path (:class:`DirectTransport`).
+
+The connector posts through :class:`~.routed.RoutedTransport`, which follows each pair's route and uses
+:class:`DirectTransport` for the direct one; the benches' bounce sender adds its own paths on the same
+interface (``harness.paths``).
 
 A caller describes one writer's part of a request as ``parts``: ``[(local Region, remote region, Runs)]``
 (one per pool pair), and calls every transport the same way::
@@ -10,8 +14,8 @@ A caller describes one writer's part of a request as ``parts``: ``[(local Region
 The receiver (:class:`~.receiver.Receiver`) learns of the writer through ONE ``dsa1:`` notification
 carrying ``tag``, whatever the path: the direct transport sends ``dsa1:d<writer>:<tag>`` on its own once
 every WRITE is DONE (NIXL's DONE means the data landed; a notification riding on the WRITE would make its
-completion wait for the TARGET to progress), the bounce transport's one WRITE into the receiver's staging
-slot carries ``dsa1:b<writer>:<tag>``. A failure is never notified by the transport: the caller decides what
+completion wait for the TARGET to progress), a bounce's one WRITE into the receiver's staging slot carries
+``dsa1:b<writer>:<tag>``, an ipc copy's notification ``dsa1:i<writer>:<tag>`` follows once the copy is done. A failure is never notified by the transport: the caller decides what
 its failure notice says (:meth:`Transport.notify`) once :meth:`progress` reports FAILED, i.e. once no part
 of the post is in flight any more.
 
@@ -39,14 +43,19 @@ from vllm_dsa_connector.transport.regions import (
     TransferStats,
 )
 from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.sender import BounceSender, check_deadline
-from vllm_dsa_connector.transport.sends import Send, StagingSlot
+from vllm_dsa_connector.transport.staging import StagingSlot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BounceTransport", "DirectTransport", "Part", "Post", "PostState", "Transport"]
+__all__ = ["DirectTransport", "Part", "Post", "PostState", "Transport", "check_deadline"]
 
 Part = tuple[Region, "RegionDesc | dict[str, Any]", Runs]
+
+
+def check_deadline(deadline: float | None, what: str) -> None:
+    """:class:`TransferError` when ``deadline`` (``time.monotonic()``) has passed: ``what`` must not be posted."""
+    if deadline is not None and (now := time.monotonic()) >= deadline:
+        raise TransferError(f"{what}: post deadline passed {now - deadline:.3f} s ago; not writing")
 
 
 class PostState(Enum):
@@ -73,7 +82,7 @@ class Post:
     error: str = ""
     stats: list[TransferStats] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
-    _inflight: list[Transfer | Send] = field(default_factory=list, repr=False)
+    _inflight: list[Any] = field(default_factory=list, repr=False)  # the path's handles (Transfer for direct)
     _notify: bool = field(default=False, repr=False)  # send dsa1:d<writer>:<tag> once all parts are DONE
 
 
@@ -90,10 +99,6 @@ class Transport(Protocol):
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
         """A notification ``dsa1:d<writer>:<tag>`` on its own (e.g. the caller's failure notice)."""
-
-
-def _transfer(x: Transfer | Send) -> Transfer:
-    return x.transfer if isinstance(x, Send) else x
 
 
 class DirectTransport:
@@ -130,7 +135,7 @@ class DirectTransport:
         now = self.clock()
         remaining = []
         for x in post._inflight:
-            t = _transfer(x)
+            t = self.transfer_of(x)
             if self.engine.state(t) == "PROC" and now - t.started < self.timeout_s:
                 remaining.append(x)
                 continue
@@ -149,40 +154,13 @@ class DirectTransport:
                 logger.warning("transport: completion notification to %r not sent: %s", post.peer, e)
         return True
 
-    def _wait(self, x: Transfer | Send) -> TransferStats:
-        return self.engine.wait(_transfer(x), self.timeout_s)
+    def transfer_of(self, x: Any) -> Transfer:
+        """The NIXL WRITE behind one handle of a post (here the handle is the WRITE)."""
+        return x
+
+    def _wait(self, x: Any) -> TransferStats:
+        return self.engine.wait(self.transfer_of(x), self.timeout_s)
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
         """``dsa1:d<writer>:<tag>`` on its own."""
         self.engine.send_notification(peer, encode_notif("direct", writer, tag))
-
-
-class BounceTransport(DirectTransport):
-    """Gather into the local arena, one WRITE into the receiver's staging slot, scatter there.
-
-    A post with one part and a slot goes through :class:`BounceSender` (its gate may still choose a direct
-    WRITE, or fall back to one when the local arena stays full; the notification then rides on that
-    WRITE). Anything else (several pool pairs, no slot) is a :class:`DirectTransport` post.
-    """
-
-    def __init__(self, sender: BounceSender, timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__(sender.engine, timeout_s, clock)
-        self.sender = sender
-
-    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
-             slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
-        """Bounce a one-part post with a slot; post anything else directly."""
-        if slot is None or len(parts) != 1:
-            return super().post(peer, parts, writer=writer, tag=tag, deadline=deadline)
-        src, dst, runs = parts[0]
-        try:
-            send = self.sender.send(peer, src, dst, runs, tag, slot=slot, writer=writer, deadline=deadline)
-        except Exception as e:  # noqa: BLE001 - the sender released its staging: nothing in flight
-            return Post(peer, writer, tag, "bounce", error=str(e))
-        return Post(peer, writer, tag, send.path, _inflight=[send])
-
-    def _wait(self, x: Transfer | Send) -> TransferStats:
-        if isinstance(x, Send):  # waiting also frees (or quarantines) its staging space
-            return self.sender.wait(x, self.timeout_s)
-        return self.engine.wait(x, self.timeout_s)

@@ -4,8 +4,8 @@ slot (or a direct WRITE of the runs).
 Both sides must describe a writer's transfer with the same :class:`Runs`; both merge it with
 :meth:`Runs.merged` (deterministic), which fixes the packed order in the staging slot.
 
-Two more paths for :meth:`BounceSender.send` (chosen by :meth:`BounceGate.choose` when the caller lists
-them, or forced): ``pipelined`` cuts the packed stream into chunks (:func:`plan_chunks`), gathers them
+Two more paths for :meth:`BounceSender.send` (chosen by :meth:`~.links.PathChooser.choose` when the caller
+lists them, or forced): ``pipelined`` cuts the packed stream into chunks (:func:`plan_chunks`), gathers them
 back to back and posts each chunk's WRITE as soon as its gather finished; the receiver scatters each
 chunk when its notification arrives, so gather, wire and scatter overlap across GPUs or nodes.
 ``ipc`` (same node): see :mod:`.ipc_send`.
@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_dsa_connector.harness.paths.ipc_send import IPC_SIGNALS, EventPool, IpcSendPath
+from vllm_dsa_connector.harness.paths.links import PathChooser
+from vllm_dsa_connector.harness.paths.sends import Send, StagingSlot, event_done, record_event
 from vllm_dsa_connector.transport.engine import (
     NixlEngine,
     Region,
@@ -29,22 +33,16 @@ from vllm_dsa_connector.transport.engine import (
     TransferStats,
 )
 from vllm_dsa_connector.transport.gate import BounceGate, Decision
-from vllm_dsa_connector.transport.ipc_send import IPC_SIGNALS, IpcSendPath, _EventPool
+from vllm_dsa_connector.transport.local_copy import gather, sync
 from vllm_dsa_connector.transport.notices import encode_chunk_notif, encode_notif
 from vllm_dsa_connector.transport.runs import Runs, plan_chunks
-from vllm_dsa_connector.transport.sends import Send, StagingSlot, _done, _record
 from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingArena, gather, sync
+from vllm_dsa_connector.transport.staging import StagingArena
+from vllm_dsa_connector.transport.transports import DirectTransport, Part, Post, check_deadline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BounceSender", "check_deadline"]
-
-
-def check_deadline(deadline: float | None, what: str) -> None:
-    """:class:`TransferError` when ``deadline`` (``time.monotonic()``) has passed: ``what`` must not be posted."""
-    if deadline is not None and (now := time.monotonic()) >= deadline:
-        raise TransferError(f"{what}: post deadline passed {now - deadline:.3f} s ago; not writing")
+__all__ = ["BounceSender", "BounceTransport"]
 
 
 class BounceSender(IpcSendPath):
@@ -57,7 +55,7 @@ class BounceSender(IpcSendPath):
         self,
         engine: NixlEngine,
         arena: StagingArena,
-        gate: BounceGate,
+        gate: BounceGate | PathChooser,
         reserve_timeout_s: float | None = None,
         ipc_signal: str = "event",
     ) -> None:
@@ -65,14 +63,16 @@ class BounceSender(IpcSendPath):
             raise ValueError(f"BounceSender: ipc_signal must be one of {IPC_SIGNALS}; got {ipc_signal!r}")
         self.engine = engine
         self.arena = arena
-        self.gate = gate
+        # the bounce/direct gate, and the chooser of every path over a link (``paths=`` of :meth:`send`)
+        self.chooser = gate if isinstance(gate, PathChooser) else PathChooser(gate)
+        self.gate = self.chooser.gate
         self.reserve_timeout_s = (
-            gate.settings.reserve_timeout_s if reserve_timeout_s is None else reserve_timeout_s
+            self.gate.settings.reserve_timeout_s if reserve_timeout_s is None else reserve_timeout_s
         )
         self.region = engine.register(arena.buffer)
         self.ipc_signal = ipc_signal
         self._logged: set[str] = set()
-        self._events: dict[str, _EventPool] = {}
+        self._events: dict[str, EventPool] = {}
 
     def _once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -126,7 +126,7 @@ class BounceSender(IpcSendPath):
                     if (p != "ipc" or ipc is not None)
                     and (p not in ("bounce", "pipelined") or slot is not None)
                 )
-                decision = self.gate.choose(merged, merged=True, paths=avail or ("direct",))
+                decision = self.chooser.choose(merged, merged=True, paths=avail or ("direct",))
                 k = decision.chunks
             path, reason = decision.path, decision.reason
         else:
@@ -204,7 +204,7 @@ class BounceSender(IpcSendPath):
         try:
             for ch in plan:  # gathers back to back on the stream; each chunk's event marks it done
                 gather(src.tensor, ch.runs, self.arena.buffer[res.offset + ch.start :])
-                events.append(_record(self.arena.buffer))
+                events.append(record_event(self.arena.buffer))
         except BaseException:
             self.arena.release(res)
             raise
@@ -237,7 +237,7 @@ class BounceSender(IpcSendPath):
         assert slot is not None
         while len(send._posted) < len(send._plan):
             i = len(send._posted)
-            if not _done(send._events[i]):
+            if not event_done(send._events[i]):
                 return False
             ch = send._plan[i]
             if res is None:
@@ -296,3 +296,38 @@ class BounceSender(IpcSendPath):
             time.perf_counter() - t0,
             descs if self.engine.telemetry else -1,
         )
+
+
+class BounceTransport(DirectTransport):
+    """Gather into the local arena, one WRITE into the receiver's staging slot, scatter there.
+
+    A post with one part and a slot goes through :class:`BounceSender` (its gate may still choose a direct
+    WRITE, or fall back to one when the local arena stays full; the notification then rides on that
+    WRITE). Anything else (several pool pairs, no slot) is a :class:`DirectTransport` post.
+    """
+
+    def __init__(self, sender: BounceSender, timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(sender.engine, timeout_s, clock)
+        self.sender = sender
+
+    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
+             slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
+        """Bounce a one-part post with a slot; post anything else directly."""
+        if slot is None or len(parts) != 1:
+            return super().post(peer, parts, writer=writer, tag=tag, deadline=deadline)
+        src, dst, runs = parts[0]
+        try:
+            send = self.sender.send(peer, src, dst, runs, tag, slot=slot, writer=writer, deadline=deadline)
+        except Exception as e:  # noqa: BLE001 - the sender released its staging: nothing in flight
+            return Post(peer, writer, tag, "bounce", error=str(e))
+        return Post(peer, writer, tag, send.path, _inflight=[send])
+
+    def transfer_of(self, x: Any) -> Transfer:
+        """The WRITE behind a handle: a :class:`Send`'s last posted WRITE, or the WRITE itself."""
+        return x.transfer if isinstance(x, Send) else x
+
+    def _wait(self, x: Any) -> TransferStats:
+        if isinstance(x, Send):  # waiting also frees (or quarantines) its staging space
+            return self.sender.wait(x, self.timeout_s)
+        return self.engine.wait(x, self.timeout_s)

@@ -1,4 +1,5 @@
-"""Handles of the sending side: where a writer may put its packed bytes, and one in-flight send."""
+"""The benches' send handle (:class:`Send`: one in-flight send of :class:`~.sender.BounceSender`, any of its
+paths) and the CUDA event helpers its paths share."""
 
 from __future__ import annotations
 
@@ -8,32 +9,13 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport.engine import RegionDesc, Transfer
 from vllm_dsa_connector.transport.gate import Decision
+from vllm_dsa_connector.transport.regions import Transfer
 from vllm_dsa_connector.transport.runs import Chunk
 from vllm_dsa_connector.transport.slots import Reservation
+from vllm_dsa_connector.transport.staging import StagingSlot
 
-__all__ = ["Send", "StagingSlot"]
-
-
-@dataclass(frozen=True)
-class StagingSlot:
-    """Where one writer may put its packed bytes in the receiver's arena (serialisable)."""
-
-    region: RegionDesc
-    offset: int
-    size: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for the handshake."""
-        return {"region": self.region.to_dict(), "offset": self.offset, "size": self.size}
-
-    @classmethod
-    def from_dict(cls, d: StagingSlot | dict[str, Any]) -> StagingSlot:
-        """Inverse of :meth:`to_dict`."""
-        if isinstance(d, StagingSlot):
-            return d
-        return cls(RegionDesc.from_dict(d["region"]), int(d["offset"]), int(d["size"]))
+__all__ = ["Send", "StagingSlot", "event_done", "pause", "record_event"]
 
 
 @dataclass(eq=False)
@@ -65,7 +47,8 @@ class Send:
     _pool: Any = field(default=None, repr=False)  # ipc event signal: where the event goes back
 
 
-def _record(t: torch.Tensor) -> Any:
+def record_event(t: torch.Tensor) -> Any:
+    """A CUDA event recorded on ``t``'s current stream (``None`` for host tensors)."""
     if not t.is_cuda:
         return None
     ev = torch.cuda.Event()
@@ -73,11 +56,12 @@ def _record(t: torch.Tensor) -> Any:
     return ev
 
 
-def _done(ev: Any) -> bool:
+def event_done(ev: Any) -> bool:
+    """Whether ``ev`` fired (``None``: nothing to wait for)."""
     return ev is None or bool(ev.query())
 
 
-def _pause(started: float, spin_s: float = 0.02) -> None:
+def pause(started: float, spin_s: float = 0.02) -> None:
     """Between polls: yield only for the first ``spin_s`` (completions seen within microseconds), then
     sleep 50 us (a long wait does not burn a core)."""
     time.sleep(0 if time.perf_counter() - started < spin_s else 5e-5)

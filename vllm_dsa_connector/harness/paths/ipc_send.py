@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport.copy import copy_runs
+from vllm_dsa_connector.harness.paths.sends import Send, event_done, pause, record_event
 from vllm_dsa_connector.transport.engine import (
     NixlEngine,
     Region,
@@ -26,9 +26,9 @@ from vllm_dsa_connector.transport.engine import (
     TransferStats,
 )
 from vllm_dsa_connector.transport.gate import Decision
+from vllm_dsa_connector.transport.local_copy import copy_runs
 from vllm_dsa_connector.transport.notices import encode_event_notif, encode_notif
 from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.sends import Send, _done, _pause, _record
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ __all__ = ["IPC_SIGNALS", "IpcSendPath"]
 IPC_SIGNALS = ("event", "event+notify", "notify")
 
 
-class _EventPool:
+class EventPool:
     """Interprocess CUDA events of one device, each with its IPC handle; an event is reused only after
     the sender saw it fire (a receiver still holding it then sees a later record: never early)."""
 
@@ -62,7 +62,7 @@ class IpcSendPath:
     engine: NixlEngine
     ipc_signal: str
     _logged: set[str]
-    _events: dict[str, _EventPool]
+    _events: dict[str, EventPool]
 
     def _send_ipc(
         self,
@@ -94,7 +94,7 @@ class IpcSendPath:
             handle = h if h is not None else bytes(ev.ipc_handle())
         else:
             signal = "notify"
-            ev = _record(src.tensor)
+            ev = record_event(src.tensor)
         launch = time.perf_counter() - t0
         rec = Transfer(f"ipc {tag[:48]!r}", peer, merged.num_runs, merged.total_bytes, t0)
         send = Send(
@@ -126,7 +126,7 @@ class IpcSendPath:
                 probe = torch.cuda.Event(interprocess=True)
                 probe.record()
                 handle = bytes(probe.ipc_handle())
-            pool = _EventPool(device)
+            pool = EventPool(device)
             pool.release(probe, handle)
             self._events[key] = pool
             return True
@@ -141,7 +141,7 @@ class IpcSendPath:
             return rec.stats
         deadline = rec.started + timeout_s
         started = time.perf_counter()
-        while not _done(send._event):
+        while not event_done(send._event):
             self.engine.progress()  # the launch notification may still wait on UCX (send_notification)
             if time.perf_counter() > deadline:
                 raise TransferError(
@@ -149,7 +149,7 @@ class IpcSendPath:
                     peer=rec.peer,
                     transfer=rec.name,
                 )
-            _pause(started)
+            pause(started)
         if send.signal != "event":  # the bytes are there: tell D (after an event D usually drops it)
             self.engine.send_notification(send._peer, send._notif)
         else:

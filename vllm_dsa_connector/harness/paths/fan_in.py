@@ -15,12 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vllm_dsa_connector.transport.copy import byte_view
 from vllm_dsa_connector.transport.engine import NixlEngine
+from vllm_dsa_connector.transport.local_copy import byte_view
 from vllm_dsa_connector.transport.receiver import Receiver, WriterSpec
 from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.sends import StagingSlot
-from vllm_dsa_connector.transport.staging import StagingArena
+from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
 
 logger = logging.getLogger(__name__)
 
