@@ -110,15 +110,10 @@ Gate (``gate.py``; options ``gate_options.py``, cost profiles ``profiles.py``)
     ``for_link(name)`` gives a gate for another link. Keys ``bounce_link``, ``bounce_wire_gbps``,
     ``bounce_ipc_gbps``, ``bounce_max_chunks``.
 
-Measured (2026-11-29; medians; the 2-vCPU host was shared, load 8-15, so compare ratios)
-    ``vllm-dsa bench transfer`` 4096 x 576 B: scattered/bounce 4.2-4.9x (default UCX and tcp); gate
-    picks bounce. 1024 x 64 KiB: default UCX direct wins (gate: direct), tcp bounce wins 1.13-1.3x under
-    load (gate: bounce).
-Measured on H200 (2026-11-30; bench/gpu_transfer.py, bench/gpu_two_gpu.py; README "Transport paths on
-H200"): the GLM-5.2-shaped request (2.05 GB, 593 merged runs), two processes on one GPU: ipc 1.62-2.00 ms
-end to end, bounce 4.2-4.9, direct 5.0-7.9; GPU 0 -> GPU 1: ipc (Triton stores over NVLink, cached plan,
-graph replay, event completion) 5.77-5.94 ms, merged direct 7.05-7.46, pipelined x4 7.4-8.9, bounce
-8.3-9.2, a plain peer copy 5.20-5.31 (386-394 GB/s).
+Measurements
+    What each path costs on CPU (CMA, tcp) and on H200 (one GPU, two GPUs over NVLink), and which path the
+    gate picks per shape against the measured best: ``docs/benchmarks.md`` (tables generated from
+    ``bench/results/`` by ``vllm-dsa bench report``).
 """
 
 from vllm_dsa_connector.transport.gate import PATHS, BounceGate, Decision

@@ -37,16 +37,14 @@ class CostModel:
         return self.desc_us + self.fixed_us + 2.0 * total_bytes / (self.copy_gbps * 1e3)
 
 
-# Tuned on this project's hosts (2026-11-29; ``vllm-dsa bench transfer`` and bench/gpu_transfer.py):
+# Fitted to ``vllm-dsa bench transfer`` (CPU hosts) and bench/gpu_transfer.py (H200); the runs are in
+# docs/benchmarks.md and bench/results/:
 # - cma (UCX default on one host): extra cost per descriptor 5-15 us (grows with run size), gather +
-#   scatter at ~3-6 GB/s effective with one thread; bounce won up to 8 KiB runs, tied at 16 KiB, lost
+#   scatter at ~3-6 GB/s effective with one thread; bounce wins up to 8 KiB runs, ties at 16 KiB, loses
 #   at 64 KiB -> break-even run ~ desc_us * copy_gbps / 2 = 14 KB.
-# - tcp (UCX_TLS=tcp): 14-21 us per descriptor for runs <= 16 KiB, 18-94 us at 64 KiB (rendezvous
-#   messages; grows with host load). 64 KiB runs: bounce 1.2-1.3x faster on the loaded host (medians of
-#   20-30), 1.27x slower once when idle -> 40 us, so the gate bounces up to ~80 KB runs on tcp.
-#   Re-measured 2026-12-02 (`vllm-dsa bench transfer --json`, UCX_TLS=tcp, 2 vCPU, load 10-20, medians
-#   of 10): 256 x 64 KiB direct 15.9 ms vs bounce 25.1 (1.58x slower; the gate had bounced it: auto/best
-#   1.57), 512 x 16 KiB direct 18.1 vs bounce 11.4 -> 25 us: bounce below ~50 KB runs.
+# - tcp (UCX_TLS=tcp): 14-25 us per descriptor for runs <= 16 KiB, more at 64 KiB (rendezvous messages;
+#   grows with host load). 25 us puts the break-even near 50 KB runs: 256 x 64 KiB go direct (1.58x
+#   faster than bounced), 512 x 16 KiB bounce (1.5-1.6x faster than direct).
 # - cuda (H200, VRAM->VRAM cuda_ipc): 593 descriptors cost ~5 ms more than one; gather/scatter ~1.8 TB/s
 #   of payload; ~0.5 ms fixed (post + notification + completion) -> bounce pays below ~6 MB per run.
 # - rdma: an estimate (no RDMA NIC here); tune it on such hardware with bounce_desc_cost_us & co.
@@ -126,27 +124,22 @@ class LinkProfile:
         return out
 
 
-# Per link, measured 2026-11-30 on H200s (bench/gpu_transfer.py, bench/gpu_two_gpu.py; GLM-5.2-shaped
-# request, 2.05 GB, 593 merged runs, and 64- / 8-block requests; NIXL 1.5.1 UCX cuda_ipc):
+# Per link, fitted to bench/gpu_transfer.py and bench/gpu_two_gpu.py on H200s (GLM-5.2-shaped request,
+# 2.05 GB, 593 merged runs, and 64- / 8-block requests; NIXL 1.5.1 UCX cuda_ipc; docs/benchmarks.md):
 # - same_gpu (two processes): one-descriptor WRITE ~1.0 ms (~2 TB/s); 593 descriptors 5.0-7.9 ms
-#   -> ~9 us each, added to the wire time; ~0.45 ms fixed per NIXL transfer (8 blocks: 0.6 ms end to
-#   end); bounce 4.2-4.9 ms -> ~0.8 ms fixed besides gather + scatter; pipelining on one GPU only adds
-#   chunk costs; the IPC kernel 1.04 ms of GPU time (~1.95 TB/s of payload) + ~0.6 ms of launch,
-#   completion and notification (1.6-2.0 ms end to end).
+#   -> ~9 us each, added to the wire time; ~0.45 ms fixed per NIXL transfer; bounce 4.2-4.9 ms -> ~0.8 ms
+#   fixed besides gather + scatter; pipelining on one GPU only adds chunk costs. `ipc` (cached plan, graph
+#   replay, event completion): 594 / 64 / 8 blocks (2.051 / 0.221 / 0.028 GB) in 1.571 / 0.569 / 0.451 ms
+#   end to end -> a line through them: ~0.44 ms fixed + 1,800 GB/s (ipc_us 440, ipc_gbps 1800), which
+#   prices 8 blocks below direct (0.564 ms measured; model 0.54). Direct at those shapes: 6.689 / 1.129 /
+#   0.564 ms (model: 6.81 / 1.14 / 0.54).
 # - nvlink (H200 -> H200, NV18): one-descriptor WRITE 5.24 ms (391 GB/s); 593 descriptors 7.05-7.46 ms
 #   -> ~3.5 us each, added; 58,806 descriptors 247-335 ms; bounce 8.4-9.2 ms; pipelined x4 7.4-8.9 ms
 #   (gather/scatter overlap the wire; 0.15-0.6 ms per chunk, mostly host launches); the IPC kernel
 #   storing through the mapping 5.52 ms of GPU time (371 GB/s; a plain peer copy 387-394 GB/s, one
-#   copy-engine DMA per run 304 GB/s) + ~0.85 ms fixed (6.53 ms end to end); with the launch plan
-#   cached on the runs (CUDA graph replay) and the completion on an interprocess event whose
-#   notification leaves at launch: 5.85-5.97 ms end to end, ~0.33-0.45 ms fixed (ipc_us); 64 and 8
-#   blocks: ipc 0.80-0.92 / 0.46-0.56 ms vs merged direct 1.07 / 0.53.
-# - same_gpu `ipc`, re-measured 2026-12-01 with the cached plan, graph replay and the event signal (one
-#   H200, bench/gpu_transfer.py --no-tune --reps 10, medians end to end): 594 / 64 / 8 blocks (2.051 /
-#   0.221 / 0.028 GB) 1.571 / 0.569 / 0.451 ms -> a line through them: ~0.44 ms fixed + 1,800 GB/s
-#   (ipc_us 440, ipc_gbps 1800; was 600 / 1950, which priced 8 blocks at 0.61 ms and picked direct,
-#   measured 0.564 ms, over ipc's 0.451). Direct at those shapes: 6.689 / 1.129 / 0.564 ms (model:
-#   6.81 / 1.14 / 0.54).
+#   copy-engine DMA per run 304 GB/s); with the launch plan cached on the runs (CUDA graph replay) and the
+#   completion on an interprocess event whose notification leaves at launch: 5.85-5.97 ms end to end,
+#   ~0.33-0.45 ms fixed (ipc_us); 64 and 8 blocks: ipc 0.80-0.92 / 0.46-0.56 ms vs merged direct 1.07 / 0.53.
 # - rdma: GPUDirect over one 400 Gb/s NIC, an estimate (no such NIC here).
 # - cma/tcp: host memory on this project's CPU hosts (the bounce numbers are those of PROFILES, so
 #   the two models agree there).
