@@ -140,9 +140,10 @@ def render_gpu_pd(data: dict[str, Any]) -> list[str]:
         for blocks, s in pair.get("timing", {}).get("summary", {}).items():
             rows.append([name, pair["connector"], pair["kv_cache_dtype"], pair["mode"], blocks, _mb(s["bytes"]),
                          s["transfer_ms_median"], s["ttft_ms_median"], s["d_first_token_ms_median"],
-                         fmt(s["descriptors"]), equal, "" if table_ok is None else table_ok])
+                         fmt(s["descriptors"]), fmt(s.get("bounce_bytes")), equal,
+                         "" if table_ok is None else table_ok])
     lines = table(["pair", "connector", "KV dtype", "mode", "blocks", "bytes", "transfer (ms)", "TTFT (ms)",
-                   "D first token (ms)", "descriptors", "pages equal", "page table = offline"], rows)
+                   "D first token (ms)", "descriptors", "bounced bytes", "pages equal", "page table = offline"], rows)
     side = data.get("side_by_side")
     if side:
         lines += ["", "NixlConnector / DSAConnector, medians: " + "; ".join(
@@ -306,6 +307,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Record, check or regenerate."""
+    if not args.results.is_dir() or not args.doc.is_file():
+        print(f"bench report: needs {args.results}/ and {args.doc} (run it in the repository's root, or pass "
+              "--results and --doc)", file=sys.stderr)
+        return 2
     if args.record:
         path = record(args.record, sys.stdin.read(), args.bench or args.record, args.command, args.results)
         print(f"bench report: wrote {path}; run `vllm-dsa bench report` and add its block to {args.doc}")
