@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -145,3 +148,16 @@ def test_relative_links_resolve(doc: Path) -> None:
         elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
             broken.append(target)
     assert not broken, f"{doc.name}: links to missing files or headings: {broken}"
+
+
+def test_router_commands_use_its_options() -> None:
+    """The README's vllm-router command uses options the installed vllm-router has (the `[router]` extra)."""
+    exe = shutil.which("vllm-router") or shutil.which(str(Path(sys.executable).parent / "vllm-router"))
+    if exe is None:
+        pytest.skip("vllm-router is not installed (the [router] or [test] extra)")
+    usage = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60).stdout
+    routers = [_argv(c) for c in COMMANDS if _argv(c)[:1] == ["vllm-router"]]
+    assert routers, "the README lost its vllm-router command"
+    for words in routers:
+        for flag in (w for w in words if w.startswith("--")):
+            assert re.search(rf"\[{re.escape(flag)}[\] ]", usage), f"vllm-router has no {flag}"
