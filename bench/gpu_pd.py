@@ -4,8 +4,8 @@ Runs on a host with vLLM's GPU build (see shared/gpu/README.md for the H200 payl
 ``name=connector/mode/kv_cache_dtype``; connector ``dsa`` or ``nixl``, mode ``eager`` (``--enforce-eager``)
 or ``graphs`` (vLLM's default torch.compile + CUDA graphs; async scheduling is vLLM's default either way);
 a DSAConnector pair whose name has ``verify`` runs with ``verify_transfers``, ``bounce`` with
-``bounce_mode=always`` (the staging arena on the device), ``mtp`` serves ``--mtp-model`` with MTP speculative
-decoding)
+``bounce_mode=always`` (the staging arena on the device), ``ipc`` with ``ipc_mode=auto`` (on one GPU D
+routes every pair through CUDA IPC), ``mtp`` serves ``--mtp-model`` with MTP speculative decoding)
 is a prefill and a decode engine with the KV probe worker extension; every engine starts at once
 (``--kv-cache-memory-bytes``, so concurrent starts on one GPU do not disturb each other's memory profile).
 Per pair:
@@ -13,8 +13,9 @@ Per pair:
 - **pages**: three turns as multi-turn traffic has them (a prompt of 3 blocks + 1 token, one that keeps its
   first 3 blocks so D serves them from its own prefix cache, one that keeps 2). P prefills
   (``do_remote_decode``), D decodes with P's ``kv_transfer_params`` and, while it runs, the probe returns
-  D's block list and a CRC32 per layer and block; the same prompt on P alone gives P's. Every full block
-  must be equal on every layer.
+  D's block list and a CRC32 per layer and block; P's come from the prefill request's own blocks (named by
+  its ``kv_transfer_params``, read before D loads). Every full block must be equal on every layer (a block D
+  served from its own prefix cache: equal to what P computed for it in the earlier turn).
 - **page table** (DSAConnector pairs): the table the connector built from the engine's ``kv_caches``
   (``KVProbe.dsa_page_table``) against the offline builder's prediction (``layout.build_offline``, what
   ``vllm-dsa inspect`` prints) for the same model, block size, KV cache dtype, KV cache layout and block
@@ -91,6 +92,8 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if spec.connector == "dsa":
         extra: dict[str, Any] = {"verify_transfers": "verify" in spec.name, "side_channel_port": side}
+        if "ipc" in spec.name:  # on one GPU, D then routes every pair through CUDA IPC
+            extra["ipc_mode"] = "auto"
         if "bounce" in spec.name:
             extra["bounce_mode"] = "always"
         cfg: dict[str, Any] = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
@@ -122,8 +125,17 @@ def _turns() -> list[list[int]]:
 
 
 def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
+    """Three turns; D's pages of every full prompt block against P's pages of the prefill request itself.
+
+    P's pages are read right after its prefill, from the blocks its ``kv_transfer_params`` name (held for D
+    under the lease), never from a second run of the prompt on P: a second run may recompute a block (vLLM
+    recomputes the last prefix-hit block under speculative decoding), and bf16 recomputation need not be
+    bitwise equal. D's block ``j`` must equal P's block ``j`` of this turn, or, where D served it from its own
+    prefix cache, P's block ``j`` of an earlier turn with the same tokens up to it (what D received then).
+    """
     out: list[dict[str, Any]] = []
     ok = True
+    seen: list[tuple[list[int], dict[str, list[int]]]] = []  # (prompt, P's per-layer digests) of earlier turns
     for turn, ids in enumerate(_turns(), 1):
         row: dict[str, Any] = {"turn": turn, "prompt_tokens": len(ids)}
         try:
@@ -133,16 +145,30 @@ def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
                                                         "kv_transfer_params": {"do_remote_decode": True}})
             row["p_prefill_s"] = round(time.perf_counter() - t0, 4)
             params = res["kv_transfer_params"]
+            full = (len(ids) - 1) // BLOCK
+            p_blocks = [int(b) for b in params["remote_block_ids"]][:full]
+            rpc = post_json(p_url + "/collective_rpc", {"method": "dsa_probe_blocks", "args": [json.dumps(p_blocks)]})
+            lp = rpc["results"][0]["layer_digests"]
             (d,) = probe_running(d_url, "tiny", ids, params)
-            (p,) = probe_running(p_url, "tiny", ids, None)
             time.sleep(1.0)
             row["recv_bytes"] = recv_bytes() - recv0
-            full = (len(ids) - 1) // BLOCK
-            lp, ld = p["layer_digests"], d["layer_digests"]
-            bad = {name: [j for j in range(full) if lp[name][j] != ld.get(name, [None] * full)[j]] for name in lp}
-            bad = {k: v for k, v in bad.items() if v}
-            row.update(full_blocks=full, layers=len(lp), p_blocks=p["block_ids"], d_blocks=d["block_ids"],
-                       pages_equal=not bad and len(p["digests"]) == len(d["digests"]) == full, differing=bad)
+            ld = d["layer_digests"]
+            bad: dict[str, list[int]] = {}
+            earlier = 0
+            for name, digests in lp.items():
+                got = ld.get(name, [None] * full)
+                for j in range(full):
+                    if got[j] == digests[j]:
+                        continue
+                    prefix = ids[: (j + 1) * BLOCK]
+                    if any(pi[: (j + 1) * BLOCK] == prefix and pd[name][j] == got[j] for pi, pd in seen):
+                        earlier += 1
+                        continue
+                    bad.setdefault(name, []).append(j)
+            seen.append((ids, lp))
+            row.update(full_blocks=full, layers=len(lp), p_blocks=p_blocks, d_blocks=d["block_ids"],
+                       pages_equal=not bad and len(d["digests"]) == full, equal_to_earlier_turn=earlier,
+                       differing=bad)
         except Exception as e:  # noqa: BLE001 - a failed turn is reported, the others still run
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         ok = ok and bool(row.get("pages_equal"))
@@ -215,6 +241,7 @@ def _counters(connector: str, p_url: str, d_url: str) -> dict[str, float]:
                 "bytes": metric(md, "vllm:dsa_kv_bytes_total", side="recv"),
                 "descriptors": metric(mp, "vllm:dsa_kv_descriptors_total"),
                 "bounce_bytes": metric(mp, "vllm:dsa_kv_bounce_bytes_total"),
+                "ipc_bytes": metric(mp, "vllm:dsa_kv_ipc_bytes_total"),
                 "recv_ok": metric(md, "vllm:dsa_kv_requests_total", side="recv", outcome="ok")}
     return {"xfer_s": metric(md, "vllm:nixl_xfer_time_seconds_sum"),
             "xfers": metric(md, "vllm:nixl_xfer_time_seconds_count"),
@@ -260,7 +287,7 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int) -> dict[str, A
                 "transfer_ms_median": (round(statistics.median(r["transfer_ms"] for r in ok if r["transfer_ms"]), 3)
                                        if any(r["transfer_ms"] for r in ok) else None),
                 "bytes": ok[0]["bytes"], "descriptors": ok[0]["descriptors"],
-                "bounce_bytes": ok[0].get("bounce_bytes"),
+                "bounce_bytes": ok[0].get("bounce_bytes"), "ipc_bytes": ok[0].get("ipc_bytes"),
                 "reply_equal": sum(r["reply_equal"] for r in ok)}
     return {"requests": rows, "summary": summary}
 
@@ -331,14 +358,18 @@ def main() -> int:
     judged = [r for r in result["pairs"].values() if r["connector"] == "dsa"]
     result["ok"] = all(r.get("pages", {}).get("ok") and all(t["equal"] for t in r.get("page_table", {}).values())
                        and r.get("page_table") for r in judged)
-    dsa, nixl = result["pairs"].get("dsa", {}), result["pairs"].get("nixl", {})
-    side = {}
-    for blocks, s in dsa.get("timing", {}).get("summary", {}).items():
-        n = nixl.get("timing", {}).get("summary", {}).get(blocks)
-        if n:
-            side[blocks] = {"ttft_nixl_over_dsa": round(n["ttft_ms_median"] / s["ttft_ms_median"], 3),
-                            "transfer_nixl_over_dsa": (round(n["transfer_ms_median"] / s["transfer_ms_median"], 3)
-                                                       if n["transfer_ms_median"] and s["transfer_ms_median"] else None)}
+    nixl = result["pairs"].get("nixl", {}).get("timing", {}).get("summary", {})
+    side: dict[str, dict[str, Any]] = {}
+    for name, pair in result["pairs"].items():
+        if pair["connector"] != "dsa" or pair.get("kv_cache_dtype") != "auto" or "mtp" in name:
+            continue
+        for blocks, s in pair.get("timing", {}).get("summary", {}).items():
+            n = nixl.get(blocks)
+            if n:
+                side.setdefault(name, {})[blocks] = {
+                    "ttft_nixl_over_dsa": round(n["ttft_ms_median"] / s["ttft_ms_median"], 3),
+                    "transfer_nixl_over_dsa": (round(n["transfer_ms_median"] / s["transfer_ms_median"], 3)
+                                               if n["transfer_ms_median"] and s["transfer_ms_median"] else None)}
     result["side_by_side"] = side
     result["wall_s"] = round(time.time() - t_start, 1)
     print(json.dumps(result))

@@ -124,11 +124,11 @@ def test_a_failed_loads_slot_returns_after_the_write_bound_and_not_before(pd) ->
     p, d, clock = pd
     meta = _register(p, d, clock, "sl1", [6, 7], [14, 15])
     (job,) = meta.recv
-    assert job.slots, "D planned no staging slot"
-    (arena,) = d.slots._arenas.values()
+    assert job.routes, "D planned no staging slot"
+    (arena,) = d.routes._arenas.values()
     assert arena.free_bytes < arena.size
     (push,) = p.build_connector_meta(None).push  # dispatched: a WRITE may be in flight
-    assert push.slots == job.slots
+    assert push.routes == job.routes
     release_at = d.consumer.loads["d-sl1"].release_at
     # the workers report the load failed before the scheduler gave up (e.g. a writer's failure notice)
     d.update_connector_output(_output(recving={"d-sl1"}, failed={"d-sl1"}))

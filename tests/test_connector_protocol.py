@@ -26,7 +26,13 @@ from vllm_dsa_connector.handoff.messages import (
 from vllm_dsa_connector.handoff.producer import IllegalTransition, LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
-from vllm_dsa_connector.handoff.wire import PROTOCOL_VERSION, RankPayload, decode_payload, encode
+from vllm_dsa_connector.handoff.wire import (
+    PROTOCOL_VERSION,
+    RankPayload,
+    Route,
+    decode_payload,
+    encode,
+)
 from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -115,16 +121,18 @@ def test_pairing_with_different_block_sizes_follows_the_runs_convention(bp: int,
                                     remote_block_ids=list(range(40)), remote_num_tokens=500)
 
 
-def test_protocol_5_peers_are_refused() -> None:
-    """Protocol 6 envelopes name their sender's engine id and epoch (5's had neither; 4's had no ``reply_to``
+def test_older_protocol_peers_are_refused() -> None:
+    """Protocol 7 registrations name a route per pair (6 sent bare staging slots and let P's gate choose the
+    path), 6 envelopes name their sender's engine id and epoch (5's had neither; 4's had no ``reply_to``
     either): an older peer is refused, both its envelopes and its handshake payloads, naming both versions."""
-    assert PROTOCOL_VERSION == 6
-    for version, env in ((5, [5, 0.0, b"n" * 16, b"", b"", msgspec.msgpack.encode({"type": "meta"})]),
+    assert PROTOCOL_VERSION == 7
+    for version, env in ((6, [6, 0.0, b"n" * 16, b"", b"", "D", 1, msgspec.msgpack.encode({"type": "meta"})]),
+                         (5, [5, 0.0, b"n" * 16, b"", b"", msgspec.msgpack.encode({"type": "meta"})]),
                          (4, [4, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])):
-        with pytest.raises(MessageError, match=f"peer speaks {version}, this side 6"):
+        with pytest.raises(MessageError, match=f"peer speaks {version}, this side 7"):
             Authenticator(None).open(msgspec.msgpack.encode(env))
         old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=version))
-        with pytest.raises(ValueError, match=f"peer speaks {version}, this side 6"):
+        with pytest.raises(ValueError, match=f"peer speaks {version}, this side 7"):
             decode_payload(old)
 
 
@@ -194,8 +202,10 @@ def test_registration_checked_against_token_blocks_and_deadline(producer) -> Non
         prod.handle_reg(_reg(token, clock.t + 5, [100]))  # D has blocks 0..99
     with pytest.raises(MessageError, match="request p1 has 2"):
         prod.handle_reg(_reg(token, clock.t + 5, [1, 2], first=1))
-    with pytest.raises(MessageError, match="outside D rank 0's arena"):
-        prod.handle_reg(_reg(token, clock.t + 5, [1], slots={0: {0: [0, 4096]}}))  # D offers no staging
+    with pytest.raises(MessageError, match="outside D rank 0's staging arena"):
+        prod.handle_reg(_reg(token, clock.t + 5, [1], routes={0: {0: Route("bounce", 0, 4096)}}))  # D offers none
+    with pytest.raises(MessageError, match="ipc route to D rank 0, which exported no pools"):
+        prod.handle_reg(_reg(token, clock.t + 5, [1], routes={0: {0: Route("ipc")}}))
     assert "after its post deadline" in prod.handle_reg(_reg(token, clock.t - 0.1, [1])).error
     assert prod.lease("p1").state is LeaseState.HELD  # nothing above changed the lease
 

@@ -42,6 +42,9 @@ CASES: dict[str, dict[str, Any]] = {
     "pp1_to_pp2": {"cfg": {"num_layers": 8, "index_topk_freq": 4}, "p": (1, 1), "d": (2, 1)},
     # explicit pattern: F = full (owns), S = shared
     "tp2_to_tp1": {"cfg": {"num_layers": 6, "index_topk_pattern": "FSSFSF"}, "p": (1, 2), "d": (1, 1)},
+    # vLLM's GPU layout (LBNHC): one pool per KV cache spec, so every writer has two parts (latent, indexer)
+    "pp2_to_pp1_two_pools": {"cfg": {"num_layers": 6, "index_topk_freq": 2, "index_skip_topk_offset": 1},
+                             "p": (2, 1), "d": (1, 1), "layout": "LBNHC"},
 }
 
 BOUNCE = {"bounce_mode": "always", "bounce_arena_bytes": 64 << 20}
@@ -61,7 +64,7 @@ def _fill_source(kv_caches: dict[str, Any]) -> None:
 
 
 def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_rank: int, tp: int,
-            tls: str, engine: str, bounce: bool = False) -> bytes:
+            tls: str, engine: str, bounce: bool = False, layout: str | None = None) -> bytes:
     """Allocate one rank's KV cache with vLLM's code, wrap it in the connector worker; return its payload."""
     if tls == "default":
         os.environ.pop("UCX_TLS", None)
@@ -75,7 +78,7 @@ def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_
 
     kv_caches, _, table = allocate_offline(glm_dsa_config(**cfg), pp_rank=pp_rank, pp_size=pp,
                                            tp_rank=tp_rank, tp_size=tp, block_size=BLOCK_SIZE,
-                                           num_blocks=NUM_BLOCKS)
+                                           num_blocks=NUM_BLOCKS, layout=layout)
     opts = ConnectorOptions.from_config({"transfer_timeout_s": 30, **(BOUNCE if bounce else {})}, environ={})
     role = "kv_producer" if side == "P" else "kv_consumer"
     worker = DSAConnectorWorker(engine, opts, {"model_dtype": "bf16"}, role=role)
@@ -214,13 +217,13 @@ def _setup(hosts: list[Host], case: dict[str, Any], tls: str, tag: str,
     for i, (pp_r, tp_r) in enumerate(p_ranks):
         key = f"{tag}-P{i}"
         hosts[i].send("h_setup", key, "P", case["cfg"], pp_r, case["p"][0], tp_r, case["p"][1], tls, f"P-{tag}",
-                      bounce)
+                      bounce, case.get("layout"))
         jobs.append(("P", hosts[i], key))
     for j, (pp_r, tp_r) in enumerate(d_ranks):
         h = hosts[len(p_ranks) + j]
         key = f"{tag}-D{j}"
         h.send("h_setup", key, "D", d_cfg or case["cfg"], pp_r, case["d"][0], tp_r, case["d"][1], tls,
-               f"D-{tag}", bounce)
+               f"D-{tag}", bounce, case.get("layout"))
         jobs.append(("D", h, key))
     out: dict[str, list] = {"P": [], "D": []}
     for side, h, key in jobs:
@@ -238,10 +241,10 @@ def _close(*sides: list) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str, path: str) -> None:
     """``path="bounce"``: the gate is forced to bounce and D's slots are planned by the scheduler's
-    ``plan_slots``, so every write is gathered into P's staging arena, written once, scattered on D."""
+    ``plan_routes``, so every write is gathered into P's staging arena, written once, scattered on D."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.routes import plan_routes
     from vllm_dsa_connector.handoff.side_channel import validate_peer
-    from vllm_dsa_connector.handoff.slots import plan_slots
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob, decode_payload
     from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings
     from vllm_dsa_connector.transport.slots import SlotAllocator
@@ -255,18 +258,18 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         src, dst = [decode_payload(p) for p in p_payloads], [decode_payload(p) for p in d_payloads]
         plan = validate_peer(src, dst)
         expected = {d.rank: list(plan.senders_for(d.rank)) for d in dst}
-        slots: dict = {}
+        routes: dict = {}
         if path == "bounce":
             arenas = {d.rank: SlotAllocator(d.staging["size"]) for d in dst}  # bookkeeping only, no tensor
             gate = BounceGate(BounceSettings.from_config(BOUNCE, environ={}))
-            slots, _ = plan_slots(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
-            assert sum(len(v) for v in slots.values()) == sum(len(v) for v in expected.values()), slots
+            routes, _ = plan_routes(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
+            assert sum(len(v) for v in routes.values()) == sum(len(v) for v in expected.values()), routes
         recv = RecvJob("d-req", f"P-{tag}", DST_BLOCKS, expected, 30.0, verify=True, src_blocks=SRC_BLOCKS,
-                       slots=slots)
+                       routes=routes)
         for h, key, _ in D:
             h.call("h_step", key, DSAConnectorMetadata(peers=[PeerInfo(f"P-{tag}", p_payloads, as_source=True)],
                                                        recv=[recv]))
-        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True, slots=slots)
+        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True, routes=routes)
         meta = DSAConnectorMetadata(local=PeerInfo(f"P-{tag}", p_payloads),
                                     peers=[PeerInfo(f"D-{tag}", d_payloads)], push=[push])
         for h, key, _ in P:

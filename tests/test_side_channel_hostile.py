@@ -36,7 +36,7 @@ from vllm_dsa_connector.handoff.side_channel import (
     fetch_payloads,
     request,
 )
-from vllm_dsa_connector.handoff.wire import RankPayload, encode
+from vllm_dsa_connector.handoff.wire import MAX_WORKERS, RankPayload, encode
 
 SECRET = "hostile-peers-secret-0123"
 BLOCK = 16
@@ -252,7 +252,8 @@ def test_oversize_fields_are_refused_while_decoding() -> None:
         "$.p_req": encode(RegReq("x" * 10_000, "t", "D", "d", 0, 16, [1], 5.0)),
         "$.d_blocks": encode(RegReq("p", "t", "D", "d", 0, 16, [0] * (1 << 19), 5.0)),
         "$.d_payloads": encode(RegReq("p", "t", "D", "d", 0, 16, [1], 5.0, d_payloads=[b""] * 5000)),
-        "$.slots": encode(RegReq("p", "t", "D", "d", 0, 16, [1], 5.0, slots={0: {0: [0, 1, 2]}})),
+        "$.routes": encode(RegReq("p", "t", "D", "d", 0, 16, [1], 5.0,
+                                  routes={0: {r: ["bounce", 0, 1] for r in range(MAX_WORKERS + 1)}})),
     }
     for path, body in cases.items():
         with pytest.raises(MessageError, match=f"at `{path.replace('$', '[$]')}"):

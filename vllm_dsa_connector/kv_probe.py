@@ -1,7 +1,8 @@
 """A vLLM worker extension that reads back KV pages by token position (for placement checks).
 
 Start an engine with ``--worker-extension-cls vllm_dsa_connector.kv_probe.KVProbe`` and call
-:meth:`KVProbe.dsa_probe_running` (or :meth:`KVProbe.dsa_probe_digest_all`, :meth:`KVProbe.dsa_page_table`) through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
+:meth:`KVProbe.dsa_probe_running` (or :meth:`KVProbe.dsa_probe_blocks`, :meth:`KVProbe.dsa_probe_digest_all`,
+:meth:`KVProbe.dsa_page_table`) through ``collective_rpc`` (in-process ``LLM.collective_rpc``, or the
 api_server's ``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). For every request the worker is
 running it returns the prompt, vLLM's own block list (position order) and a CRC32 per *full* prompt
 block over every KV cache layer's page of that block (MLA latent and indexer K alike).
@@ -97,6 +98,16 @@ class KVProbe:
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,
                         "block_size": block_size, "digests": digests, "layer_digests": per_layer})
         return out
+
+    def dsa_probe_blocks(self, block_ids: str) -> dict[str, Any]:
+        """Digests of the blocks ``block_ids`` names (a JSON list, as ``POST /collective_rpc`` passes only
+        strings), over all layers and per layer: e.g. P's blocks of a finished prefill, still held for D under
+        its lease, read from the request that computed them (a second run of the prompt may recompute some)."""
+        import json
+
+        blocks = [int(b) for b in json.loads(block_ids)]
+        digests, per_layer = block_digests(_layer_caches(self), blocks)
+        return {"block_ids": blocks, "digests": digests, "layer_digests": per_layer}
 
     def dsa_page_table(self) -> dict[str, Any] | None:
         """This worker's page table as DSAConnector built it from the registered ``kv_caches``

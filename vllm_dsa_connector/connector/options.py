@@ -101,6 +101,13 @@ class ConnectorOptions:
         doc="shared secret (at least 16 characters, the same on P and D): every side-channel message is "
         "HMAC-authenticated with replay protection (empty: off, and a non-loopback side channel warns)",
     )
+    ipc_mode: str = option(
+        "ipc_mode", partial(parse_choice, choices=("auto", "never")), "never",
+        doc="auto: when P and D run on one host with CUDA pools and P's GPU can reach D's, D routes the "
+        "pair through CUDA IPC (P copies into its mapping of D's pools, one kernel, no NIXL WRITE); "
+        "never: NIXL only. Read on D, which exports its pools and chooses the route; opt-in until a GPU "
+        "engine pair has proven it byte for byte",
+    )
     bounce: BounceSettings | None = group(BounceSettings)
 
     @property

@@ -25,8 +25,9 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pages import crc_runs
-from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX, Notice, RecvJob, decode_notice
+from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX, Notice, RecvJob, decode_notice, route_of
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
+from vllm_dsa_connector.transport.runs import packed_offsets
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -187,28 +188,33 @@ class ReceiveSide:
         return next((p.agent_name for p in remote.payloads if p.rank == rank), None)
 
     def _writer(self, job: RecvJob, src_rank: int) -> WriterSpec:
-        """What this rank expects from ``src_rank``: its agent and, with a staging slot, where to scatter."""
+        """What this rank expects from ``src_rank``: its agent, the route D chose for the pair and, for a
+        bounce, where each part lies in the slot and where it is scattered to."""
         me = self.table.rank
         # "": an unknown engine's (or another start's of it) notices never match
         peer = self._source_agent(job.src_engine, src_rank, job.src_epoch) or ""
-        slot = job.slots.get(me, {}).get(src_rank)
-        if slot is None:
-            return WriterSpec(peer=peer)
-        where = (int(slot[0]), int(slot[1]))
+        route = route_of(job.routes, me, src_rank)
+        if route is None or route.path == "ipc":
+            return WriterSpec(peer=peer, path=route.path if route else "direct")
+        where = (int(route.offset), int(route.size))
         remote = self.sources.get(job.src_engine)
         if remote is None or remote.plan is None or self.recv_arena is None:
-            return WriterSpec(peer=peer, slot=where, error=f"bounced write from rank {src_rank} without a "
-                                                             "staging slot / peer plan")
+            return WriterSpec(peer=peer, slot=where, path="bounce",
+                              error=f"bounced write from rank {src_rank} without a staging arena / peer plan")
         try:
             parts = remote.plan.runs(src_rank, me, job.src_blocks, job.blocks, first_token=job.first_token,
                                      num_tokens=job.num_tokens)
         except Exception as e:  # noqa: BLE001 - a bounced write then fails this writer
-            return WriterSpec(peer=peer, slot=where, error=f"runs of rank {src_rank}: {e}")
-        if len(parts) != 1 or parts[0][2].total_bytes != where[1]:
-            return WriterSpec(peer=peer, slot=where,
-                              error=f"bounced write from rank {src_rank} does not match the expected runs")
-        _, dp, runs = parts[0]
-        return WriterSpec(peer=peer, dst=self.regions[dp].tensor, runs=runs, slot=where)
+            return WriterSpec(peer=peer, slot=where, path="bounce", error=f"runs of rank {src_rank}: {e}")
+        merged = [runs.merged() for _, _, runs in parts]
+        offsets, total = packed_offsets([r.total_bytes for r in merged])
+        if not parts or total > where[1]:
+            return WriterSpec(peer=peer, slot=where, path="bounce",
+                              error=f"bounced write from rank {src_rank}: its parts need {total} B, the slot "
+                                    f"holds {where[1]} B")
+        return WriterSpec(peer=peer, slot=where, path="bounce",
+                          parts=tuple((self.regions[dp].tensor, r, off)
+                                      for (_, dp, _), r, off in zip(parts, merged, offsets, strict=True)))
 
     def _expect(self, job: RecvJob) -> None:
         writers = {int(r): self._writer(job, int(r)) for r in job.expected.get(self.table.rank, ())}

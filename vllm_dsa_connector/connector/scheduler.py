@@ -51,16 +51,16 @@ from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, Reply, Request, new_epoch
 from vllm_dsa_connector.handoff.producer import Producer
+from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
-from vllm_dsa_connector.handoff.slots import Held, StagingSlots
 from vllm_dsa_connector.handoff.wire import (
     LEGACY_TRANSFER_MODE,
     TRANSFER_MODE,
     PeerInfo,
     RankPayload,
     RecvJob,
-    Slots,
+    Routes,
     decode_payload,
 )
 from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
@@ -178,7 +178,7 @@ class DSAConnectorScheduler:
         self.stats = DSAKVConnectorStats()  # what only the scheduler sees (unusable params)
         self._sources_sent: dict[str, int] = {}  # P engine id -> the epoch whose PeerInfo the workers have
         self._new_sources: list[PeerInfo] = []
-        self.slots = StagingSlots(options.bounce, lambda: self.local_payloads)
+        self.routes = RoutePlanner(options.bounce, lambda: self.local_payloads, ipc=options.ipc_mode != "never")
 
     # ---------------------------------------------------------------- handshake data
 
@@ -323,20 +323,20 @@ class DSAConnectorScheduler:
             self.consumer.cancel(load.engine, [load.ref])
             return
         src, dst = list(pairing.src_blocks), list(pairing.dst_blocks)
-        slots: Slots = {}
+        routes: Routes = {}
         held: Held = []
         if peer.meta is not None:
             try:
-                slots, held = self.slots.plan(peer.plan, peer.meta.payloads, src, dst,
+                routes, held = self.routes.plan(peer.plan, peer.meta.payloads, src, dst,
                                               first_token=pairing.first_token, num_tokens=pairing.num_tokens)
-            except Exception as e:  # noqa: BLE001 - no slot means a direct WRITE, never a failure
-                logger.warning("DSAConnector: no staging slots for %s: %s", req_id, e)
+            except Exception as e:  # noqa: BLE001 - no route means a direct WRITE, never a failure
+                logger.warning("DSAConnector: no routes planned for %s (every pair direct): %s", req_id, e)
         epoch = peer.meta.epoch if peer.meta is not None else 0
         if self._sources_sent.get(load.engine) != epoch:  # new to the workers, or a new start of that P
             self._sources_sent[load.engine] = epoch
             self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True, epoch=epoch))
         self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_token,
-                                                         pairing.num_tokens, src, dst, slots, held))
+                                                         pairing.num_tokens, src, dst, routes, held))
 
     # ---------------------------------------------------------------- P side and aborts
 
@@ -395,7 +395,7 @@ class DSAConnectorScheduler:
         self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
         meta.fail_quiet, self._fail_quiet = self._fail_quiet & meta.fail_recv.keys(), set()
-        self.slots.step(self.clock())
+        self.routes.step(self.clock())
         for engine in self.consumer.forget_idle():
             if self._sources_sent.pop(engine, None) is not None:  # the workers know its plan: they drop it
                 meta.forget_sources.append(engine)
@@ -422,7 +422,7 @@ class DSAConnectorScheduler:
         for req_id in output.finished_recving or ():
             load = self.consumer.finished(req_id)
             if load is not None:
-                self.slots.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
+                self.routes.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
 
     def get_stats(self) -> DSAKVConnectorStats | None:
         """The scheduler's stats since the last call (vLLM's scheduler aggregates them with the workers'),

@@ -9,6 +9,7 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
 - ``vllm:dsa_kv_bytes_total{side}``: bytes written (side="send", on P) or received (side="recv", on D)
 - ``vllm:dsa_kv_runs_total{side}`` / ``vllm:dsa_kv_descriptors_total``: byte runs after merging / NIXL descriptors
 - ``vllm:dsa_kv_bounce_bytes_total``: bytes that went through the bounce staging path
+- ``vllm:dsa_kv_ipc_bytes_total``: bytes P copied into D's pools through CUDA IPC (same host)
 - ``vllm:dsa_kv_transfer_seconds``: histogram, NIXL post-to-completion per (request, destination rank)
 - ``vllm:dsa_kv_requests_total{side,outcome}``: requests sent/received ok, failed, timed out, expired
 - ``vllm:dsa_kv_checksum_mismatches_total``: verify_transfers mismatches (each is a load failure)
@@ -41,6 +42,7 @@ _COUNTERS = (
     "send_runs",
     "send_descriptors",
     "bounce_bytes",
+    "ipc_bytes",
     "recv_bytes",
     "recv_runs",
     "send_ok",
@@ -148,6 +150,8 @@ class DSAKVConnectorStats(KVConnectorStats):
         sent = self.data.get("send_bytes", 0)
         if sent:
             out["bounce_share"] = round(self.data.get("bounce_bytes", 0) / sent, 3)
+            if self.data.get("ipc_bytes"):
+                out["ipc_share"] = round(self.data["ipc_bytes"] / sent, 3)
         return out
 
 
@@ -171,6 +175,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._runs, _ = counter("vllm:dsa_kv_runs", "Byte runs (after merging) moved", ("side",))
         self._descs, _ = counter("vllm:dsa_kv_descriptors", "NIXL descriptors posted")
         self._bounce, _ = counter("vllm:dsa_kv_bounce_bytes", "Bytes sent through the bounce path")
+        self._ipc, _ = counter("vllm:dsa_kv_ipc_bytes", "Bytes copied into D's pools through CUDA IPC")
         self._reqs, _ = counter("vllm:dsa_kv_requests", "Requests by side and outcome", ("side", "outcome"))
         self._mismatch, _ = counter("vllm:dsa_kv_checksum_mismatches", "verify_transfers mismatches")
         self._checked, _ = counter("vllm:dsa_kv_checksummed_runs", "Runs verified by checksum")
@@ -202,6 +207,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._runs, engine_idx, d.get("recv_runs", 0), "recv")
         self._inc(self._descs, engine_idx, d.get("send_descriptors", 0))
         self._inc(self._bounce, engine_idx, d.get("bounce_bytes", 0))
+        self._inc(self._ipc, engine_idx, d.get("ipc_bytes", 0))
         self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
         self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))

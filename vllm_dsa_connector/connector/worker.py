@@ -55,16 +55,15 @@ from vllm_dsa_connector.handoff.wire import (
     RankPayload,
     decode_payload,
     encode,
+    route_of,
 )
 from vllm_dsa_connector.matching import PeerPlan
+from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.receiver import Receiver
-from vllm_dsa_connector.transport.transports import (
-    BounceTransport,
-    DirectTransport,
-    Post,
-    PostState,
-    Transport,
-)
+from vllm_dsa_connector.transport.regions import RegionDesc
+from vllm_dsa_connector.transport.routed import RoutedTransport
+from vllm_dsa_connector.transport.sends import StagingSlot
+from vllm_dsa_connector.transport.transports import Post, PostState
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -124,7 +123,6 @@ class DSAConnectorWorker(ReceiveSide):
 
         self.engine_id = engine_id
         self.role = role
-        self.sender: Any = None  # transport BounceSender (P side) when bouncing is allowed
         self.recv_arena: Any = None  # staging arena D's senders write bounced bytes into
         self.opts = options
         self.compat = dict(compat)
@@ -140,7 +138,7 @@ class DSAConnectorWorker(ReceiveSide):
         self.sources: dict[str, _RemoteEngine] = {}  # engines that write to us (we are D): plan only
         self._retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self.stats = DSAKVConnectorStats()
-        self.transport: Transport = DirectTransport(self.nixl, options.transfer_timeout_s)
+        self.transport = RoutedTransport(self.nixl, options.transfer_timeout_s)  # replaced at register
         self.receiver = Receiver(self.nixl, hooks=self)  # the transport's one receiver (D)
         self._sends: dict[str, _Send] = {}
         self._done_sending: set[str] = set()
@@ -158,34 +156,58 @@ class DSAConnectorWorker(ReceiveSide):
     # ---------------------------------------------------------------- set-up
 
     def register(self, kv_caches: dict[str, torch.Tensor], table: Any) -> RankPayload:
-        """Register every pool of ``table`` (views into ``kv_caches``) and build the handshake payload."""
+        """Register every pool of ``table`` (views into ``kv_caches``) and build the handshake payload: with
+        bouncing allowed a send staging arena (P) and a receive one (D, whose slots D's scheduler hands out);
+        on CUDA this rank's GPU, the GPUs its kernels reach and (D, ``ipc_mode`` auto) its pools' CUDA IPC
+        exports, so a P on the same host can be routed through them."""
+        from vllm_dsa_connector.transport.staging import StagingArena
+
         self.table = table
         self.regions = [self.nixl.register(pool_tensor(kv_caches, p.base_ptr, p.nbytes)) for p in table.pools]
         staging = None
+        send_arena = None
         settings = self.opts.bounce
+        device = self.regions[0].tensor.device if self.regions else torch.device("cpu")
         if settings is not None and settings.mode != "never":
-            from vllm_dsa_connector.transport.gate import BounceGate
-            from vllm_dsa_connector.transport.sender import BounceSender
-            from vllm_dsa_connector.transport.staging import StagingArena
-
-            device = table.pools[0].device if table.pools else "cpu"
             if self.role in ("kv_producer", "kv_both"):
-                self.sender = BounceSender(self.nixl, StagingArena(settings.arena_bytes, device=device),
-                                           BounceGate(settings, device=device))
-                self.transport = BounceTransport(self.sender, self.opts.transfer_timeout_s)
+                send_arena = StagingArena(settings.arena_bytes, device=device)
             if self.role in ("kv_consumer", "kv_both"):
                 self.recv_arena = StagingArena(settings.arena_bytes, device=device)
                 staging = self.receiver.attach(self.recv_arena).desc().to_dict()
+        self.transport = RoutedTransport(self.nixl, self.opts.transfer_timeout_s, arena=send_arena,
+                                         reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
+        gpu, reach, ipc = self._cuda_identity(device)
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
             self._prefault([r.tensor for r in self.regions] + ([self.recv_arena.buffer] if self.recv_arena else []))
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
             agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=table.to_dict(),
-            regions=[r.desc().to_dict() for r in self.regions], compat=self.compat, staging=staging)
-        logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s",
+            regions=[r.desc().to_dict() for r in self.regions], compat=self.compat, staging=staging,
+            host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
+        logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s%s",
                     self.engine_id, table.rank, len(self.regions), table.bytes_per_block,
-                    [(v.role.value, len(v.entries)) for v in table.views])
+                    [(v.role.value, len(v.entries)) for v in table.views],
+                    ", pools exported for CUDA IPC" if ipc else "")
         return self.payload
+
+    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[dict[str, Any]] | None]:
+        """(GPU UUID, UUIDs of the GPUs this rank's kernels can write, the pools' CUDA IPC exports or None)
+        for CUDA pools; CPU pools have none of them. The exports are D's (a consumer's) and follow ``ipc_mode``."""
+        if device.type != "cuda":
+            return "", [], None
+        from vllm_dsa_connector.transport.ipc import device_uuid, export_region
+
+        gpu = device_uuid(device)
+        reach = [gpu] + [device_uuid(i) for i in range(torch.cuda.device_count())
+                         if i != device.index and torch.cuda.can_device_access_peer(device.index or 0, i)]
+        ipc = None
+        if self.opts.ipc_mode != "never" and self.role in ("kv_consumer", "kv_both"):
+            try:
+                ipc = [export_region(r.tensor).to_dict() for r in self.regions]
+            except Exception as e:  # noqa: BLE001 - no ipc path then: NIXL carries every pair
+                logger.warning("DSAConnector %s: cannot export the KV pools for CUDA IPC (%s); peers on this host "
+                               "use NIXL", self.engine_id, e)
+        return gpu, reach, ipc
 
     @staticmethod
     def _prefault(tensors: list[torch.Tensor]) -> None:
@@ -258,6 +280,7 @@ class DSAConnectorWorker(ReceiveSide):
             return
         busy = {g.agent for send in self._sends.values() for g in send.groups}
         for agent in sorted(self._retired - busy):
+            self.transport.unmap_peer(agent)
             self.nixl.remove_peer(agent)
             self._retired.discard(agent)
             logger.info("DSAConnector %s: removed NIXL remote agent %s (its engine restarted)", self.engine_id, agent)
@@ -369,8 +392,8 @@ class DSAConnectorWorker(ReceiveSide):
                 self._notify_failure(agent, job.dst_req_id, str(e))
 
     def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, parts: list[Any]) -> None:
-        """Post one writer's parts (one per (source pool, destination pool)) through the transport: bounced
-        when D gave this pair a staging slot and the gate agrees, else direct; D gets the notice either way."""
+        """Post one writer's parts (one per (source pool, destination pool)) along the route D chose for the
+        pair (direct when it named none); D gets the notice either way."""
         me = self.table.rank
         checks: list[tuple[int, int, int, int]] = []
         nbytes = sum(r.total_bytes for _, _, r in parts)
@@ -381,21 +404,36 @@ class DSAConnectorWorker(ReceiveSide):
                 checks.extend((dp, int(o), int(n), crc)
                               for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs, strict=True))
         notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
-        slot = job.slots.get(dst.rank, {}).get(me)
-        staging = None
-        if slot and dst.staging is not None:
-            from vllm_dsa_connector.transport.regions import RegionDesc
-            from vllm_dsa_connector.transport.sends import StagingSlot
-
-            staging = StagingSlot(RegionDesc.from_dict(dst.staging), int(slot[0]), int(slot[1]))
+        route = route_of(job.routes, dst.rank, me)
+        path = route.path if route is not None else "direct"
+        slot = None
+        if path == "bounce" and route is not None and dst.staging is not None:
+            slot = StagingSlot(RegionDesc.from_dict(dst.staging), int(route.offset), int(route.size))
+        if path == "ipc":
+            self._map(agent, dst)
         post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts],
-                                   writer=me, tag=encode(notice), slot=staging, deadline=job.post_deadline)
-        if post.path == "bounce":
-            self.stats.add("bounce_bytes", nbytes)
+                                   writer=me, tag=encode(notice), path=path, slot=slot,
+                                   pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
+        if post.state is not PostState.FAILED:
+            if path != "direct":
+                self.stats.add(f"{path}_bytes", nbytes)
         send.groups.append(_Group(agent, dst.rank, post))
         self.stats.add("send_bytes", nbytes)
         self.stats.add_pair_bytes("send", me, dst.rank, nbytes)
         self.stats.add("send_runs", nruns)
+
+    def _map(self, agent: str, dst: RankPayload) -> None:
+        """Map ``dst``'s exported pools here once (ipc route); a failure leaves them unmapped and the post then
+        fails naming why (D armed its receive for the ipc path: no other path may be taken)."""
+        if self.transport.mapped(agent) or not dst.ipc:
+            return
+        try:
+            self.transport.map_peer(agent, dst.ipc, self.regions[0].tensor.device)
+            logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
+                        len(dst.ipc), dst.engine_id, dst.rank)
+        except Exception as e:  # noqa: BLE001 - the post fails with this reason
+            logger.error("DSAConnector %s: cannot map the KV pools of %s rank %d through CUDA IPC: %s",
+                         self.engine_id, dst.engine_id, dst.rank, e)
 
     def _progress_sends(self) -> None:
         """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread

@@ -86,7 +86,7 @@ from vllm_dsa_connector.handoff.wire import (
     TRANSFER_MODE,
     RankPayload,
     RecvJob,
-    Slots,
+    Routes,
     encode,
     max_block_id,
 )
@@ -406,7 +406,7 @@ class Consumer:
             del self.loads[req_id]
 
     def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
-                 src_blocks: list[int], dst_blocks: list[int], slots: Slots,
+                 src_blocks: list[int], dst_blocks: list[int], routes: Routes,
                  held_slots: list[tuple[int, Any]]) -> RecvJob:
         """Blocks are allocated and paired (``matching.BlockPairing``: tokens ``[first_token, +num_tokens)``
         in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
@@ -421,12 +421,12 @@ class Consumer:
         load.slots = held_slots
         reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_token, num_tokens,
                      dst_blocks, peer.meta.clock.to_peer_before(load.give_up_at, now),
-                     self.settings.verify_transfers, slots)
+                     self.settings.verify_transfers, routes)
         load.reg_body = reg
         load.reg = self._notifying(self._regs.submit(self._register, peer, reg))
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
                        timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
-                       src_blocks=src_blocks, slots=slots, first_token=first_token, num_tokens=num_tokens,
+                       src_blocks=src_blocks, routes=routes, first_token=first_token, num_tokens=num_tokens,
                        src_epoch=peer.meta.epoch)
 
     def epoch_error(self, req_id: str, rp: RemoteParams, peer: Peer) -> str:

@@ -58,7 +58,7 @@ from vllm_dsa_connector.handoff.wire import (
     PROTOCOL_VERSION,
     Epoch,
     Id,
-    Slots,
+    Routes,
 )
 
 #: Timestamps further than this from the receiver's wall clock (either way) are refused (with a secret).
@@ -129,7 +129,7 @@ class RegReq(msgspec.Struct, frozen=True, tag="reg"):
     d_blocks: Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_REG)]
     post_deadline: float
     verify: bool = False
-    slots: Slots = {}
+    routes: Routes = {}  # D's choice of path per (D rank, P rank) pair (absent: direct)
     d_payloads: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]],
                           msgspec.Meta(max_length=MAX_WORKERS)] | None = None
 
@@ -383,10 +383,10 @@ def check_request(req: Request) -> None:
             raise MessageError(f"num_tokens must be 1..{MAX_TOKENS}, got {req.num_tokens}")
         if not math.isfinite(req.post_deadline):
             raise MessageError("post_deadline is not a finite number")
-        for per in req.slots.values():
-            for off_size in per.values():
-                if len(off_size) != 2 or off_size[0] < 0 or off_size[1] <= 0:
-                    raise MessageError(f"staging slot {off_size} is not [offset >= 0, size > 0]")
+        for per in req.routes.values():
+            for route in per.values():
+                if route.path == "bounce" and (route.offset < 0 or route.size <= 0):
+                    raise MessageError(f"bounce route [{route.offset}, +{route.size}) is not [offset >= 0, size > 0]")
 
 
 @dataclass

@@ -130,6 +130,7 @@ class DPeer:
     num_blocks: int  # blocks 0..num_blocks-1 exist in every pool of every D worker
     block_size: int  # D's tokens per block (0: not published)
     staging: dict[int, int]  # D rank -> staging arena bytes
+    ipc: frozenset[int] = frozenset()  # D ranks that exported their pools for the ipc path
 
 
 @dataclass
@@ -223,7 +224,7 @@ class Producer:
             self._peers_sent[reg.d_engine] = peer.epoch
         first, end = self._block_range(reg)
         out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, lease.blocks[first:end], list(reg.d_blocks),
-                                reg.verify, reg.slots, post_deadline=reg.post_deadline,
+                                reg.verify, reg.routes, post_deadline=reg.post_deadline,
                                 first_token=reg.first_token, num_tokens=reg.num_tokens, dst_epoch=peer.epoch))
         lease.to(LeaseState.DISPATCHED)
         # the workers report finished_sending within post deadline + write timeout; keep the lease as long
@@ -345,7 +346,8 @@ class Producer:
         if not payloads or any(p.engine_id != d_engine for p in payloads):
             raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
         return DPeer(epoch, list(encoded), max_block_id(payloads), int(payloads[0].page_table.get("block_size", 0) or 0),
-                     {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads})
+                     {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads},
+                     frozenset(p.rank for p in payloads if p.ipc))
 
     def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:
         """The one place a D record changes: ``peer`` becomes the record of ``d_engine``; registrations of the
@@ -366,11 +368,13 @@ class Producer:
         if bad:
             raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
         staging = peer.staging
-        for rank, per in reg.slots.items():
-            for off, size in per.values():
-                if off + size > staging.get(rank, 0):
-                    raise MessageError(f"staging slot [{off}, +{size}) outside D rank {rank}'s arena "
-                                       f"({staging.get(rank, 0)} B)")
+        for rank, per in reg.routes.items():
+            for route in per.values():
+                if route.path == "ipc" and rank not in peer.ipc:
+                    raise MessageError(f"ipc route to D rank {rank}, which exported no pools for it")
+                if route.path == "bounce" and route.offset + route.size > staging.get(rank, 0):
+                    raise MessageError(f"bounce route [{route.offset}, +{route.size}) outside D rank {rank}'s "
+                                       f"staging arena ({staging.get(rank, 0)} B)")
         first, end = self._block_range(reg)
         if end > len(lease.blocks):
             raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked (blocks "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -32,7 +32,10 @@ import msgspec
 #: 6: every envelope names its sender's engine id and epoch (one random id per engine start, inside the MAC);
 #: the handshake result, the workers' :class:`PeerInfo` and every job name the epoch of the peer they belong to,
 #: so a restarted engine (same id, new epoch) replaces the old record everywhere (5 had no epoch).
-PROTOCOL_VERSION = 6
+#: 7: D names each (destination rank, source rank) pair's path in the registration (:class:`Route`: bounce with
+#: its slot, or ipc; absent: direct) and P follows it; payloads name their host and GPU and may carry CUDA IPC
+#: exports of the pools (6 sent bare ``[offset, size]`` staging slots and P's gate could go direct).
+PROTOCOL_VERSION = 7
 #: The ``transfer_mode`` DSAConnector's P hands out in its ``kv_transfer_params`` (they travel through the
 #: router, not the side channel: no protocol bump). Not ``"push"`` (what 0.1.0 handed out; issue 31): vllm-router takes
 #: a returned ``"push"`` for its own push mode and changes the P/D exchange for it.
@@ -78,6 +81,11 @@ class RankPayload(msgspec.Struct, frozen=True):
     compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
     staging: _Map | None = None  # receive staging arena (RegionDesc dict) for bounced writes
     protocol: int = PROTOCOL_VERSION
+    host: Id = ""  # this machine (``transport.ipc.host_id``): same host is the first condition of the ipc path
+    gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)
+    reach: Annotated[list[Id], msgspec.Meta(max_length=MAX_WORKERS)] = []  # GPU UUIDs this rank's kernels can write
+    # CUDA IPC export of each pool (``IpcDesc.to_dict()``), in pool order; None: this rank offers no ipc path
+    ipc: Annotated[list[_Map], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -95,9 +103,33 @@ class PeerInfo(msgspec.Struct, frozen=True):
     epoch: Epoch = 0
 
 
-#: dst rank -> src rank -> [offset, size] in the destination rank's staging arena
-Slots = Annotated[dict[_Rank, Annotated[dict[_Rank, Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]],
-                                         msgspec.Meta(max_length=MAX_WORKERS)]], msgspec.Meta(max_length=MAX_WORKERS)]
+#: The paths a :class:`Route` names (a pair without a route is written directly)
+ROUTE_PATHS = ("bounce", "ipc")
+
+
+class Route(msgspec.Struct, frozen=True, array_like=True):
+    """How the bytes of one (destination rank, source rank) pair of a request travel, chosen once by D.
+
+    ``bounce``: P gathers every part of the pair into its staging arena and WRITEs them once into
+    ``[offset, offset + size)`` of the destination rank's staging arena (the parts back to back in pool-pair
+    order, each packed in its merged run order); D scatters them. ``ipc``: P copies the runs into its CUDA IPC
+    mapping of the destination rank's pools (one kernel per part, same host) and notifies once they are done.
+    A P that cannot follow its route fails that transfer with the reason; it never picks another path.
+    """
+
+    path: Literal["bounce", "ipc"]
+    offset: int = 0
+    size: int = 0
+
+
+#: dst rank -> src rank -> its :class:`Route` (a pair not named is written directly)
+Routes = Annotated[dict[_Rank, Annotated[dict[_Rank, Route], msgspec.Meta(max_length=MAX_WORKERS)]],
+                   msgspec.Meta(max_length=MAX_WORKERS)]
+
+
+def route_of(routes: Routes, dst_rank: int, src_rank: int) -> Route | None:
+    """The route of one pair (``None``: direct)."""
+    return routes.get(dst_rank, {}).get(src_rank)
 
 
 class PushJob(msgspec.Struct, frozen=True):
@@ -113,7 +145,7 @@ class PushJob(msgspec.Struct, frozen=True):
     src_blocks: _Blocks
     dst_blocks: _Blocks
     verify: bool = False
-    slots: Slots = {}
+    routes: Routes = {}
     post_deadline: float = math.inf  # monotonic clock of this host: never post a WRITE after it
     first_token: int = 0
     num_tokens: int | None = None  # None: every token both block lists cover
@@ -132,7 +164,7 @@ class RecvJob(msgspec.Struct, frozen=True):
     timeout_s: float  # safety net only: the scheduler decides when D gives up (fail_recv)
     verify: bool = False
     src_blocks: _Blocks = []  # the producer's blocks (to recompute bounced runs for the scatter)
-    slots: Slots = {}
+    routes: Routes = {}
     first_token: int = 0  # the token span both block lists hold (as in PushJob)
     num_tokens: int | None = None
     src_epoch: Epoch = 0  # the start of src_engine this load was registered with

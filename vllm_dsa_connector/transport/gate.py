@@ -148,7 +148,11 @@ class BounceGate:
     def decision(self, runs: Runs, *, merged: bool = False) -> Decision:
         """Full decision record; ``merged=True`` when ``runs`` are already merged."""
         r = runs if merged else runs.merged()
-        n, total = r.num_runs, r.total_bytes
+        return self.decision_for(r.num_runs, r.total_bytes)
+
+    def decision_for(self, n: int, total: int) -> Decision:
+        """The decision for ``n`` merged runs of ``total`` bytes: one part, or all the parts (pool pairs) of a
+        writer that one bounce would carry together (their runs and bytes summed)."""
         d_us, b_us = self.cost.direct_us(n, total), self.cost.bounce_us(n, total)
         s = self.settings
 

@@ -30,7 +30,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Protocol
 
@@ -45,7 +45,7 @@ from vllm_dsa_connector.transport.staging import StagingArena, scatter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlainTags", "ReceiveHooks", "Receiver", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
+__all__ = ["COMPLETES", "PlainTags", "ReceiveHooks", "Receiver", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
 
 
 class WriterState(Enum):
@@ -116,7 +116,9 @@ class WriterSpec:
     ``peer``: the only NIXL agent whose notifications count for this writer (``None``: any). A writer that
     may bounce has its ``slot`` (offset, size) in the receiver's staging buffer, the ``dst`` tensor and the
     ``runs`` to scatter into it (merged, the order the sender packed); ``error`` says why it cannot be
-    scattered when that is known at arming time (a bounced write then fails the writer).
+    scattered when that is known at arming time (a bounced write then fails the writer). A bounced writer
+    of several parts (pool pairs) names them in ``parts`` instead: ``(dst tensor, runs, offset in the
+    slot)`` each, the layout of :func:`~.runs.packed_offsets`.
     """
 
     peer: str | None = None
@@ -124,6 +126,17 @@ class WriterSpec:
     runs: Runs | None = None
     slot: tuple[int, int] | None = None
     error: str = ""
+    parts: tuple[tuple[torch.Tensor, Runs, int], ...] = ()
+    path: str | None = None  # the route the receiver chose ("direct"/"bounce"/"ipc"); None: any path
+
+
+#: The notification kinds that complete a writer of each route (:class:`WriterSpec` ``path``); any other kind
+#: fails the writer. A failure notice (the caller's ``admit`` says FAIL) counts whatever its kind.
+COMPLETES: dict[str, frozenset[str]] = {
+    "direct": frozenset({"direct"}),
+    "bounce": frozenset({"bounce", "pipelined"}),
+    "ipc": frozenset({"ipc"}),
+}
 
 
 @dataclass(frozen=True)
@@ -323,6 +336,8 @@ class Receiver:
         exp.payloads[w] = payload
         if verdict is Verdict.FAIL:
             self._mark(exp, w, WriterState.FAILED, why)
+        elif spec.path is not None and n.path not in COMPLETES.get(spec.path, ()):
+            self._mark(exp, w, WriterState.FAILED, f"writer {w} sent a {n.path} notification; its route is {spec.path}")
         elif n.path == "pipelined":
             self._chunk(exp, w, spec, n)
         elif n.path == "ipc" and n.handle:  # launched: landed once the sender's event fired
@@ -333,7 +348,7 @@ class Receiver:
             if ev is not None:  # else the sender's notification after the copy will come
                 exp.events[w] = ev
                 self._mark(exp, w, WriterState.PARTIAL)
-        elif n.path != "bounce" or self._scatter(exp, w, spec, 0, spec.slot[1] if spec.slot else 0, spec.runs):
+        elif n.path != "bounce" or self._scatter_all(exp, w, spec):
             exp.events.pop(w, None)
             self._landed(exp, w)
 
@@ -350,6 +365,15 @@ class Receiver:
         except Exception as e:  # noqa: BLE001 - a bad bounce is a failed writer, never a crash
             self._mark(exp, w, WriterState.FAILED, f"scatter of writer {w}'s bounced write failed: {e}")
             return False
+        return True
+
+    def _scatter_all(self, exp: _Armed, w: int, spec: WriterSpec) -> bool:
+        """Scatter a bounced writer's whole slot: its one part, or each of its ``parts`` from its offset."""
+        if not spec.parts:
+            return self._scatter(exp, w, spec, 0, spec.slot[1] if spec.slot else 0, spec.runs)
+        for dst, runs, offset in spec.parts:
+            if not self._scatter(exp, w, replace(spec, dst=dst), offset, runs.total_bytes, runs):
+                return False
         return True
 
     def _chunk(self, exp: _Armed, w: int, spec: WriterSpec, n: Notif) -> None:

@@ -9,11 +9,12 @@ Everything here is vectorised numpy: no Python loop per run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Chunk", "Runs", "merge_adjacent", "merge_runs", "plan_chunks", "runs_from_blocks"]
+__all__ = ["PACK_ALIGN", "Chunk", "Runs", "merge_adjacent", "merge_runs", "packed_offsets", "plan_chunks", "runs_from_blocks"]
 
 
 def _as_i64(name: str, values: object) -> np.ndarray:
@@ -234,3 +235,22 @@ def plan_chunks(runs: Runs, count: int, *, align: int = 4096) -> list[Chunk]:
         sub = Runs(p_src[a:b], p_dst[a:b], p_len[a:b])
         out.append(Chunk(len(out), int(bounds[a]), int(p_len[a:b].sum()), sub))
     return out
+
+
+#: Where each part of a bounced writer starts in its slot: a multiple of this (the gather and scatter of a
+#: part then use their widest integer view whatever the length of the part before it).
+PACK_ALIGN = 512
+
+
+def packed_offsets(sizes: Sequence[int], align: int = PACK_ALIGN) -> tuple[list[int], int]:
+    """Start of each part in a bounced writer's slot, and the bytes the slot needs (the last part's end).
+
+    Both sides compute it from the same runs, so the writer's packing and the receiver's scatter agree.
+    """
+    offsets: list[int] = []
+    pos = 0
+    for n in sizes:
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+        pos += int(n)
+    return offsets, pos

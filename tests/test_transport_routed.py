@@ -1,0 +1,123 @@
+"""The routed transport (``transport.routed``): a writer follows the path the receiver chose, never another.
+
+Two real NIXL agents in this process, each with two registered pools (a GPU engine's layout: the MLA latent
+and the indexer K cache in separate pools), and the one :class:`Receiver`:
+
+- a bounce route carries both parts of a writer in one slot (packed at ``packed_offsets``), one WRITE, and
+  the receiver scatters each part where it belongs;
+- a direct route writes each part;
+- a notification of another kind than the writer's route fails that writer (``COMPLETES``);
+- a route the writer cannot follow (no local arena, a slot smaller than the parts, an ipc route without a
+  mapping of the receiver's pools) fails the post with the reason, nothing posted and nothing notified.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vllm_dsa_connector.transport import (
+    NixlEngine,
+    PostState,
+    Receiver,
+    RecvState,
+    StagingArena,
+    WriterSpec,
+)
+from vllm_dsa_connector.transport.routed import RoutedTransport
+from vllm_dsa_connector.transport.runs import Runs, packed_offsets, runs_from_blocks
+from vllm_dsa_connector.transport.sends import StagingSlot
+
+POOL = 1 << 20
+
+
+def _drive(transport: RoutedTransport, post, rcv: Receiver, timeout_s: float = 20.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    done: list = []
+    over = False
+    while not (done and over):
+        over = transport.progress(post)
+        rcv.pump()
+        done = done or rcv.collect()
+        assert time.monotonic() < deadline, "the post did not complete"
+    return done
+
+
+def test_routes_are_followed_and_a_route_that_cannot_be_is_a_failed_post() -> None:
+    stamp = time.monotonic_ns()
+    a, b = NixlEngine(f"routed-s-{stamp}"), NixlEngine(f"routed-r-{stamp}")
+    try:
+        gen = torch.Generator().manual_seed(9)
+        srcs = [torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=gen) for _ in range(2)]
+        dsts = [torch.zeros(POOL, dtype=torch.uint8) for _ in range(2)]
+        rs = [a.register(t) for t in srcs]
+        rd = [b.register(t) for t in dsts]
+        arena = StagingArena(4 << 20)
+        rcv = Receiver(b, arena)
+        assert rcv.region is not None
+        transport = RoutedTransport(a, 20.0, arena=StagingArena(4 << 20))
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        rng = np.random.default_rng(3)
+        # two parts of different page sizes (1000 and 4096 B: the second part's packed start is 512-aligned)
+        runs = [runs_from_blocks(rng.choice(900, 30, replace=False), rng.choice(900, 30, replace=False), 1000),
+                runs_from_blocks(rng.choice(200, 12, replace=False), rng.choice(200, 12, replace=False), 4096)]
+        parts = [(rs[i], rd[i].desc(), runs[i]) for i in range(2)]
+        merged = [r.merged() for r in runs]
+        offsets, total = packed_offsets([r.total_bytes for r in merged])
+        assert offsets[1] % 512 == 0 and total > sum(r.total_bytes for r in merged)
+
+        def expect_pages() -> None:
+            for i in range(2):
+                r = merged[i]
+                for s, d, n in zip(r.src_offsets, r.dst_offsets, r.lengths, strict=True):
+                    assert torch.equal(dsts[i][d:d + n], srcs[i][s:s + n]), f"pool {i} run at {d}"
+
+        # bounce: one slot for both parts
+        res = arena.reserve(total)
+        assert res is not None
+        spec = WriterSpec(peer=a.name, slot=(res.offset, total), path="bounce",
+                          parts=tuple((dsts[i], merged[i], offsets[i]) for i in range(2)))
+        rcv.arm(b"bounce", {3: spec}, reservation=res)
+        post = transport.post(peer, parts, writer=3, tag=b"bounce", path="bounce",
+                              slot=StagingSlot(rcv.region.desc(), res.offset, total))
+        assert not post.error and post.path == "bounce"
+        assert [r.state for r in _drive(transport, post, rcv)] == [RecvState.DONE]
+        assert post.state is PostState.DONE and len(post.stats) == 1  # one WRITE for both parts
+        expect_pages()
+        assert transport.arena is not None and transport.arena.free_bytes == transport.arena.size
+
+        # direct: one WRITE per part, the notification after both
+        for t in dsts:
+            t.zero_()
+        rcv.arm(b"direct", {3: WriterSpec(peer=a.name, path="direct")})
+        post = transport.post(peer, parts, writer=3, tag=b"direct")
+        assert [r.state for r in _drive(transport, post, rcv)] == [RecvState.DONE] and len(post.stats) == 2
+        expect_pages()
+
+        # a notification of another kind than the route: the writer fails, naming both
+        rcv.arm(b"wrong", {3: WriterSpec(peer=a.name, path="ipc")})
+        post = transport.post(peer, parts, writer=3, tag=b"wrong")
+        (result,) = _drive(transport, post, rcv)
+        assert result.state is RecvState.FAILED and "direct notification; its route is ipc" in result.reason
+
+        # routes the writer cannot follow: failed at once, with the reason; nothing in flight
+        bare = RoutedTransport(a, 20.0)
+        small = StagingSlot(rcv.region.desc(), 0, total - 1)
+        for t, path, slot, why in ((bare, "bounce", small, "no staging arena"),
+                                   (transport, "bounce", small, f"the parts need {total} B"),
+                                   (transport, "bounce", None, "without a staging slot"),
+                                   (transport, "ipc", None, "not mapped here"),
+                                   (transport, "carrier-pigeon", None, "unknown path")):
+            post = t.post(peer, parts, writer=3, tag=b"no", path=path, slot=slot, pools=[0, 1])
+            assert post.state is PostState.FAILED and why in post.error, (path, post.error)
+            assert f"cannot follow the receiver's {path} route" in post.error and not post._inflight
+            assert t.progress(post)
+        assert transport.arena.free_bytes == transport.arena.size
+        empty = Runs.empty()
+        assert packed_offsets([empty.total_bytes]) == ([0], 0)
+    finally:
+        a.close()
+        b.close()
