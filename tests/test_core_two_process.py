@@ -1,7 +1,7 @@
 """The transfer core in two real processes, without vLLM (``bench/core_pd.py``, small pools on CPU): P and D
 allocate GLM-5.2-shaped KV pools in vLLM's layout, handshake over the core's side channel, push requests
 with scattered, out-of-order block ids through NIXL, and D checks every byte of its pools. The same script
-runs full size on an H200 with ``--device cuda`` (README "Transfer core")."""
+runs full size on an H200 with ``--device cuda`` (docs/benchmarks.md, "The transfer core without vLLM")."""
 
 from __future__ import annotations
 

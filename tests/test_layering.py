@@ -5,7 +5,7 @@ statements anywhere in a module (function-level imports count: a lazy import is 
 string constants naming one of our modules (``importlib.import_module("vllm_dsa_connector.x")``, the CLI's
 command table, the plugin's hook table), so a dependency cannot hide behind ``importlib``.
 
-The layer table is the architecture stated once (README "Reading path"): a module of a layer may import
+The layer table is the architecture stated once (vllm_dsa_connector/README.md "Layers"): a module of a layer may import
 its own layer and the layers below it, never one above. A new top-level module or subpackage must be
 placed in the table: the test names it.
 """

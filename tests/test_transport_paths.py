@@ -257,8 +257,8 @@ def _profile_arithmetic(link: str, runs: Runs) -> dict[str, float]:
 @pytest.mark.parametrize(
     "link,blocks,expected",
     [
-        # The profile's choice; the H200 runs measured the same path fastest (README "Transport paths
-        # on H200": same GPU 2026-12-01 ipc 1.571 / 0.569 / 0.451 ms vs direct 6.689 / 1.129 / 0.564).
+        # The profile's choice; the H200 runs measured the same path fastest (docs/benchmarks.md, "The bounce
+        # gate": same GPU, h200_transfer_paths_rerun: ipc 1.571 / 0.569 / 0.451 ms vs direct 6.689 / 1.129 / 0.564).
         ("same_gpu", 594, "ipc"),
         ("same_gpu", 64, "ipc"),
         ("same_gpu", 8, "ipc"),

@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tokenizer": ("vllm_dsa_connector.commands.bench_tokenizer", "prefix token cache vs full encode"),
     "admission": ("vllm_dsa_connector.commands.bench_admission", "admission policies and overhead"),
     "serve": ("vllm_dsa_connector.commands.bench_serve", "vLLM's serving benchmark through the P/D proxy"),
+    "report": ("vllm_dsa_connector.commands.bench_report", "docs/benchmarks.md tables and plots from bench/results"),
 }
 
 

@@ -13,7 +13,7 @@ from the same mapping)::
 :func:`resolve_options` is the one resolution path: explicit config > environment variable > default;
 every value is parsed (validated) when the settings are built, at start-up; unknown keys are refused
 listing the known ones; an error names the key, the value and where it came from. :func:`options_markdown`
-renders the README's option tables from the same declarations (``tests/test_options_doc.py`` checks them).
+renders the option tables of docs/configuration.md from the same declarations (``tests/test_options_doc.py`` checks them).
 
 No project or vLLM import here: every layer, ``transport/`` included, may use it.
 """

@@ -1,8 +1,8 @@
 """``vllm-dsa options``: every option of the plugin (key, environment variable, default, meaning).
 
 The tables come from the settings classes' declarations (:mod:`vllm_dsa_connector.options`);
-``--markdown`` prints the README's "Options" section body (``tests/test_options_doc.py`` checks that
-the README carries exactly this text).
+``--markdown`` prints the "Options" tables of docs/configuration.md (``tests/test_options_doc.py`` checks that
+the document carries exactly this text).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 
 
 def sections() -> list[tuple[str, type]]:
-    """``(title, settings class)`` of every settings class users set, in README order."""
+    """``(title, settings class)`` of every settings class users set, in the document's order."""
     from vllm_dsa_connector.admission.options import AdmissionConfig
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.options import RuntimeFixesOptions
@@ -37,7 +37,7 @@ def sections() -> list[tuple[str, type]]:
 
 
 def markdown() -> str:
-    """The README's option tables."""
+    """The option tables of docs/configuration.md."""
     from vllm_dsa_connector.options import options_markdown
 
     return options_markdown(sections())
@@ -45,7 +45,7 @@ def markdown() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's arguments."""
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables (the README's)")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables (docs/configuration.md's)")
 
 
 def run(args: argparse.Namespace) -> int:

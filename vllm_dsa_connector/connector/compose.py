@@ -234,7 +234,7 @@ def check_composition(top: Any, children: Sequence[Child], dsa_model: bool,
     if problems:
         raise CompositionError(
             "DSAConnector in MultiConnector: " + "; ".join(problems)
-            + ". See README.md, 'Composing with other connectors'.")
+            + ". See docs/configuration.md, 'Composing with other connectors'.")
 
 
 def resolve_children(top: Any, resolve: Callable[[Mapping[str, Any]], type]) -> list[Child]:

@@ -4,7 +4,7 @@ vLLM steps in a tight loop while P holds leased blocks (``has_pending_push_work`
 waiting for remote KV: every step is a round trip through every worker process (shared-memory broadcast,
 connector calls, reply), and vLLM CPU's workers busy-spin for a second after each read. On a small host two
 such idle engines saturate every core, and the engine whose workers share a core with the other's gets
-starved (2026-12-02, two cores: a P engine's side channel unanswered for 30 s while D waited). So an idle
+starved (on two cores, a P engine's side channel can go unanswered for 30 s while D waits). So an idle
 step pauses, and the pause grows while nothing happens:
 
 - *urgent* (a WRITE in flight on P, a registered load on D, a give-up to finish): the workers report the

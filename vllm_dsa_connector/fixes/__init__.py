@@ -198,7 +198,7 @@ def _install_guards(version: str) -> None:
             guard.GUARD_NAME,
             "warning",
             "vllm-dsa-connector: vLLM %s's MultiConnector has no %s classmethod; DSAConnector "
-            "compositions are not checked (put DSAConnector first; see README.md)",
+            "compositions are not checked (put DSAConnector first; see docs/configuration.md)",
             version,
             "_get_connector_classes_and_configs",
         )

@@ -302,9 +302,9 @@ class Layout:
         ranks of every engine on this host (``host_ranks``, default this engine's) outnumber its cores.
 
         Bound ranks sharing a core cannot move to an idle one: on two cores a tp1 P and a tp2 D put two
-        workers on one core while the other had one, and the P engine's processes waited there for tens of
-        seconds (its side channel unanswered, its WRITE timed out; 2026-12-02); placed by the kernel, the
-        same pairs pass.
+        workers on one core while the other has one, and the P engine's processes wait there for tens of
+        seconds (its side channel unanswered, its WRITE timed out); placed by the kernel, the same pairs
+        pass.
         """
         ncpu = os.cpu_count() or 1
         if max(host_ranks, self.world) > ncpu:
