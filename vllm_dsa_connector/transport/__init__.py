@@ -13,7 +13,8 @@ Runs (``runs.py``)
 
 Engine (``engine.py``; ``Region``, ``RegionDesc``, ``Transfer``, ``TransferStats``, ``TransferError``,
 ``PreparedList`` in ``regions.py``)
-    ``NixlEngine(name, backends=("UCX",), telemetry=False, progress_thread=False, on_reconnect=None)``
+    ``NixlEngine(name, backends=("UCX",), telemetry=False, progress_thread=False, on_reconnect=None,
+    reconnect_backoff_s=0.5, reconnect_backoff_max_s=30.0)``
     - ``register(tensor) -> Region`` (DRAM for CPU, VRAM for CUDA; contiguous tensors; once at start).
       ``Region.desc() -> RegionDesc``; ``RegionDesc.to_dict()`` / ``RegionDesc.from_dict(d)`` are
       plain dicts of ints/strings for the handshake (msgspec/JSON friendly).
@@ -37,7 +38,10 @@ Engine (``engine.py``; ``Region``, ``RegionDesc``, ``Transfer``, ``TransferStats
       the peer disconnected (``disconnected(peer)`` says why); its next post removes the remote agent, adds
       it again from the metadata ``add_peer`` got and prepares its prepared lists again (``reconnect(peer)``),
       and a post refused for a lost connection is retried once after a reconnect. ``on_reconnect(peer,
-      reason)`` is called after each; ``reconnects`` counts them.
+      reason)`` is called after each; ``reconnects`` counts them. A failed attempt (or a new connection lost
+      before a transfer on it completed) backs the peer off: ``reconnect_backoff_s`` (0.5 s) doubling up to
+      ``reconnect_backoff_max_s`` (30 s), posts in between fail at once (``TransferError`` naming the peer and
+      when the next attempt is); ``backoff(peer) -> (failed attempts, seconds to the next)``.
     - Progress: with ``progress_thread=False`` (default; NIXL's thread busy-polls a core, which costs
       2-10x on small CPU hosts) UCX progresses when you call ``wait``/``state``/``poll_notifications``.
       Under UCX_TLS=tcp a sender's WRITE completes only while the TARGET also polls, so the target must
