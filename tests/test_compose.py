@@ -329,3 +329,35 @@ def test_readme_lmcache_configs_pass_with_the_real_lmcache(factory, guard) -> No
         resolved = guard._get_connector_classes_and_configs(_vllm_config(
             cfg["kv_connector_extra_config"]["connectors"], True, role=cfg["kv_role"]))
         assert [c.__name__ for c, _ in resolved][0] == "DSAConnector"
+
+
+# ----------------------------------------------------------------------------- the deployment guide's Dynamo config
+
+DEPLOYMENT = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
+
+
+def dynamo_configs() -> list[dict[str, Any]]:
+    """The JSON blocks of the deployment guide's "NVIDIA Dynamo" section."""
+    section = DEPLOYMENT.read_text().split("### NVIDIA Dynamo", 1)[1].split("\n## ", 1)[0]
+    return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", section, re.S)]
+
+
+@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+def test_deployment_dynamo_config_passes_the_composition_check_and_resolves(factory, guard) -> None:
+    """The MultiConnector[DSAConnector] block the guide gives for Dynamo passes our composition check and
+    DSAConnector's option validation (MLA and DSA models), vLLM resolves its child to DSAConnector, and the
+    module-path form the guide names resolves to the same class without the registry."""
+    from vllm.config import KVTransferConfig
+
+    from vllm_dsa_connector.connector import DSAConnector
+
+    (cfg,) = dynamo_configs()
+    assert cfg["kv_connector"] == "MultiConnector" and _names(cfg) == ["DSAConnector"]
+    for dsa_model in (False, True):
+        _check_readme_config(factory, cfg, {}, dsa_model)
+        resolved = guard._get_connector_classes_and_configs(_vllm_config(
+            cfg["kv_connector_extra_config"]["connectors"], dsa_model, role=cfg["kv_role"]))
+        assert [c for c, _ in resolved] == [DSAConnector]
+    by_path = KVTransferConfig(kv_connector="DSAConnector", kv_role="kv_both",
+                               kv_connector_module_path="vllm_dsa_connector.connector")
+    assert factory.get_connector_class(by_path) is DSAConnector

@@ -237,8 +237,25 @@ def test_queued_requests_are_heartbeated(pd) -> None:
     p.update_connector_output(_output(sending={"p-queue"}))
 
 
+def _know_p(p, d, clock) -> None:
+    """D has done its handshake with P (one whole load from P, finished on both sides), whatever ran
+    before: the module's schedulers are shared, and a test run alone starts with D knowing no P."""
+    if "P" in d.consumer.peers and d.consumer.peers["P"].control is not None:
+        return
+    params = _prefill(p, "p-know", BLOCK, [9])
+    _load(d, clock, "d-know", params, BLOCK, hit_blocks=0, new=[90])
+    d.build_connector_meta(None)
+    _wait(d.consumer.loads["d-know"].reg)
+    d.build_connector_meta(None)
+    p.build_connector_meta(None)
+    p.update_connector_output(_output(sending={"p-know"}))
+    d.update_connector_output(_output(recving={"d-know"}))
+    assert "P" in d.consumer.peers and "d-know" not in d.consumer.loads
+
+
 def test_dead_producer_is_a_load_failure_and_cancels_do_not_queue_behind_it(pd) -> None:
     p, d, clock = pd
+    _know_p(p, d, clock)  # the cancel below goes to a P that D knows
     dead = {"do_remote_prefill": True, "remote_engine_id": "P-dead", "remote_request_id": "x",
             "remote_host": "127.0.0.1", "remote_port": 24971, "remote_block_ids": [1, 2, 3],
             "remote_num_tokens": 40, "remote_token": "t", "transfer_mode": "dsa-push"}

@@ -355,3 +355,92 @@ def test_what_the_router_sends(tmp_path: Path, router: str, monkeypatch: pytest.
     assert d_b["kv_transfer_params"] == P_RETURNS and d_b["max_tokens"] == 5 and d_b["min_tokens"] == 3
     for h in (p_h, d_h):
         assert {k.lower(): v for k, v in h.items()}.get("authorization") == "Bearer sk-router-test"
+
+
+
+# ------------------------------------------------------------------ logprobs: our proxy and vllm-router
+
+
+def _differ(a: Any, b: Any, tol: float, path: str = "") -> str:
+    """Where JSON values ``a`` and ``b`` first differ (floats within ``tol`` are equal: logprobs of one
+    prompt from two engines), ``""`` when they do not."""
+    if isinstance(a, float) and isinstance(b, float):
+        return "" if a == b or abs(a - b) <= tol else f"{path}: {a!r} != {b!r}"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(a)} != {sorted(b)}"
+        return next((d for k in a if (d := _differ(a[k], b[k], tol, f"{path}.{k}"))), "")
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} != {len(b)} entries"
+        return next((d for i, (x, y) in enumerate(zip(a, b, strict=True)) if (d := _differ(x, y, tol, f"{path}[{i}]"))),
+                    "")
+    return "" if a == b else f"{path}: {a!r} != {b!r}"
+
+
+def _answer(reply: dict[str, Any]) -> dict[str, Any]:
+    """What a client reads of an answer: the choices (index, text or message, logprobs, prompt_logprobs,
+    finish_reason), the top-level prompt_logprobs and the usage; not ids or timestamps."""
+    keys = ("index", "text", "message", "logprobs", "prompt_logprobs", "finish_reason")
+    return {"choices": [{k: c.get(k) for k in keys} for c in reply["choices"]],
+            "prompt_logprobs": reply.get("prompt_logprobs"), "usage": reply.get("usage")}
+
+
+@pytest.mark.slow
+def test_logprobs_through_our_proxy_equal_one_engine_and_what_vllm_router_returns(served: Served,
+                                                                                 tmp_path: Path) -> None:
+    """Logprob requests on the module's pair, through pd_proxy and through vllm-router 0.1.17, against one
+    engine. Our proxy: every answer equals the plain engine's; prompt logprobs (``prompt_logprobs``, or
+    ``echo`` with ``logprobs``) go to D alone (vLLM computes a prompt's logprobs only where the prompt is
+    prefilled: D reads no external KV for them), other logprob requests move P's KV as usual.
+
+    vllm-router sends both legs with the client's logprob fields and, non-streaming, merges P's reply into
+    D's (``prompt_logprobs``; for completions the prompt part of P's ``logprobs`` arrays in front of D's). D
+    still loads nothing for prompt logprobs and computes them itself, so: chat and completions
+    ``prompt_logprobs`` come out as P computed them (equal to one engine's, to float rounding), but an echoed
+    completion's ``logprobs`` hold the prompt twice (P's prompt part, then D's echoed prompt and the output),
+    longer than its ``text``. Pinned here for the version the ``[router]`` extra pins."""
+    from vllm_dsa_connector.harness.engines import proxy_cmd
+
+    port = free_port()
+    chat_msgs = [{"role": "user", "content": TURNS[0]}]
+    cases = {
+        "echo": ("/v1/completions", {"prompt": TURNS[0], "echo": True, "logprobs": 2}, False),
+        "completion prompt_logprobs": ("/v1/completions", {"prompt": TURNS[0], "prompt_logprobs": 2}, False),
+        "chat prompt_logprobs": ("/v1/chat/completions", {"messages": chat_msgs, "logprobs": True,
+                                                          "top_logprobs": 2, "prompt_logprobs": 2}, False),
+        "completion logprobs": ("/v1/completions", {"prompt": TURNS[0], "logprobs": 2}, True),
+        "chat logprobs": ("/v1/chat/completions", {"messages": chat_msgs, "logprobs": True, "top_logprobs": 2},
+                          True),
+    }
+    got: dict[str, dict[str, Any]] = {}
+    with cluster(tmp_path) as c:
+        x = c.start("pd-proxy", proxy_cmd(served.urls.prefill, served.urls.decode, port))
+        wait_healthy(f"http://127.0.0.1:{port}", [x], 120)
+        for name, (path, extra, moves_kv) in cases.items():
+            body = {"model": served.model, "max_tokens": 4, "temperature": 0.0, **extra}
+            ref = _answer(_post(served.reference + path, body)[0])
+            row: dict[str, Any] = {"ref": ref}
+            for via, url in (("proxy", f"http://127.0.0.1:{port}"), ("router", served.urls.proxy)):
+                before = served.loads()
+                reply, headers = _post(url + path, body)
+                ok, other, _, unusable = served.wait_ok(before, 1) if moves_kv else served.wait_ok(before, 99)
+                assert (ok, other, unusable) == ((1, 0, 0) if moves_kv else (0, 0, 0)), (name, via, ok, other)
+                row[via] = _answer(reply)  # type: ignore[arg-type]
+                if via == "proxy":
+                    assert headers.get("x-kv-transfer") == ("1" if moves_kv else "0"), (name, headers)
+            got[name] = row
+    for name, row in got.items():
+        # D alone computes a prompt's logprobs as one engine does; decoding on P's KV rounds differently
+        tol = 1e-3 if cases[name][2] else 1e-5
+        assert not (d := _differ(row["proxy"], row["ref"], tol)), f"{name}: pd_proxy differs from one engine: {d}"
+    for name in ("completion prompt_logprobs", "chat prompt_logprobs", "completion logprobs", "chat logprobs"):
+        assert not (d := _differ(got[name]["router"], got[name]["ref"], 1e-3)), f"{name}: vllm-router differs: {d}"
+    echo = got["echo"]
+    ref_lp, router_lp = echo["ref"]["choices"][0]["logprobs"], echo["router"]["choices"][0]["logprobs"]
+    prompt = echo["ref"]["usage"]["prompt_tokens"]
+    assert echo["router"]["choices"][0]["text"] == echo["ref"]["choices"][0]["text"]
+    assert len(router_lp["tokens"]) == prompt + len(ref_lp["tokens"]), "vllm-router's echo merge changed"
+    assert router_lp["tokens"][prompt:] == ref_lp["tokens"] and router_lp["tokens"][:prompt] == ref_lp["tokens"][:prompt]
+    print(f"echo + logprobs: one engine {len(ref_lp['tokens'])} logprob entries, pd_proxy the same, "
+          f"vllm-router {len(router_lp['tokens'])} (the {prompt} prompt tokens twice)")

@@ -30,7 +30,31 @@ STATE: dict[str, Any] = {}
 # -- worker process -----------------------------------------------------------------------------------
 
 
+def _enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` as ``ip netns exec`` does, before NIXL/UCX start:
+    ``setns`` for the sockets, then a private mount namespace with a fresh ``/sys`` (UCX finds its network
+    devices in ``/sys/class/net``, which shows the devices of the namespace that mounted it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), f"{what} (entering network namespace {name})")
+
+    with open(f"/var/run/netns/{name}") as f:
+        check(libc.setns(f.fileno(), 0x40000000), "setns CLONE_NEWNET")
+    check(libc.unshare(0x00020000), "unshare CLONE_NEWNS")
+    check(libc.mount(None, b"/", None, (1 << 19) | (1 << 14), None), "mount --make-rslave /")  # MS_SLAVE|MS_REC
+    check(libc.umount2(b"/sys", 2), "umount -l /sys")  # MNT_DETACH
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+
+
 def _worker(conn: Any, env: dict[str, str]) -> None:
+    env = dict(env)
+    netns_name = env.pop("DSA_TEST_NETNS", "")
+    if netns_name:
+        _enter_netns(netns_name)
     os.environ.update(env)
     while True:
         try:
@@ -62,7 +86,8 @@ def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return starts + np.arange(int(counts.sum()))
 
 
-def w_setup(role: str, arena_bytes: int, seed: int, name: str) -> dict[str, Any]:
+def w_setup(role: str, arena_bytes: int, seed: int, name: str,
+            engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
     from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
@@ -70,7 +95,7 @@ def w_setup(role: str, arena_bytes: int, seed: int, name: str) -> dict[str, Any]
     from vllm_dsa_connector.transport import BounceGate, NixlEngine, StagingArena
 
     torch.set_num_threads(1)
-    eng = NixlEngine(name)
+    eng = NixlEngine(name, **(engine_kwargs or {}))
     if role == "receiver":
         pool = torch.zeros(POOL, dtype=torch.uint8)
     else:
@@ -182,10 +207,36 @@ def w_cancel(tag: bytes) -> None:
 
 
 def w_connection() -> dict[str, Any]:
-    """The engine's reconnect count and the peers it holds disconnected (with why)."""
+    """The engine's reconnect count, the peers it holds disconnected (with why) and their backoff."""
     eng = STATE["engine"]
     return {"reconnects": eng.reconnects, "disconnected": {p: eng.disconnected(p) for p in eng.peers
-                                                           if eng.disconnected(p)}}
+                                                           if eng.disconnected(p)},
+            "backoff": {p: eng.backoff(p) for p in eng.peers if eng.backoff(p)[0]}}
+
+
+def w_posts_for(peer: str, dst: dict[str, Any], runs: dict[str, Any], seconds: float,
+                every_s: float) -> list[dict[str, Any]]:
+    """Post a WRITE of ``runs`` to ``peer`` every ``every_s`` for ``seconds`` (each waited for 2 s), as a P
+    keeps posting to a D it still holds; per post: when (s from the start), how long the call took, the error
+    (``""`` when it landed) and the peer's ``backoff`` after it."""
+    from vllm_dsa_connector.transport import TransferError
+
+    eng, r, out = STATE["engine"], _runs(runs), []
+    t_start = time.monotonic()
+    i = 0
+    while time.monotonic() - t_start < seconds:
+        t0 = time.monotonic()
+        err = ""
+        try:
+            eng.wait(eng.write(peer, STATE["region"], dst, r, b"dead%d" % i), 2.0)
+        except TransferError as e:
+            err = str(e)
+        t1 = time.monotonic()
+        n, wait = eng.backoff(peer)
+        out.append({"at": t0 - t_start, "took": t1 - t0, "error": err, "failures": n, "wait": wait})
+        i += 1
+        time.sleep(max(0.0, every_s - (time.monotonic() - t0)))
+    return out
 
 
 # -- test-side harness --------------------------------------------------------------------------------
@@ -239,15 +290,19 @@ def _env(setting: str) -> dict[str, str]:
 class Cluster:
     """One receiver, two writers, metadata exchanged both ways."""
 
-    def __init__(self, setting: str, arena_bytes: int = 4 << 20, writers: int = 2) -> None:
+    def __init__(self, setting: str, arena_bytes: int = 4 << 20, writers: int = 2,
+                 writer_engine: dict[str, Any] | None = None, envs: tuple[dict[str, str], ...] = ()) -> None:
+        """``writer_engine``: ``NixlEngine`` keyword arguments of the writers; ``envs``: extra environment of
+        the receiver, w0 and w1, in that order (e.g. ``DSA_TEST_NETNS``, the namespace a worker runs in)."""
         saved = os.environ.get("UCX_TLS")
         if "UCX_TLS" in UCX_SETTINGS[setting]:
             os.environ["UCX_TLS"] = UCX_SETTINGS[setting]["UCX_TLS"]
         else:
             os.environ.pop("UCX_TLS", None)
+        extra = list(envs) + [{}] * (3 - len(envs))
         try:  # the child inherits UCX_TLS at spawn
-            self.rcv, self.w0 = Peer(_env(setting)), Peer(_env(setting))
-            self.w1 = Peer(_env(setting)) if writers > 1 else None
+            self.rcv, self.w0 = Peer({**_env(setting), **extra[0]}), Peer({**_env(setting), **extra[1]})
+            self.w1 = Peer({**_env(setting), **extra[2]}) if writers > 1 else None
         finally:
             if saved is None:
                 os.environ.pop("UCX_TLS", None)
@@ -255,10 +310,12 @@ class Cluster:
                 os.environ["UCX_TLS"] = saved
         tag = f"{setting}-{os.getpid()}"
         self.rcv.submit("w_setup", role="receiver", arena_bytes=arena_bytes, seed=0, name=f"rcv-{tag}")
-        self.w0.submit("w_setup", role="sender", arena_bytes=arena_bytes, seed=1, name=f"w0-{tag}")
+        self.w0.submit("w_setup", role="sender", arena_bytes=arena_bytes, seed=1, name=f"w0-{tag}",
+                       engine_kwargs=writer_engine)
         ws = [self.w0] if self.w1 is None else [self.w0, self.w1]
         if self.w1 is not None:
-            self.w1.submit("w_setup", role="sender", arena_bytes=arena_bytes, seed=2, name=f"w1-{tag}")
+            self.w1.submit("w_setup", role="sender", arena_bytes=arena_bytes, seed=2, name=f"w1-{tag}",
+                           engine_kwargs=writer_engine)
         r, metas = self.rcv.result(), [w.result() for w in ws]
         self.dst = r["region"]
         self.rcv_peer = [w.call("w_add_peer", meta=r["meta"]) for w in ws]
@@ -514,6 +571,108 @@ def test_lost_connection_is_reconnected_and_the_next_transfer_lands() -> None:
         assert conn["reconnects"] == 1 and not conn["disconnected"], conn
     finally:
         c.stop()
+
+
+BACKOFF = {"reconnect_backoff_s": 0.3, "reconnect_backoff_max_s": 1.2}
+
+
+def _attempts(posts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The posts that made a reconnect attempt (the failure count went up), in order."""
+    out, seen = [], 0
+    for p in posts:
+        if p["failures"] > seen:
+            out.append(p)
+        seen = p["failures"]
+    return out
+
+
+def test_dead_peer_backs_off_and_posts_fail_fast() -> None:
+    """The receiver process is killed (a D that is really gone). The writer keeps posting to it every 20 ms
+    for 4 s, as P does while it still holds that D. Reconnect attempts are made 0.3, 0.6, 1.2, 1.2 s apart
+    (doubling from ``reconnect_backoff_s`` up to ``reconnect_backoff_max_s``), never more often; every post in
+    between fails at once with a ``TransferError`` naming the peer and when the next attempt is."""
+    c = Cluster("ucx-tcp", writers=1, writer_engine=BACKOFF)
+    try:
+        runs = _scattered(31, 64, 576)
+        assert _attempt(c, b"alive", runs) == ""
+        c.rcv.proc.kill()
+        c.rcv.proc.join(10)
+        posts = c.w0.call("w_posts_for", peer=c.rcv_peer[0], dst=c.dst, runs=runs, seconds=4.0, every_s=0.02)
+        conn = c.w0.call("w_connection")
+    finally:
+        c.stop()
+    assert all(p["error"] for p in posts), "a WRITE to a killed receiver landed"
+    tried = _attempts(posts)
+    gaps = [b["at"] - a["at"] for a, b in zip(tried, tried[1:], strict=False)]
+    print(f"{len(posts)} posts, {len(tried)} reconnect attempts, gaps {[round(g, 3) for g in gaps]}")
+    want = [0.3, 0.6, 1.2, 1.2]
+    # attempts at 0, 0.3, 0.9, 2.1 and 3.3 s; the last may slip past the 4 s on a loaded host
+    assert 4 <= len(tried) <= 5, (len(tried), gaps)
+    for gap, delay in zip(gaps, want, strict=False):
+        assert delay - 0.01 <= gap <= delay + 0.5, (gaps, want)  # never sooner; late only by scheduling
+    fast = [p for p in posts if p not in tried]
+    assert len(fast) > 50, len(fast)
+    assert max(p["took"] for p in fast) < 0.25, "a post during the backoff took as long as a connect"
+    peer = conn["backoff"] and next(iter(conn["backoff"]))
+    assert peer, conn
+    for p in fast:
+        assert f"to peer {peer!r} not posted" in p["error"] and "is unreachable" in p["error"], p["error"]
+        assert "next reconnect attempt in " in p["error"], p["error"]
+        left = float(p["error"].split("next reconnect attempt in ")[1].split(" s")[0])
+        assert 0 <= left <= 1.2, p["error"]
+    assert conn["reconnects"] == 0 and conn["disconnected"], conn
+
+
+def _all_tcp_reset(ns: str) -> None:
+    """Abort every established TCP connection in network namespace ``ns`` (``ss -K`` there)."""
+    subprocess.run(["ip", "netns", "exec", ns, "ss", "-K", "-tn", "state", "established"], capture_output=True,
+                   text=True, timeout=30, check=True)
+
+
+def test_unreachable_peer_backs_off_and_is_written_again_once_back() -> None:
+    """Writer and receiver in two network namespaces joined by a veth (UCX over tcp on it). The writer's link
+    goes down and its TCP connections are aborted: its reconnects cannot connect (no route), so it backs off
+    (0.3 s, then 0.6 s) and the posts in between fail at once. The link comes back: the next attempt after the
+    backoff reconnects, the WRITE lands byte-exact and the backoff is reset."""
+    from vllm_dsa_connector.harness import netns
+
+    why = netns.unavailable() or _kill_unavailable()
+    if why:
+        pytest.skip(why)
+    with netns.two_hosts() as th:
+        envs = tuple({"DSA_TEST_NETNS": h.netns, **h.ucx_env()} for h in (th.d, th.p))
+        c = Cluster("ucx-tcp", writers=1, writer_engine=BACKOFF, envs=envs)
+        try:
+            runs = _scattered(41, 64, 576)
+            assert _attempt(c, b"up", runs) == ""
+            th.p.wire.down()
+            _all_tcp_reset(th.p.netns)
+            c.w0.call("w_poll", seconds=0.5)  # the writer's UCX sees its connection reset
+            down = c.w0.call("w_posts_for", peer=c.rcv_peer[0], dst=c.dst, runs=runs, seconds=1.2, every_s=0.02)
+            during = c.w0.call("w_connection")
+            th.p.wire.up()
+            time.sleep(1.5)  # past the backoff (<= 1.2 s) with the link up
+            c.rcv.submit("w_poll", seconds=1.0)  # UCX over tcp: the target progresses while written to
+            back = c.w0.call("w_posts_for", peer=c.rcv_peer[0], dst=c.dst, runs=runs, seconds=0.1, every_s=0.2)
+            c.rcv.result()
+            after = c.w0.call("w_connection")
+            landed = _attempt(c, b"back", runs)
+        finally:
+            c.stop()
+    tried = _attempts(down)
+    print(f"link down: {len(down)} posts, {len(tried)} attempts at {[round(p['at'], 3) for p in tried]}; "
+          f"then {during}; back: {back[0]['error'] or 'landed'} in {back[0]['took']:.3f} s; {after}")
+    assert all(p["error"] for p in down), "a WRITE crossed a link that was down"
+    assert len(tried) in (2, 3), [(round(p["at"], 3), p["error"][:200]) for p in down]  # at 0, 0.3, 0.9 s
+    for a, b, delay in zip(tried, tried[1:], (0.3, 0.6), strict=False):
+        assert delay - 0.01 <= b["at"] - a["at"] <= delay + 0.5, [round(p["at"], 3) for p in tried]
+    fast = [p for p in down if p not in tried]
+    assert fast and max(p["took"] for p in fast) < 0.25
+    assert all("next reconnect attempt in " in p["error"] for p in fast)
+    assert during["backoff"] and during["reconnects"] == 0, during
+    assert back[0]["error"] == "" and back[0]["failures"] == 0, back[0]
+    assert after["reconnects"] == 1 and not after["backoff"] and not after["disconnected"], after
+    assert landed == ""
 
 
 def test_bench_transfer_cli_json() -> None:

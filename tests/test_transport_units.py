@@ -399,3 +399,19 @@ def test_receiver_states_failed_corrupt_timed_out_cancelled() -> None:
         assert rcv.collect() == [] and not rcv.pending
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"reconnect_backoff_s": 0}, "reconnect_backoff_s must be a finite number of seconds > 0"),
+    ({"reconnect_backoff_s": float("nan")}, "reconnect_backoff_s must be"),
+    ({"reconnect_backoff_max_s": float("inf")}, "reconnect_backoff_max_s must be"),
+    ({"reconnect_backoff_s": True}, "reconnect_backoff_s must be"),
+    ({"reconnect_backoff_s": 2.0, "reconnect_backoff_max_s": 1.0}, r"reconnect_backoff_max_s \(1.0\) must be >="),
+])
+def test_reconnect_backoff_bounds_are_validated(kwargs: dict, match: str) -> None:
+    """The backoff must start above 0 (a gone peer then costs little per post) and end at a finite wait (a
+    peer that comes back is tried again in bounded time): anything else is refused before NIXL starts."""
+    from vllm_dsa_connector.transport import NixlEngine
+
+    with pytest.raises(ValueError, match=match):
+        NixlEngine(f"unit-backoff-{time.monotonic_ns()}", **kwargs)

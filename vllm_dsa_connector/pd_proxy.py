@@ -23,7 +23,12 @@ and loses what would make P generate more than one token or compute what nobody 
 What shapes the prompt (messages, templates, ``cache_salt``, ...) reaches both legs unchanged; D gets the
 client's sampling fields as sent. Prompt logprobs (``prompt_logprobs``, or ``echo`` with logprobs) need
 the prompt's logits where the answer is made and vLLM ignores external KV for them
-(``skip_reading_prefix_cache``): such requests go to D alone rather than leave P's blocks held for nothing.
+(``skip_reading_prefix_cache``): such requests go to D alone rather than make P prefill for nothing. Here
+the proxy differs from vllm-router on purpose: vllm-router sends both legs and, non-streaming, merges P's
+reply into D's (P's ``prompt_logprobs``, and for completions the prompt part of P's ``logprobs`` arrays in
+front of D's). D computes those logprobs itself either way, so the proxy's answer is one engine's without
+P's prefill, and without the merge's second copy of the prompt in an echoed completion's ``logprobs``
+(measured in ``tests/test_router.py``; ``docs/deployment.md``, "A router in front").
 
 One P request feeds one D request. vLLM answers a ``/v1/completions`` request with a list of prompts with
 the ``kv_transfer_params`` of the first prompt only, so the proxy splits such a list into one P/D pair per

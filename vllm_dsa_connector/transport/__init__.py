@@ -13,7 +13,9 @@ A byte's way, in five modules (the connector's worker calls the first and the la
    widest view, :mod:`.widths`), :func:`copy_runs` (the Triton kernel of :mod:`.kernels`, its cached launch
    plans and CUDA-graph replays in :mod:`.launches`; ``VLLM_DSA_COPY_IMPL``).
 3. :mod:`.engine`: :class:`NixlEngine`, the one NIXL agent wrapper (``register``, ``add_peer``, ``write``,
-   prepared lists, ``wait``/``state``, notifications, reconnect after a lost connection); its plain data
+   prepared lists, ``wait``/``state``, notifications, reconnect after a lost connection and a bounded
+   backoff while a peer stays unreachable: ``reconnect_backoff_s`` doubling up to ``reconnect_backoff_max_s``,
+   posts in between fail at once naming the peer); its plain data
    (:class:`Region`, :class:`RegionDesc`, :class:`Transfer`, :class:`TransferStats`, :class:`TransferError`)
    in :mod:`.regions`.
 4. :mod:`.notices`: the ``dsa1:<path><writer>:<tag>`` notification codec (one per writer and request,
