@@ -15,28 +15,21 @@ again), and a post that fails with a disconnect is retried once after such a rec
 that became reachable again would never be written to again. ``on_reconnect(peer, reason)`` is called after
 each reconnect (the connector counts and logs them); :attr:`NixlEngine.reconnects` counts them too.
 
-Backoff for a peer that is really gone (its process died, its host is down): a reconnect attempt that fails
-(NIXL cannot add the remote agent again, e.g. the connect is refused), or a new connection that is lost again
-before any transfer on it completed, starts a per-peer backoff: the next attempt is made no sooner than
-``reconnect_backoff_s`` later, doubling with each further failure up to ``reconnect_backoff_max_s``. Until
-then every post to the peer fails at once with a :class:`TransferError` naming the peer, the failed attempts,
-the last error and when the next attempt is, without touching NIXL (no connect, no UCX error lines per post).
-A transfer that completes on the new connection resets the backoff; so do :meth:`NixlEngine.add_peer` and
-:meth:`NixlEngine.remove_peer`. A successful re-add alone does not reset it: UCX connects lazily over some
-transports, so only a completed transfer proves the peer is back. :meth:`NixlEngine.backoff` reports it.
+A peer that stays unreachable backs off (:mod:`.backoff`): posts to it fail at once, naming the peer and
+when the next reconnect attempt is, until that attempt; :meth:`NixlEngine.backoff` reports it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from vllm_dsa_connector.transport.backoff import ReconnectBackoff
 from vllm_dsa_connector.transport.regions import (
     PreparedList,
     Region,
@@ -94,14 +87,7 @@ class NixlEngine:
         attempts to a peer that stays unreachable (see the module docstring); ``ValueError`` unless
         ``0 < reconnect_backoff_s <= reconnect_backoff_max_s`` (finite): a peer that is gone must cost little
         per post, and one that comes back must be tried again within a bounded time."""
-        for what, value in (("reconnect_backoff_s", reconnect_backoff_s),
-                            ("reconnect_backoff_max_s", reconnect_backoff_max_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
-        if reconnect_backoff_max_s < reconnect_backoff_s:
-            raise ValueError(f"reconnect_backoff_max_s ({reconnect_backoff_max_s}) must be >= reconnect_backoff_s "
-                             f"({reconnect_backoff_s})")
+        self._backoff = ReconnectBackoff(name, reconnect_backoff_s, reconnect_backoff_max_s)
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -132,15 +118,6 @@ class NixlEngine:
         self._conn: dict[str, int] = {}  # peer -> how many times it was reconnected (tags transfers)
         self.on_reconnect = on_reconnect
         self.reconnects = 0  # remote agents removed and added again after a disconnect
-        self.backoff_initial_s = float(reconnect_backoff_s)
-        self.backoff_max_s = float(reconnect_backoff_max_s)
-        # backoff of peers that stay unreachable: failed attempts in a row, when the next may be made
-        # (time.monotonic()) and the last attempt's error; _proven: peers whose current connection completed a
-        # transfer (or was never replaced): a loss of an unproven connection counts as a failed attempt
-        self._failures: dict[str, int] = {}
-        self._retry_at: dict[str, float] = {}
-        self._last_failure: dict[str, str] = {}
-        self._proven: set[str] = set()
         self._ids = itertools.count()
         self._inflight: dict[int, Transfer] = {}
         self._backlog: list[tuple[str, bytes]] = []  # notifications drained by progress()
@@ -179,8 +156,7 @@ class NixlEngine:
         self._peers.add(peer)
         self._meta[peer] = bytes(meta)
         self._disconnected.pop(peer, None)
-        self._clear_backoff(peer)
-        self._proven.add(peer)
+        self._backoff.reset(peer, proven=True)
         return peer
 
     def remove_peer(self, peer: str) -> None:
@@ -190,8 +166,7 @@ class NixlEngine:
             self._meta.pop(peer, None)
             self._disconnected.pop(peer, None)
             self._remote_lists.pop(peer, None)
-            self._clear_backoff(peer)
-            self._proven.discard(peer)
+            self._backoff.reset(peer, proven=False)
             try:
                 self._agent.remove_remote_agent(peer)
             except Exception as e:  # NIXL raises if already gone; nothing to undo
@@ -204,33 +179,7 @@ class NixlEngine:
     def backoff(self, peer: str) -> tuple[int, float]:
         """``(failed reconnect attempts in a row, seconds until the next attempt may be made)`` for ``peer``;
         ``(0, 0.0)`` when it is not backing off. Posts fail at once while the seconds are > 0."""
-        at = self._retry_at.get(peer)
-        return self._failures.get(peer, 0), max(0.0, at - time.monotonic()) if at is not None else 0.0
-
-    def _clear_backoff(self, peer: str) -> None:
-        self._failures.pop(peer, None)
-        self._retry_at.pop(peer, None)
-        self._last_failure.pop(peer, None)
-
-    def _attempt_failed(self, peer: str, why: str) -> float:
-        """Count a failed reconnect attempt to ``peer`` and schedule the next one (doubling, capped); returns
-        the wait in seconds."""
-        n = self._failures.get(peer, 0) + 1
-        delay = min(self.backoff_initial_s * 2.0 ** min(n - 1, 60), self.backoff_max_s)
-        self._failures[peer] = n
-        self._retry_at[peer] = time.monotonic() + delay
-        self._last_failure[peer] = why
-        logger.warning("NIXL agent %s: peer %s still unreachable after %d reconnect attempt(s) (%s); posts to it "
-                       "fail at once for the next %.2f s", self.name, peer, n, why, delay)
-        return delay
-
-    def _backing_off(self, peer: str) -> str:
-        """Why a post to ``peer`` must not be tried now (it is waiting out a backoff), or ``""``."""
-        n, wait = self.backoff(peer)
-        if wait <= 0:
-            return ""
-        return (f"peer {peer!r} is unreachable: {n} reconnect attempt(s) in a row failed (last: "
-                f"{self._last_failure.get(peer, '?')}); not posting; next reconnect attempt in {wait:.3f} s")
+        return self._backoff.state(peer)
 
     def reconnect(self, peer: str, reason: str = "") -> None:
         """Remove ``peer``'s remote agent and add it again from the metadata :meth:`add_peer` got: NIXL makes
@@ -248,15 +197,14 @@ class NixlEngine:
             name = self._agent.add_remote_agent(meta)
         except Exception as e:
             self._disconnected[peer] = reason or self._disconnected.get(peer, "") or "reconnect failed"
-            delay = self._attempt_failed(peer, f"adding its metadata again: {e}")
+            delay = self._backoff.failed(peer, f"adding its metadata again: {e}")
             raise TransferError(f"reconnect to peer {peer!r} failed: adding its metadata again: {e} (attempt "
-                                f"{self._failures[peer]}; next attempt in {delay:.2f} s)", peer=peer) from e
+                                f"{self._backoff.attempts(peer)}; next attempt in {delay:.2f} s)", peer=peer) from e
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != peer:  # the metadata names its agent: this would be a bug of this class
             raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
         self._conn[peer] = self._conn.get(peer, 0) + 1
-        self._retry_at.pop(peer, None)  # the failure count stays until a transfer on it completes
-        self._proven.discard(peer)
+        self._backoff.reconnected(peer)
         for plist in self._remote_lists.get(peer, []):
             self._reprepare(plist)
         why = self._disconnected.pop(peer, "") or reason
@@ -280,13 +228,12 @@ class NixlEngine:
             if known:
                 return False
         self._disconnected[peer] = why = f"{type(exc).__name__}: {exc}"
-        if peer not in self._proven:  # lost again before anything completed on the new connection
-            self._attempt_failed(peer, f"the new connection was lost: {why}")
+        self._backoff.lost(peer, why)  # a failed attempt when nothing completed on the new connection
         return True
 
     def _ensure_connected(self, peer: str) -> None:
         if peer in self._disconnected:
-            refused = self._backing_off(peer)
+            refused = self._backoff.refusal(peer)
             if refused:
                 raise TransferError(refused, peer=peer)
             self.reconnect(peer, self._disconnected[peer])
@@ -370,7 +317,7 @@ class NixlEngine:
                 state = post(xfer_obj)
             except Exception as e:
                 self._release(xfer_obj)
-                if self._note_failure(peer, e) and attempt == 0 and not self._backing_off(peer):
+                if self._note_failure(peer, e) and attempt == 0 and not self._backoff.refusal(peer):
                     logger.info("transfer %s: connection to peer %r gone (%s); reconnecting and posting again",
                                 name, peer, e)
                     try:
@@ -379,7 +326,7 @@ class NixlEngine:
                         raise TransferError(f"transfer {name} to peer {peer!r} could not be posted: {e}; {e2}",
                                             peer=peer, transfer=name) from e2
                     continue
-                refused = self._backing_off(peer)
+                refused = self._backoff.refusal(peer)
                 raise TransferError(
                     f"transfer {name} to peer {peer!r} could not be posted: {e}" + (f"; {refused}" if refused else ""),
                     peer=peer,
@@ -495,17 +442,8 @@ class NixlEngine:
                 xfer._error += "; the connection is gone: the next post reconnects"
             return "ERR"
         if st == "DONE" and xfer.peer in self._peers and xfer._conn == self._conn.get(xfer.peer, 0):
-            self._connection_works(xfer.peer)
+            self._backoff.works(xfer.peer)
         return st
-
-    def _connection_works(self, peer: str) -> None:
-        """A transfer completed on ``peer``'s current connection: it is back; any backoff is over."""
-        if peer not in self._proven:
-            self._proven.add(peer)
-            if self._failures.get(peer):
-                logger.info("NIXL agent %s: peer %s reachable again after %d failed reconnect attempt(s)",
-                            self.name, peer, self._failures[peer])
-            self._clear_backoff(peer)
 
     def wait(self, xfer: Transfer, timeout_s: float = 10.0) -> TransferStats:
         """Block until the WRITE is done; ``TransferError`` on ERR or after ``timeout_s`` (never hangs)."""
@@ -589,7 +527,7 @@ class NixlEngine:
         except Exception as e:
             if not self._note_failure(peer, e):
                 raise TransferError(f"notification to peer {peer!r} failed: {e}", peer=peer) from e
-            refused = self._backing_off(peer)
+            refused = self._backoff.refusal(peer)
             if refused:
                 raise TransferError(f"notification to peer {peer!r} failed: {e}; {refused}", peer=peer) from e
             self.reconnect(peer, f"{type(e).__name__}: {e}")  # once: a second failure raises
