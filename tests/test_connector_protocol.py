@@ -23,9 +23,10 @@ from vllm_dsa_connector.handoff.messages import (
     Reply,
     ReqRef,
 )
-from vllm_dsa_connector.handoff.producer import IllegalTransition, LeaseState, Producer
+from vllm_dsa_connector.handoff.producer import LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
+from vllm_dsa_connector.handoff.states import IllegalTransition
 from vllm_dsa_connector.handoff.wire import (
     PROTOCOL_VERSION,
     RankPayload,

@@ -73,7 +73,6 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     new_epoch,
 )
-from vllm_dsa_connector.handoff.producer import IllegalTransition
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import (
     HandshakeError,
@@ -82,6 +81,7 @@ from vllm_dsa_connector.handoff.side_channel import (
     fetch_payloads,
     validate_peer,
 )
+from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import (
     TRANSFER_MODE,
     RankPayload,
@@ -156,7 +156,7 @@ class LoadState(Enum):
     FAILED = "failed"
 
 
-#: Every legal load transition; anything else is a bug and raises :class:`IllegalTransition`.
+#: Every legal load transition; anything else is a bug and raises :class:`~.states.IllegalTransition`.
 TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     LoadState.QUEUED: frozenset({LoadState.REGISTERING}),
     LoadState.REGISTERING: frozenset({LoadState.REGISTERED, LoadState.GIVING_UP, LoadState.FAILED}),
@@ -164,6 +164,7 @@ TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     LoadState.GIVING_UP: frozenset({LoadState.FAILED}),
     LoadState.FAILED: frozenset(),
 }
+_LOADS = Transitions("load", TRANSITIONS)
 
 
 @dataclass
@@ -214,12 +215,9 @@ class Loading:
     epoch: int = 0  # the P start holding the lease (the params' remote_epoch, else the handshake's when queued)
 
     def to(self, new: LoadState) -> None:
-        """The one place a load changes state."""
-        if new not in TRANSITIONS[self.state]:
-            allowed = ", ".join(s.value for s in TRANSITIONS[self.state]) or "none"
-            raise IllegalTransition(f"load of {self.req_id}: {self.state.value} -> {new.value} is not a "
-                                    f"transition (from {self.state.value}: {allowed})")
-        self.state = new
+        """The one place a load changes state (:class:`~.states.IllegalTransition` if ``new`` is not
+        allowed)."""
+        self.state = _LOADS.step(self.req_id, self.state, new)
 
 
 class Consumer:
