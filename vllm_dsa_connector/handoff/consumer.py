@@ -497,6 +497,23 @@ class Consumer:
         """Whether a given-up load still waits for its workers to hand its blocks back."""
         return any(load.state in (LoadState.GIVING_UP, LoadState.FAILED) for load in list(self.loads.values()))
 
+    def pending(self) -> bool:
+        """Whether any load is tracked (queued, registering, registered or given up)."""
+        return bool(self.loads)
+
+    def load(self, req_id: str) -> Loading | None:
+        """The load of D request ``req_id`` (None: it does not load from P, or it finished)."""
+        return self.loads.get(req_id)
+
+    def load_error(self, req_id: str) -> str:
+        """Why the load of ``req_id`` fails at allocation (a refused heartbeat, P restarted), or ``""``."""
+        load = self.loads.get(req_id)
+        return load.error if load is not None else ""
+
+    def known_peer(self, engine: str) -> Peer | None:
+        """P ``engine``'s record as it stands, without starting or redoing its handshake (:meth:`peer` does)."""
+        return self.peers.get(engine)
+
     def finished(self, req_id: str) -> Loading | None:
         """The workers reported the request (loaded or failed): forget it."""
         return self.loads.pop(req_id, None)
