@@ -325,7 +325,7 @@ class DSAConnectorScheduler:
         src, dst = list(pairing.src_blocks), list(pairing.dst_blocks)
         routes: Routes = {}
         held: Held = []
-        if peer.meta is not None:
+        if peer.meta is not None and peer.plan is not None:
             try:
                 routes, held = self.routes.plan(peer.plan, peer.meta.payloads, src, dst,
                                               first_token=pairing.first_token, num_tokens=pairing.num_tokens)

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -73,6 +73,7 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     new_epoch,
 )
+from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import (
     HandshakeError,
@@ -91,10 +92,13 @@ from vllm_dsa_connector.handoff.wire import (
     max_block_id,
 )
 
+if TYPE_CHECKING:
+    from vllm_dsa_connector.matching import PeerPlan
+
 logger = logging.getLogger(__name__)
 
 #: ``check(src_payloads, dst_payloads) -> plan``: refuses an incompatible peer, plans the transfer
-PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], Any]
+PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], "PeerPlan"]
 
 SAFETY_MARGIN_S = 1.0
 # A request inside its transfer budget tries an unanswered handshake again this soon (one attempt in flight per
@@ -175,7 +179,7 @@ class Peer:
     port: int
     future: Future | None = None
     meta: PeerMeta | None = None
-    plan: Any = None
+    plan: PeerPlan | None = None  # the transfer plan the handshake built (validate_peer)
     payloads: list[bytes] = field(default_factory=list)
     expected: dict[int, list[int]] = field(default_factory=dict)
     max_block: int = 0
@@ -208,7 +212,7 @@ class Loading:
     reg: Future | None = None
     reg_body: RegReq | None = None
     cancel: Future | None = None
-    slots: list[tuple[int, Any]] = field(default_factory=list)
+    slots: Held = field(default_factory=list)  # staging slots its routes hold (RoutePlanner.free)
     req_id: str = ""
     queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
     error: str = ""  # QUEUED: P refused a heartbeat for it, or restarted (its lease is not kept); the load fails
@@ -255,7 +259,7 @@ class Consumer:
             fut.add_done_callback(lambda _f: on_reply())
         return fut
 
-    def _handshake(self, peer: Peer) -> tuple[PeerMeta, Any]:
+    def _handshake(self, peer: Peer) -> tuple[PeerMeta, PeerPlan]:
         meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth, self.origin)
         return meta, self.check_peer(meta.payloads, self._local())
 
@@ -405,7 +409,7 @@ class Consumer:
 
     def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
                  src_blocks: list[int], dst_blocks: list[int], routes: Routes,
-                 held_slots: list[tuple[int, Any]]) -> RecvJob:
+                 held_slots: Held) -> RecvJob:
         """Blocks are allocated and paired (``matching.BlockPairing``: tokens ``[first_token, +num_tokens)``
         in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
         workers."""
