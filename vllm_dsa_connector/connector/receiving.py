@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Protocol
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pages import crc_runs
-from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX, Notice, RankPayload, RecvJob, decode_notice, route_of
+from vllm_dsa_connector.handoff.wire import (
+    NOTICE_PREFIX,
+    Notice,
+    RankPayload,
+    RecvJob,
+    decode_notice,
+    route_of,
+)
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
 from vllm_dsa_connector.transport.runs import packed_offsets
 
@@ -289,17 +296,16 @@ class ReceiveSide:
             self._progress_thread.start()
         self._progress_wake.set()
 
-    def fail(self, req_id: str, reason: str, *, quiet: bool = False) -> None:
+    def fail(self, req_id: str) -> bool:
         """The scheduler gave the load of ``req_id`` up (``fail_recv``): stop expecting it and report it
-        finished and failed, unless it was reported already (it completed meanwhile). ``quiet``: the
-        scheduler logged why once per peer (unusable params), here it is only a debug line."""
+        finished and failed; False when it was reported already (it completed meanwhile)."""
         self.receiver.cancel(req_id.encode())
         if not self.reported.add(req_id):
-            return
-        (logger.debug if quiet else logger.error)("DSAConnector: load of %s failed: %s", req_id, reason)
+            return False
         self.stats.add("recv_failed")
         self._done.add(req_id)
         self._failed.add(req_id)
+        return True
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call."""
