@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
@@ -54,6 +54,9 @@ from vllm_dsa_connector.handoff.wire import (
     PeerInfo,
     PushJob,
     RankPayload,
+    WireIpcExport,
+    WirePageTable,
+    WireRegion,
     decode_payload,
     encode,
     route_of,
@@ -166,7 +169,7 @@ class DSAConnectorWorker:
                 send_arena = StagingArena(settings.arena_bytes, device=device)
             if self.role in ("kv_consumer", "kv_both"):
                 recv_arena = StagingArena(settings.arena_bytes, device=device)
-                staging = self.recv.attach_arena(recv_arena).desc().to_dict()
+                staging = WireRegion.of(self.recv.attach_arena(recv_arena).desc().to_dict())
         self.transport = RoutedTransport(self.nixl, self.opts.transfer_timeout_s, arena=send_arena,
                                          reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
         gpu, reach, ipc = self._cuda_identity(device)
@@ -174,8 +177,8 @@ class DSAConnectorWorker:
             self._prefault([r.tensor for r in self.regions] + ([recv_arena.buffer] if recv_arena else []))
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
-            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=table.to_dict(),
-            regions=[r.desc().to_dict() for r in self.regions], compat=self.compat, staging=staging,
+            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=WirePageTable.of(table.to_dict()),
+            regions=[WireRegion.of(r.desc().to_dict()) for r in self.regions], compat=self.compat, staging=staging,
             host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
         logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s%s",
                     self.engine_id, table.rank, len(self.regions), table.bytes_per_block,
@@ -183,7 +186,7 @@ class DSAConnectorWorker:
                     ", pools exported for CUDA IPC" if ipc else "")
         return self.payload
 
-    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[dict[str, Any]] | None]:
+    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[WireIpcExport] | None]:
         """(GPU UUID, UUIDs of the GPUs this rank's kernels can write, the pools' CUDA IPC exports or None)
         for CUDA pools; CPU pools have none of them. The exports are D's (a consumer's) and follow ``ipc_mode``."""
         if device.type != "cuda":
@@ -196,7 +199,7 @@ class DSAConnectorWorker:
         ipc = None
         if self.opts.ipc_mode != "never" and self.role in ("kv_consumer", "kv_both"):
             try:
-                ipc = [export_region(r.tensor).to_dict() for r in self.regions]
+                ipc = [WireIpcExport.of(export_region(r.tensor).to_dict()) for r in self.regions]
             except Exception as e:  # noqa: BLE001 - no ipc path then: NIXL carries every pair
                 logger.warning("DSAConnector %s: cannot export the KV pools for CUDA IPC (%s); peers on this host "
                                "use NIXL", self.engine_id, e)
@@ -392,10 +395,10 @@ class DSAConnectorWorker:
         path = route.path if route is not None else "direct"
         slot = None
         if path == "bounce" and route is not None and dst.staging is not None:
-            slot = StagingSlot(RegionDesc.from_dict(dst.staging), int(route.offset), int(route.size))
+            slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
         if path == "ipc":
             self._map(agent, dst)
-        post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts],
+        post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts],
                                    writer=me, tag=encode(notice), path=path, slot=slot,
                                    pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
         if post.state is not PostState.FAILED:
@@ -412,7 +415,7 @@ class DSAConnectorWorker:
         if self.transport.mapped(agent) or not dst.ipc:
             return
         try:
-            self.transport.map_peer(agent, dst.ipc, self.regions[0].tensor.device)
+            self.transport.map_peer(agent, [e.to_dict() for e in dst.ipc], self.regions[0].tensor.device)
             logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
                         len(dst.ipc), dst.engine_id, dst.rank)
         except Exception as e:  # noqa: BLE001 - the post fails with this reason

@@ -340,8 +340,8 @@ class Producer:
             raise MessageError(str(e)) from None
         if not payloads or any(p.engine_id != d_engine for p in payloads):
             raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
-        return DPeer(epoch, list(encoded), max_block_id(payloads), int(payloads[0].page_table.get("block_size", 0) or 0),
-                     {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads},
+        return DPeer(epoch, list(encoded), max_block_id(payloads), payloads[0].page_table.block_size,
+                     {p.rank: p.staging.size if p.staging else 0 for p in payloads},
                      frozenset(p.rank for p in payloads if p.ipc))
 
     def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:

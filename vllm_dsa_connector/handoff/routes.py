@@ -107,9 +107,9 @@ class RoutePlanner:
             from vllm_dsa_connector.transport.gate import BounceGate
 
             local = self._local()
-            device = local[0].page_table["pools"][0].get("device", "cpu") if local else "cpu"
+            device = local[0].page_table.pools[0].device if local else "cpu"
             self._gate = BounceGate(self.bounce, device=device)
-            self._arenas = {p.rank: SlotAllocator(int(p.staging["size"])) for p in local if p.staging}
+            self._arenas = {p.rank: SlotAllocator(p.staging.size) for p in local if p.staging}
         return bool(self._arenas)
 
     def plan(self, plan: PeerPlan, src: Sequence[RankPayload], src_blocks: Sequence[int],

@@ -285,8 +285,8 @@ def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Pee
             "and dtypes)"
         )
     try:
-        src_tables = [PageTable.from_dict(p.page_table) for p in src]
-        dst_tables = [PageTable.from_dict(p.page_table) for p in dst]
+        src_tables = [PageTable.from_dict(p.page_table.to_dict()) for p in src]
+        dst_tables = [PageTable.from_dict(p.page_table.to_dict()) for p in dst]
     except ValueError as e:
         raise HandshakeError(f"DSAConnector handshake: {e}") from None
     try:
