@@ -96,8 +96,9 @@ class SourceRecord(Protocol):
 
 
 class ReceiveSide:
-    """D's receiving for one worker rank: arms the transport's :class:`Receiver` (:attr:`receiver`) from
-    ``RecvJob`` s, supplies its hooks, and keeps what is to be reported to vLLM.
+    """D's receiving for one worker rank: arms the transport's :class:`Receiver` (:attr:`receiver`) for each
+    ``RecvJob``, supplies its hooks, progresses it from a thread while receives are expected, and keeps what
+    is to be reported to vLLM (finished and failed loads, blocks of corrupt ones).
 
     ``nixl`` and ``lock``: the worker's NIXL engine and the lock every NIXL call holds (the progress thread
     takes it too); ``stats``: the worker's stats; ``rank`` and ``regions``: this rank and its registered KV
