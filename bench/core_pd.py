@@ -49,7 +49,13 @@ from vllm_dsa_connector.handoff.messages import Authenticator, Origin, new_epoch
 from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
 from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
-from vllm_dsa_connector.handoff.wire import RankPayload, decode_payload, encode  # noqa: E402
+from vllm_dsa_connector.handoff.wire import (  # noqa: E402
+    RankPayload,
+    WirePageTable,
+    WireRegion,
+    decode_payload,
+    encode,
+)
 from vllm_dsa_connector.harness.pair import Channel, Kind, run_two  # noqa: E402
 from vllm_dsa_connector.layout.model import PageTable  # noqa: E402
 from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
@@ -145,7 +151,8 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
     compat = {"architecture": table.model.architecture, "kv_cache_dtype": table.kv_cache_dtype,
               "block_size": str(table.block_size)}
     payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
-                          replace(table, pools=pools).to_dict(), [r.desc().to_dict() for r in regions], compat)
+                          WirePageTable.of(replace(table, pools=pools).to_dict()),
+                          [WireRegion.of(r.desc().to_dict()) for r in regions], compat)
     return Side(tensors, engine, regions, payload)
 
 
@@ -193,7 +200,7 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
             agents, plan = peers[job.dst_engine]
             started, mine = time.perf_counter(), []
             for agent, d in agents:
-                parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp]), runs)
+                parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp].to_dict()), runs)
                          for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks,
                                                        first_token=job.first_token, num_tokens=job.num_tokens)]
                 mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode()))

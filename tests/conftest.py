@@ -56,6 +56,15 @@ def processes_on_ports(base: int, span: int) -> list[str]:
     return out
 
 
+def fake_page_table(num_blocks: int = 512, *, block_size: int = 0):
+    """A handshake payload's page table (``wire.WirePageTable``) with one pool of ``num_blocks`` blocks and
+    nothing else, for tests whose transfer plan is faked (``block_size`` 0: not published)."""
+    from vllm_dsa_connector.handoff.wire import WireModel, WirePageTable, WirePool
+
+    model = WireModel("fake", 1, 0, 0, 0, 0, 0, 0, None, [])
+    return WirePageTable(0, 0, 1, 0, 1, block_size, "auto", model, [], [WirePool(0, 0, 0, num_blocks)])
+
+
 def load_module_from_file(path: Path, name: str) -> types.ModuleType:
     """Execute the Python file ``path`` as a module named ``name`` (e.g. a patched copy of a vLLM file).
 

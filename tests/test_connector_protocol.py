@@ -9,6 +9,7 @@ import random
 
 import msgspec
 import pytest
+from conftest import fake_page_table
 
 from vllm_dsa_connector.handoff.messages import (
     Authenticator,
@@ -23,9 +24,10 @@ from vllm_dsa_connector.handoff.messages import (
     Reply,
     ReqRef,
 )
-from vllm_dsa_connector.handoff.producer import IllegalTransition, LeaseState, Producer
+from vllm_dsa_connector.handoff.producer import LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
+from vllm_dsa_connector.handoff.states import IllegalTransition
 from vllm_dsa_connector.handoff.wire import (
     PROTOCOL_VERSION,
     RankPayload,
@@ -136,12 +138,47 @@ def test_older_protocol_peers_are_refused() -> None:
             decode_payload(old)
 
 
+def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
+    """A payload's page table, regions and staging arena travel as typed structs whose bytes are those of the
+    plain ``to_dict()`` forms (no protocol change) and give the same tables and regions back; a payload whose
+    page table has another shape, or a list over its bound, is refused while it is decoded, naming the field."""
+    from vllm_dsa_connector.handoff.wire import (
+        MAX_ENTRIES,
+        WireIpcExport,
+        WirePageTable,
+        WireRegion,
+    )
+    from vllm_dsa_connector.layout import PageTable, build_offline
+    from vllm_dsa_connector.tiny_models import glm_dsa_config
+    from vllm_dsa_connector.transport.ipc import IpcDesc
+    from vllm_dsa_connector.transport.regions import RegionDesc
+
+    (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
+    wire = WirePageTable.of(table.to_dict())
+    assert encode(wire) == encode(table.to_dict()) and PageTable.from_dict(wire.to_dict()) == table
+    region = RegionDesc("agent-d", 4096, 1 << 20, "DRAM", 0)
+    assert RegionDesc.from_dict(WireRegion.of(region.to_dict()).to_dict()) == region
+    export = IpcDesc("host/boot", "GPU-0", 1 << 20, 0, b"\x01" * 64, 2 << 20, 0, b"/torch_1_2", 0, b"\x02" * 64, True)
+    assert IpcDesc.from_dict(WireIpcExport.of(export.to_dict()).to_dict()) == export
+    good = RankPayload("D", 0, 0, 0, "agent-d", b"", wire, [WireRegion.of(region.to_dict())], {},
+                       staging=WireRegion.of(region.to_dict()))
+    assert decode_payload(encode(good)) == good
+    plain = dict(msgspec.structs.asdict(good), page_table=wire.to_dict())
+    for bad, field in ((dict(plain, page_table={"pools": [{"num_blocks": 8}]}), "page_table"),
+                       (dict(plain, page_table=dict(plain["page_table"], layers=list(range(MAX_ENTRIES + 1)))),
+                        "page_table.layers"),
+                       (dict(plain, staging={"size": 64}), "staging")):
+        with pytest.raises(ValueError, match=rf"malformed DSAConnector handshake payload: .*{field}"):
+            decode_payload(msgspec.msgpack.encode(bad))
+    with pytest.raises(ValueError, match="WireRegion: .*agent"):
+        WireRegion.of({"addr": 0, "size": 1, "mem": "DRAM"})
+
+
 # ------------------------------------------------------------------------------------------ P side
 
 
 def _d_payload(num_blocks: int = 100) -> bytes:
-    table = {"pools": [{"num_blocks": num_blocks}]}
-    return encode(RankPayload("D", 0, 0, 0, "agent-d", b"", table, [], {}))
+    return encode(RankPayload("D", 0, 0, 0, "agent-d", b"", fake_page_table(num_blocks), [], {}))
 
 
 P_BLOCK = 16  # the producer fixture's block size
@@ -179,7 +216,7 @@ def test_registration_names_tokens_and_p_takes_its_own_blocks() -> None:
     or too few D blocks for it (D's block size comes from D's page table)."""
     clock = Clock()
     prod = Producer("P", HandoffSettings(lease_s=10.0, transfer_timeout_s=5.0), clock, block_size=64)
-    d_table = {"pools": [{"num_blocks": 100}], "block_size": 16}
+    d_table = fake_page_table(100, block_size=16)
     d_pay = [encode(RankPayload("D", 0, 0, 0, "agent-d", b"", d_table, [], {}))]
     token = prod.add_lease("p1", [7, 8, 9, 10, 11])
     with pytest.raises(MessageError, match="need 17 of D's 16-token blocks"):

@@ -260,7 +260,7 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         expected = {d.rank: list(plan.senders_for(d.rank)) for d in dst}
         routes: dict = {}
         if path == "bounce":
-            arenas = {d.rank: SlotAllocator(d.staging["size"]) for d in dst}  # bookkeeping only, no tensor
+            arenas = {d.rank: SlotAllocator(d.staging.size) for d in dst}  # bookkeeping only, no tensor
             gate = BounceGate(BounceSettings.from_config(BOUNCE, environ={}))
             routes, _ = plan_routes(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
             assert sum(len(v) for v in routes.values()) == sum(len(v) for v in expected.values()), routes

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import fake_page_table
 
 from vllm_dsa_connector.handoff.messages import ReqRef
 from vllm_dsa_connector.handoff.producer import LeaseState
@@ -37,8 +38,8 @@ def _config(model: Path, role: str, extra: dict):
 def _payload(engine: str, agent: str = "", num_blocks: int = 512) -> bytes:
     from vllm_dsa_connector.handoff.wire import RankPayload, encode
 
-    table = {"rank": 0, "pools": [{"num_blocks": num_blocks}]}
-    return encode(RankPayload(engine, 0, 0, 0, agent or f"agent-{engine}", b"", table, [], {"model_dtype": "f32"}))
+    return encode(RankPayload(engine, 0, 0, 0, agent or f"agent-{engine}", b"", fake_page_table(num_blocks), [],
+                              {"model_dtype": "f32"}))
 
 
 class _Plan:

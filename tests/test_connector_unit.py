@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import fake_page_table
 
 
 def test_factory_resolves_dsaconnector_by_name() -> None:
@@ -139,7 +140,7 @@ def test_notice_and_payload_round_trip() -> None:
     n = Notice("req-1", 3, True, 1024, 2, checks=[(0, 64, 512, 123), (0, 4096, 512, 456)])
     assert decode_notice(encode_notice(n)) == n
     assert decode_notice(b"HB:other connector") is None
-    p = RankPayload("e", 0, 0, 0, "agent", b"\x00meta", {"rank": 0}, [], {"model_dtype": "bf16"})
+    p = RankPayload("e", 0, 0, 0, "agent", b"\x00meta", fake_page_table(), [], {"model_dtype": "bf16"})
     assert decode_payload(encode(p)) == p
     old = RankPayload("e", 0, 0, 0, "agent", b"", {}, [], {}, protocol=PROTOCOL_VERSION + 1)
     with pytest.raises(ValueError, match="protocol mismatch"):
@@ -234,7 +235,7 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
     worker = DSAConnectorWorker("D-unit", ConnectorOptions(), {}, role="kv_consumer")  # a real NIXL agent
     try:
         worker.table = SimpleNamespace(rank=0)  # no KV caches registered: only the rank is read
-        worker.sources["P"] = _RemoteEngine([RankPayload("P", 0, 0, 0, "agent-p0", b"", {}, [], {})], {})
+        worker.sources["P"] = _RemoteEngine([RankPayload("P", 0, 0, 0, "agent-p0", b"", fake_page_table(), [], {})], {})
         worker.start_load_kv(DSAConnectorMetadata(recv=[RecvJob("d1", "P", [3], {0: [0]}, 30.0)]))
         rcv = worker.receiver
         assert feed("agent-evil", Notice("d1", 0, True, 10, 1))  # a forged notice: ignored

@@ -11,6 +11,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from conftest import fake_page_table
 
 from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, RemoteParams
 from vllm_dsa_connector.handoff.messages import (
@@ -61,8 +62,8 @@ class _Plan:
 
 
 def _payload(engine: str) -> RankPayload:
-    return RankPayload(engine, 0, 0, 0, f"agent-{engine}", b"", {"pools": [{"num_blocks": 512}], "block_size": BLOCK},
-                       [], {"model_dtype": "f32"})
+    return RankPayload(engine, 0, 0, 0, f"agent-{engine}", b"", fake_page_table(512, block_size=BLOCK), [],
+                       {"model_dtype": "f32"})
 
 
 def _producer(auth: Authenticator) -> tuple[Producer, SideChannelServer]:

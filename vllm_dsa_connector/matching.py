@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -136,33 +137,56 @@ def elected_sender(candidates: Sequence[PageTable], dst: PageTable) -> PageTable
     return ordered[dst.rank % len(ordered)]
 
 
-def _fragments(src_tables: Sequence[PageTable], dst: PageTable) -> list[tuple]:
-    """(src_rank, src_pool, src_off, dst_pool, dst_off, nbytes, role, layer) for every dst page."""
+class _Fragment(NamedTuple):
+    """One destination page's (role, global layer) and where its bytes come from: the unit
+    :func:`_merge` joins into :class:`Segment` runs (offsets relative to each pool's block start)."""
+
+    src_rank: int
+    src_pool: int
+    src_offset: int
+    dst_pool: int
+    dst_offset: int
+    nbytes: int
+    role: str
+    layer: int
+
+
+class _Holder(NamedTuple):
+    """A source rank that holds a (role, layer) a destination page needs: its table, view and entry."""
+
+    table: PageTable
+    view: PoolView
+    entry: LayerEntry
+
+
+def _fragments(src_tables: Sequence[PageTable], dst: PageTable) -> list[_Fragment]:
+    """One :class:`_Fragment` for every page of ``dst``, from the source rank elected to send it."""
     out = []
     for dview in dst.views:
         for dentry in dview.entries:
-            holders: list[tuple[PageTable, PoolView, LayerEntry]] = []
+            holders: list[_Holder] = []
             for s in src_tables:
                 sview = s.view(dview.role)
                 sentry = sview.entry(dentry.global_layer) if sview else None
                 if sview is not None and sentry is not None:
-                    holders.append((s, sview, sentry))
+                    holders.append(_Holder(s, sview, sentry))
             if not holders:
                 raise PlanError(
                     f"no source rank holds {dview.role.value} layer {dentry.global_layer} needed by "
                     f"receiver rank {dst.rank}"
                 )
             if dview.mapper is MapperKind.REPLICATED:
-                chosen = elected_sender([h[0] for h in holders], dst)
+                chosen = elected_sender([h.table for h in holders], dst)
             else:
-                same = [h[0] for h in holders if h[0].tp_rank == dst.tp_rank and h[0].tp_size == dst.tp_size]
+                same = [h.table for h in holders
+                        if h.table.tp_rank == dst.tp_rank and h.table.tp_size == dst.tp_size]
                 if not same:
                     raise PlanError(
                         f"{dview.role.value} layer {dentry.global_layer} is head-sharded and TP sizes differ "
-                        f"({holders[0][0].tp_size} -> {dst.tp_size}); head slicing is not supported"
+                        f"({holders[0].table.tp_size} -> {dst.tp_size}); head slicing is not supported"
                     )
                 chosen = same[0]
-            _, sview, sentry = next(h for h in holders if h[0] is chosen)
+            _, sview, sentry = next(h for h in holders if h.table is chosen)
             if sview.mapper != dview.mapper or sview.page_format != dview.page_format:
                 raise PlanError(
                     f"{dview.role.value} layer {dentry.global_layer}: sender is {sview.mapper.value}/"
@@ -182,27 +206,29 @@ def _fragments(src_tables: Sequence[PageTable], dst: PageTable) -> list[tuple]:
                     f"not whole rows (sender {sentry.nbytes} B / {chosen.block_size} tokens, receiver "
                     f"{dentry.nbytes} B / {dst.block_size} tokens)"
                 )
-            out.append((chosen.rank, sview.pool, sentry.offset, dview.pool, dentry.offset,
-                        dentry.nbytes, dview.role.value, dentry.global_layer))
+            out.append(_Fragment(chosen.rank, sview.pool, sentry.offset, dview.pool, dentry.offset,
+                                 dentry.nbytes, dview.role.value, dentry.global_layer))
     return out
 
 
-def _merge(frags: list[tuple], dst_rank: int, merge: bool = True) -> list[Segment]:
+def _merge(frags: list[_Fragment], dst_rank: int, merge: bool = True) -> list[Segment]:
     """Merge fragments contiguous on both sides (same pools), in source-offset order (``merge``: only
     when both sides' pages have the same size, i.e. equal block sizes)."""
     segs: list[Segment] = []
-    frags = sorted(frags, key=lambda f: (f[0], f[1], f[3], f[2]))
-    cur: tuple | None = None
-    for f in frags:
-        if (merge and cur is not None and cur[0] == f[0] and cur[1] == f[1] and cur[3] == f[3]
-                and cur[2] + cur[5] == f[2] and cur[4] + cur[5] == f[4]):
-            cur = (cur[0], cur[1], cur[2], cur[3], cur[4], cur[5] + f[5], cur[6] + ((f[6], f[7]),))
+    cur: Segment | None = None  # the segment being grown; appended when the next fragment does not extend it
+    for f in sorted(frags, key=lambda f: (f.src_rank, f.src_pool, f.dst_pool, f.src_offset)):
+        if (merge and cur is not None and cur.src_rank == f.src_rank and cur.src_pool == f.src_pool
+                and cur.dst_pool == f.dst_pool and cur.src_offset + cur.nbytes == f.src_offset
+                and cur.dst_offset + cur.nbytes == f.dst_offset):
+            cur = replace(cur, nbytes=cur.nbytes + f.nbytes, layers=cur.layers + ((f.role, f.layer),))
             continue
         if cur is not None:
-            segs.append(Segment(cur[0], dst_rank, cur[1], cur[3], cur[2], cur[4], cur[5], cur[6]))
-        cur = (f[0], f[1], f[2], f[3], f[4], f[5], ((f[6], f[7]),))
+            segs.append(cur)
+        cur = Segment(src_rank=f.src_rank, dst_rank=dst_rank, src_pool=f.src_pool, dst_pool=f.dst_pool,
+                      src_offset=f.src_offset, dst_offset=f.dst_offset, nbytes=f.nbytes,
+                      layers=((f.role, f.layer),))
     if cur is not None:
-        segs.append(Segment(cur[0], dst_rank, cur[1], cur[3], cur[2], cur[4], cur[5], cur[6]))
+        segs.append(cur)
     return segs
 
 

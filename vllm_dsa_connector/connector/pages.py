@@ -9,6 +9,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["crc_runs", "pool_tensor"]
@@ -17,7 +18,7 @@ __all__ = ["crc_runs", "pool_tensor"]
 CRC_BATCH_BYTES = 64 << 20
 
 
-def crc_runs(pool: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int],
+def crc_runs(pool: torch.Tensor, offsets: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray,
              gather: bool | None = None) -> list[int]:
     """CRC32 of each run ``pool[offset : offset + length]`` of the 1-D uint8 tensor ``pool``.
 

@@ -1,10 +1,13 @@
 """Receive side of a DSAConnector worker (D): the transport's one receiver, with the connector's notices.
 
-Mixed into :class:`~.worker.DSAConnectorWorker` (it shares the worker's NIXL agent, lock, regions and
-stats). The receiving itself is :class:`vllm_dsa_connector.transport.receiver.Receiver` (the one tested by
-the transport tests): a ``RecvJob`` arms it with the source ranks expected by this rank (writers), each
-with the NIXL agent its notifications must come from and, when the scheduler gave it a staging slot, the
-runs to scatter (from the peer's plan, built once at the handshake). Every source rank's notification is
+A :class:`ReceiveSide` is owned by :class:`~.worker.DSAConnectorWorker` (composition): the worker hands it
+what it shares (the NIXL engine, the lock every NIXL call holds, the stats, its rank and KV pool regions, the
+records of the engines that write to it) and delegates D's calls to it (:meth:`ReceiveSide.expect`,
+:meth:`ReceiveSide.fail`, :meth:`ReceiveSide.poll`, :meth:`ReceiveSide.take_results`). The receiving itself
+is :class:`vllm_dsa_connector.transport.receiver.Receiver` (the one tested by the transport tests): a
+``RecvJob`` arms it with the source ranks expected by this rank (writers), each with the NIXL agent its
+notifications must come from and, when the scheduler gave it a staging slot, the runs to scatter (from the
+peer's plan, built once at the handshake). Every source rank's notification is
 ``dsa1:<path><rank>:<Notice>`` whatever the path; this module supplies the receiver's hooks: the tag is a
 :class:`~vllm_dsa_connector.handoff.wire.Notice` keyed by D's request id (:meth:`ReceiveSide.split`),
 a malformed notice is ignored, a failed or invalid one (any field out of range, checksum entries that
@@ -20,14 +23,28 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pages import crc_runs
-from vllm_dsa_connector.handoff.wire import NOTICE_PREFIX, Notice, RecvJob, decode_notice, route_of
+from vllm_dsa_connector.handoff.wire import (
+    NOTICE_PREFIX,
+    Notice,
+    RankPayload,
+    RecvJob,
+    decode_notice,
+    route_of,
+)
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
 from vllm_dsa_connector.transport.runs import packed_offsets
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
+    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.transport.engine import NixlEngine, Region
+    from vllm_dsa_connector.transport.staging import StagingArena
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -45,27 +62,74 @@ def recv_poll_period(waited_s: float) -> float:
     return min(_RECV_POLL_MAX_S, max(_RECV_POLL_S, waited_s * _RECV_POLL_GROWTH))
 
 
-class ReceiveSide:
-    """D-side methods of the worker and the hooks of its :class:`Receiver` (``self.receiver``)."""
+class ReportedIds:
+    """Request ids already reported to vLLM (bounded: the oldest are forgotten): nothing is reported twice."""
 
-    _lock: threading.RLock
-    nixl: Any
-    stats: Any
-    table: Any
-    regions: list[Any]
-    sources: dict[str, Any]
-    recv_arena: Any
-    receiver: Receiver
-    _progress_stop: threading.Event
-    _progress_wake: threading.Event
-    _recv_reported: Any
-    _done_recving: set[str]
-    _failed_recving: set[str]
-    _error_blocks: set[int]
+    def __init__(self, cap: int = 65536) -> None:
+        self._ids: dict[str, None] = {}
+        self._cap = cap
+
+    def add(self, req_id: str) -> bool:
+        """Record ``req_id``; False when it was reported before."""
+        if req_id in self._ids:
+            return False
+        self._ids[req_id] = None
+        if len(self._ids) > self._cap:
+            del self._ids[next(iter(self._ids))]
+        return True
+
+
+class SourceRecord(Protocol):
+    """What D knows of an engine that writes to it (the worker's record of that peer start)."""
+
+    @property
+    def payloads(self) -> list[RankPayload]:
+        """The peer's worker payloads (their NIXL agent names)."""
+
+    @property
+    def plan(self) -> PeerPlan | None:
+        """The transfer plan from the peer to this engine (None: the peer was refused)."""
+
+    @property
+    def epoch(self) -> int:
+        """The peer start these payloads belong to."""
+
+
+class ReceiveSide:
+    """D's receiving for one worker rank: arms the transport's :class:`Receiver` (:attr:`receiver`) for each
+    ``RecvJob``, supplies its hooks, progresses it from a thread while receives are expected, and keeps what
+    is to be reported to vLLM (finished and failed loads, blocks of corrupt ones).
+
+    ``nixl`` and ``lock``: the worker's NIXL engine and the lock every NIXL call holds (the progress thread
+    takes it too); ``stats``: the worker's stats; ``rank`` and ``regions``: this rank and its registered KV
+    pools (read when needed: both are known only once the worker registered its caches); ``sources``: the
+    worker's records of the engines that write to it, by engine id (the worker keeps them current).
+    """
+
+    def __init__(self, nixl: NixlEngine, lock: threading.RLock, stats: DSAKVConnectorStats, *,
+                 rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
+                 sources: Mapping[str, SourceRecord]) -> None:
+        self._lock = lock
+        self.stats = stats
+        self._rank = rank
+        self._regions = regions
+        self.sources = sources
+        self.receiver = Receiver(nixl, hooks=self)
+        self.reported = ReportedIds()  # loads reported to vLLM (finished_recving), each once
+        self._done: set[str] = set()  # finished_recving since the last take_results
+        self._failed: set[str] = set()  # failed_recving since the last take_results
+        self._error_blocks: set[int] = set()  # blocks of CORRUPT loads since the last take_error_blocks
+        self._progress_stop = threading.Event()
+        self._progress_wake = threading.Event()
+        self._progress_thread: threading.Thread | None = None
+
+    def attach_arena(self, arena: StagingArena) -> Region:
+        """Register ``arena`` as the staging buffer bounced writes land in (its region goes in the payload)."""
+        return self.receiver.attach(arena)
 
     # ---------------------------------------------------------------- the receiver's hooks
 
-    def split(self, tag: bytes) -> tuple[bytes, Any] | None:
+    def split(self, tag: bytes) -> tuple[bytes, Notice] | None:
         """A notification's tag is an encoded :class:`Notice`: keyed by D's request id."""
         n = decode_notice(NOTICE_PREFIX + tag)
         return (n.req_id.encode(), n) if n is not None else None
@@ -98,10 +162,11 @@ class ReceiveSide:
         if len(n.checks) != n.runs:
             return f"{len(n.checks)} checksum entries for runs {n.runs}"
         total = 0
+        regions = self._regions()
         for i, (pool, off, length, crc) in enumerate(n.checks):
-            size = self.regions[pool].size if 0 <= pool < len(self.regions) else None
+            size = regions[pool].size if 0 <= pool < len(regions) else None
             if size is None:
-                return f"checks[{i}]: pool {pool} not in 0..{len(self.regions) - 1}"
+                return f"checks[{i}]: pool {pool} not in 0..{len(regions) - 1}"
             if off < 0 or length <= 0 or off + length > size:
                 return f"checks[{i}]: [offset {off}, length {length}) outside pool {pool} ({size} B)"
             if not 0 <= crc <= 0xFFFFFFFF:
@@ -118,7 +183,7 @@ class ReceiveSide:
         if remote is None or remote.plan is None:
             return f"no transfer plan for {job.src_engine!r} to check the checksums against"
         try:
-            parts = remote.plan.runs(writer, self.table.rank, job.src_blocks, job.blocks,
+            parts = remote.plan.runs(writer, self._rank(), job.src_blocks, job.blocks,
                                      first_token=job.first_token, num_tokens=job.num_tokens)
         except Exception as e:  # noqa: BLE001 - the load fails, the step goes on
             return f"runs of rank {writer}: {e}"
@@ -137,7 +202,7 @@ class ReceiveSide:
         """Count the bytes; with ``verify`` check every run's CRC32 (``False``: corrupt). :meth:`admit` has
         validated every entry against the pools and the plan."""
         self.stats.add("recv_bytes", n.nbytes)
-        self.stats.add_pair_bytes("recv", n.src_rank, self.table.rank, n.nbytes)
+        self.stats.add_pair_bytes("recv", n.src_rank, self._rank(), n.nbytes)
         self.stats.add("recv_runs", n.runs)
         if not job.verify:
             return True
@@ -145,8 +210,9 @@ class ReceiveSide:
         by_pool: dict[int, list[tuple[int, int, int]]] = {}
         for pool, off, length, crc in n.checks:
             by_pool.setdefault(pool, []).append((off, length, crc))
+        regions = self._regions()
         for pool, runs in by_pool.items():
-            got = crc_runs(self.regions[pool].tensor, [r[0] for r in runs], [r[1] for r in runs])
+            got = crc_runs(regions[pool].tensor, [r[0] for r in runs], [r[1] for r in runs])
             self.stats.add("checksummed_runs", len(runs))
             if any(g != r[2] for g, r in zip(got, runs, strict=True)):
                 ok = False
@@ -190,7 +256,7 @@ class ReceiveSide:
     def _writer(self, job: RecvJob, src_rank: int) -> WriterSpec:
         """What this rank expects from ``src_rank``: its agent, the route D chose for the pair and, for a
         bounce, where each part lies in the slot and where it is scattered to."""
-        me = self.table.rank
+        me = self._rank()
         # "": an unknown engine's (or another start's of it) notices never match
         peer = self._source_agent(job.src_engine, src_rank, job.src_epoch) or ""
         route = route_of(job.routes, me, src_rank)
@@ -198,7 +264,7 @@ class ReceiveSide:
             return WriterSpec(peer=peer, path=route.path if route else "direct")
         where = (int(route.offset), int(route.size))
         remote = self.sources.get(job.src_engine)
-        if remote is None or remote.plan is None or self.recv_arena is None:
+        if remote is None or remote.plan is None or self.receiver.arena is None:
             return WriterSpec(peer=peer, slot=where, path="bounce",
                               error=f"bounced write from rank {src_rank} without a staging arena / peer plan")
         try:
@@ -212,22 +278,56 @@ class ReceiveSide:
             return WriterSpec(peer=peer, slot=where, path="bounce",
                               error=f"bounced write from rank {src_rank}: its parts need {total} B, the slot "
                                     f"holds {where[1]} B")
+        regions = self._regions()
         return WriterSpec(peer=peer, slot=where, path="bounce",
-                          parts=tuple((self.regions[dp].tensor, r, off)
+                          parts=tuple((regions[dp].tensor, r, off)
                                       for (_, dp, _), r, off in zip(parts, merged, offsets, strict=True)))
 
-    def _expect(self, job: RecvJob) -> None:
-        writers = {int(r): self._writer(job, int(r)) for r in job.expected.get(self.table.rank, ())}
+    def expect(self, job: RecvJob) -> None:
+        """Arm the receiver for ``job``: the writers this rank expects, each with its route."""
+        writers = {int(r): self._writer(job, int(r)) for r in job.expected.get(self._rank(), ())}
         key = job.req_id.encode()
         if key in self.receiver.pending:
             logger.warning("DSAConnector: %s expected twice; the first expectation is replaced", job.req_id)
             self.receiver.cancel(key)
         self.receiver.arm(key, writers, timeout_s=job.timeout_s, context=job)
+        if self._progress_thread is None:
+            self._progress_thread = threading.Thread(target=self._receiver_progress, daemon=True,
+                                                     name="dsa-recv-progress")
+            self._progress_thread.start()
+        self._progress_wake.set()
 
-    def _cancel_recv(self, req_id: str) -> None:
+    def fail(self, req_id: str) -> bool:
+        """The scheduler gave the load of ``req_id`` up (``fail_recv``): stop expecting it and report it
+        finished and failed; False when it was reported already (it completed meanwhile)."""
         self.receiver.cancel(req_id.encode())
+        if not self.reported.add(req_id):
+            return False
+        self.stats.add("recv_failed")
+        self._done.add(req_id)
+        self._failed.add(req_id)
+        return True
 
-    def _poll_recvs(self) -> None:
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) since the last call."""
+        out = (self._done, self._failed)
+        self._done, self._failed = set(), set()
+        return out
+
+    def take_error_blocks(self) -> set[int]:
+        """Blocks whose checksum did not match since the last call (each reported once)."""
+        out, self._error_blocks = self._error_blocks, set()
+        return out
+
+    def stop(self) -> None:
+        """Stop the progress thread (the worker closes the NIXL engine after)."""
+        self._progress_stop.set()
+        self._progress_wake.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=2)
+
+    def poll(self) -> None:
+        """Progress the receiver and record the loads that settled (the caller holds the lock)."""
         self.receiver.pump()
         if self.receiver.other:  # notifications not of the transport's format: not ours
             logger.debug("DSAConnector: %d foreign notifications dropped", len(self.receiver.other))
@@ -235,18 +335,18 @@ class ReceiveSide:
         for r in self.receiver.collect():
             job: RecvJob = r.context
             req_id = job.req_id
-            if not self._recv_reported.add(req_id):
+            if not self.reported.add(req_id):
                 continue
-            self._done_recving.add(req_id)
+            self._done.add(req_id)
             if r.state is RecvState.TIMED_OUT:
                 logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",
                              req_id, job.timeout_s, list(r.missing))
                 self.stats.add("recv_timeout")
-                self._failed_recving.add(req_id)
+                self._failed.add(req_id)
             elif r.state is RecvState.FAILED:
                 logger.error("DSAConnector: load of %s failed: %s", req_id, r.reason)
                 self.stats.add("recv_failed")
-                self._failed_recving.add(req_id)
+                self._failed.add(req_id)
             elif r.state is RecvState.CORRUPT:
                 self.stats.add("recv_failed")
                 self._error_blocks.update(job.blocks)

@@ -224,7 +224,7 @@ class DSAConnectorScheduler:
         since = self.consumer.queue(request.request_id, rp)
         peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since,
                                   epoch=rp.remote_epoch)
-        if self.consumer.waits_for(peer, since) and not self.consumer.loads[request.request_id].error:
+        if self.consumer.waits_for(peer, since) and not self.consumer.load_error(request.request_id):
             return None, False
         # P refused a heartbeat for it, or the lease is another start's of P (restarted): the load fails
         self.consumer.epoch_error(request.request_id, rp, peer)
@@ -290,10 +290,10 @@ class DSAConnectorScheduler:
                 self._fail[req_id] = why
                 self._fail_quiet.add(req_id)
             return
-        load = self.consumer.loads.get(req_id)
+        load = self.consumer.load(req_id)
         if load is None:
             return
-        peer = self.consumer.peers.get(load.engine)
+        peer = self.consumer.known_peer(load.engine)
         if num_external_tokens <= 0 or peer is None:
             self.consumer.give_up(req_id, "no external tokens")
             return
@@ -325,7 +325,7 @@ class DSAConnectorScheduler:
         src, dst = list(pairing.src_blocks), list(pairing.dst_blocks)
         routes: Routes = {}
         held: Held = []
-        if peer.meta is not None:
+        if peer.meta is not None and peer.plan is not None:
             try:
                 routes, held = self.routes.plan(peer.plan, peer.meta.payloads, src, dst,
                                               first_token=pairing.first_token, num_tokens=pairing.num_tokens)
@@ -349,7 +349,7 @@ class DSAConnectorScheduler:
         self._unusable.pop(request.request_id, None)  # claimed, never allocated: nothing was loading
         if not params:
             return False, None
-        load = self.consumer.loads.get(request.request_id)
+        load = self.consumer.load(request.request_id)
         if load is not None:
             if load.state is LoadState.QUEUED:
                 self.consumer.give_up(request.request_id, "aborted while queued")
@@ -405,7 +405,7 @@ class DSAConnectorScheduler:
         meta.push.extend(dispatch.push)
         meta.release.extend(dispatch.release)
         if (meta.is_empty() and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-                and (self.producer.pending() or self.consumer.loads)):
+                and (self.producer.pending() or self.consumer.pending())):
             # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests waiting
             # for remote KV); pause, longer while nothing needs the workers (see connector.pacing).
             self.pacer.pause(urgent=self.producer.in_flight() or self.consumer.in_flight())

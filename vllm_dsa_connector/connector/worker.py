@@ -14,7 +14,8 @@ destination rank's post and, inside the transport, before every WRITE (after any
 the request completed, failed or was aborted; a failure notice goes only when no part of that
 destination's post is in flight any more.
 
-D (receiver): :mod:`.receiving` (mixed in; the transport's one :class:`Receiver`).
+D (receiver): :class:`~.receiving.ReceiveSide`, owned by the worker, which hands it its NIXL engine, lock,
+stats, rank, pools and source records and delegates D's calls to it (the transport's one :class:`Receiver`).
 
 Peer restarts: the worker keeps one record per peer engine id, of the start (epoch) its last
 :class:`PeerInfo` named. A PeerInfo of another epoch replaces it (:meth:`DSAConnectorWorker._learn`): the old
@@ -37,7 +38,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
@@ -45,7 +46,7 @@ from vllm.logger import init_logger
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pages import crc_runs, pool_tensor
-from vllm_dsa_connector.connector.receiving import ReceiveSide
+from vllm_dsa_connector.connector.receiving import ReceiveSide, ReportedIds
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_peer
 from vllm_dsa_connector.handoff.wire import (
@@ -53,6 +54,9 @@ from vllm_dsa_connector.handoff.wire import (
     PeerInfo,
     PushJob,
     RankPayload,
+    WireIpcExport,
+    WirePageTable,
+    WireRegion,
     decode_payload,
     encode,
     route_of,
@@ -62,8 +66,13 @@ from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.regions import RegionDesc
 from vllm_dsa_connector.transport.routed import RoutedTransport
+from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
 from vllm_dsa_connector.transport.transports import Post, PostState
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.layout import PageTable
+    from vllm_dsa_connector.transport.engine import Region
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -88,23 +97,6 @@ class _Send:
     failed: bool = False
 
 
-class _Reported:
-    """Request ids already reported to vLLM (bounded): nothing is reported twice."""
-
-    def __init__(self, cap: int = 65536) -> None:
-        self._ids: dict[str, None] = {}
-        self._cap = cap
-
-    def add(self, req_id: str) -> bool:
-        """Record ``req_id``; False when it was reported before."""
-        if req_id in self._ids:
-            return False
-        self._ids[req_id] = None
-        if len(self._ids) > self._cap:
-            del self._ids[next(iter(self._ids))]
-        return True
-
-
 @dataclass
 class _RemoteEngine:
     payloads: list[RankPayload]
@@ -114,8 +106,8 @@ class _RemoteEngine:
     epoch: int = 0  # the start of the peer engine these payloads belong to
 
 
-class DSAConnectorWorker(ReceiveSide):
-    """Connector worker state for one (pp, tp) rank."""
+class DSAConnectorWorker:
+    """Connector worker state for one (pp, tp) rank: P's sends here, D's receiving in :attr:`recv`."""
 
     def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str],
                  role: str = "kv_both") -> None:
@@ -123,14 +115,13 @@ class DSAConnectorWorker(ReceiveSide):
 
         self.engine_id = engine_id
         self.role = role
-        self.recv_arena: Any = None  # staging arena D's senders write bounced bytes into
         self.opts = options
         self.compat = dict(compat)
         self.nixl = NixlEngine(f"dsa-{engine_id}-{uuid.uuid4().hex[:8]}", (options.nixl_backend,),
                                telemetry=True, progress_thread=options.nixl_progress_thread,
                                on_reconnect=self._reconnected)
-        self.table: Any = None
-        self.regions: list[Any] = []
+        self.table: PageTable | None = None
+        self.regions: list[Region] = []
         self.payload: RankPayload | None = None
         self.local: list[RankPayload] = []
         # one record per peer engine and role: an engine of a kv_both pair is both P and D of the same peer
@@ -139,23 +130,28 @@ class DSAConnectorWorker(ReceiveSide):
         self._retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self.stats = DSAKVConnectorStats()
         self.transport = RoutedTransport(self.nixl, options.transfer_timeout_s)  # replaced at register
-        self.receiver = Receiver(self.nixl, hooks=self)  # the transport's one receiver (D)
         self._sends: dict[str, _Send] = {}
         self._done_sending: set[str] = set()
-        self._sent_reported = _Reported()
-        self._recv_reported = _Reported()
-        self._done_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-        self._error_blocks: set[int] = set()
+        self._sent_reported = ReportedIds()
         # NIXL agents are not thread-safe: every NIXL call below holds this lock.
         self._lock = threading.RLock()
-        self._progress_stop = threading.Event()
-        self._progress_wake = threading.Event()
-        self._progress_thread: threading.Thread | None = None
+        self.recv = ReceiveSide(self.nixl, self._lock, self.stats, rank=lambda: self.rank,
+                                regions=lambda: self.regions, sources=self.sources)
+
+    @property
+    def rank(self) -> int:
+        """This worker's global rank (its page table's)."""
+        assert self.table is not None, "register_kv_caches first"
+        return self.table.rank
+
+    @property
+    def receiver(self) -> Receiver:
+        """The transport's one receiver of this worker (D), which :attr:`recv` arms."""
+        return self.recv.receiver
 
     # ---------------------------------------------------------------- set-up
 
-    def register(self, kv_caches: dict[str, torch.Tensor], table: Any) -> RankPayload:
+    def register(self, kv_caches: dict[str, torch.Tensor], table: PageTable) -> RankPayload:
         """Register every pool of ``table`` (views into ``kv_caches``) and build the handshake payload: with
         bouncing allowed a send staging arena (P) and a receive one (D, whose slots D's scheduler hands out);
         on CUDA this rank's GPU, the GPUs its kernels reach and (D, ``ipc_mode`` auto) its pools' CUDA IPC
@@ -163,24 +159,24 @@ class DSAConnectorWorker(ReceiveSide):
         self.table = table
         self.regions = [self.nixl.register(pool_tensor(kv_caches, p.base_ptr, p.nbytes)) for p in table.pools]
         staging = None
-        send_arena = None
+        send_arena = recv_arena = None
         settings = self.opts.bounce
         device = self.regions[0].tensor.device if self.regions else torch.device("cpu")
         if settings is not None and settings.mode != "never":
             if self.role in ("kv_producer", "kv_both"):
                 send_arena = StagingArena(settings.arena_bytes, device=device)
             if self.role in ("kv_consumer", "kv_both"):
-                self.recv_arena = StagingArena(settings.arena_bytes, device=device)
-                staging = self.receiver.attach(self.recv_arena).desc().to_dict()
+                recv_arena = StagingArena(settings.arena_bytes, device=device)
+                staging = WireRegion.of(self.recv.attach_arena(recv_arena).desc().to_dict())
         self.transport = RoutedTransport(self.nixl, self.opts.transfer_timeout_s, arena=send_arena,
                                          reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
         gpu, reach, ipc = self._cuda_identity(device)
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
-            self._prefault([r.tensor for r in self.regions] + ([self.recv_arena.buffer] if self.recv_arena else []))
+            self._prefault([r.tensor for r in self.regions] + ([recv_arena.buffer] if recv_arena else []))
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
-            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=table.to_dict(),
-            regions=[r.desc().to_dict() for r in self.regions], compat=self.compat, staging=staging,
+            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=WirePageTable.of(table.to_dict()),
+            regions=[WireRegion.of(r.desc().to_dict()) for r in self.regions], compat=self.compat, staging=staging,
             host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
         logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s%s",
                     self.engine_id, table.rank, len(self.regions), table.bytes_per_block,
@@ -188,7 +184,7 @@ class DSAConnectorWorker(ReceiveSide):
                     ", pools exported for CUDA IPC" if ipc else "")
         return self.payload
 
-    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[dict[str, Any]] | None]:
+    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[WireIpcExport] | None]:
         """(GPU UUID, UUIDs of the GPUs this rank's kernels can write, the pools' CUDA IPC exports or None)
         for CUDA pools; CPU pools have none of them. The exports are D's (a consumer's) and follow ``ipc_mode``."""
         if device.type != "cuda":
@@ -201,7 +197,7 @@ class DSAConnectorWorker(ReceiveSide):
         ipc = None
         if self.opts.ipc_mode != "never" and self.role in ("kv_consumer", "kv_both"):
             try:
-                ipc = [export_region(r.tensor).to_dict() for r in self.regions]
+                ipc = [WireIpcExport.of(export_region(r.tensor).to_dict()) for r in self.regions]
             except Exception as e:  # noqa: BLE001 - no ipc path then: NIXL carries every pair
                 logger.warning("DSAConnector %s: cannot export the KV pools for CUDA IPC (%s); peers on this host "
                                "use NIXL", self.engine_id, e)
@@ -301,12 +297,6 @@ class DSAConnectorWorker(ReceiveSide):
         """Apply the scheduler's step metadata: learn peers, post WRITEs, arm receive expectations."""
         with self._lock:
             self._start_load_kv(meta)
-        if meta.recv:
-            if self._progress_thread is None:
-                self._progress_thread = threading.Thread(target=self._receiver_progress, daemon=True,
-                                                         name="dsa-recv-progress")
-                self._progress_thread.start()
-            self._progress_wake.set()
 
     def _start_load_kv(self, meta: DSAConnectorMetadata) -> None:
         if meta.local is not None:
@@ -322,17 +312,13 @@ class DSAConnectorWorker(ReceiveSide):
         if meta.push:
             self._progress_sends()
         for recv in meta.recv:
-            self._expect(recv)
+            self.recv.expect(recv)
         for req_id, reason in meta.fail_recv.items():
-            self._cancel_recv(req_id)
-            if not self._recv_reported.add(req_id):
+            if not self.recv.fail(req_id):
                 continue  # it completed meanwhile: already reported
             # unusable kv_transfer_params: the scheduler logged what it got once per peer, not here per request
             log = logger.debug if req_id in meta.fail_quiet else logger.error
             log("DSAConnector: load of %s failed: %s", req_id, reason)
-            self.stats.add("recv_failed")
-            self._done_recving.add(req_id)
-            self._failed_recving.add(req_id)
         for req_id in meta.release:
             if req_id not in self._sends and self._sent_reported.add(req_id):
                 self.stats.add("send_expired")
@@ -389,10 +375,11 @@ class DSAConnectorWorker(ReceiveSide):
                 send.failed = True
                 self._notify_failure(agent, job.dst_req_id, str(e))
 
-    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str, parts: list[Any]) -> None:
+    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str,
+               parts: list[tuple[int, int, Runs]]) -> None:
         """Post one writer's parts (one per (source pool, destination pool)) along the route D chose for the
         pair (direct when it named none); D gets the notice either way."""
-        me = self.table.rank
+        me = self.rank
         checks: list[tuple[int, int, int, int]] = []
         nbytes = sum(r.total_bytes for _, _, r in parts)
         nruns = sum(r.num_runs for _, _, r in parts)
@@ -406,10 +393,10 @@ class DSAConnectorWorker(ReceiveSide):
         path = route.path if route is not None else "direct"
         slot = None
         if path == "bounce" and route is not None and dst.staging is not None:
-            slot = StagingSlot(RegionDesc.from_dict(dst.staging), int(route.offset), int(route.size))
+            slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
         if path == "ipc":
             self._map(agent, dst)
-        post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts],
+        post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts],
                                    writer=me, tag=encode(notice), path=path, slot=slot,
                                    pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
         if post.state is not PostState.FAILED:
@@ -426,7 +413,7 @@ class DSAConnectorWorker(ReceiveSide):
         if self.transport.mapped(agent) or not dst.ipc:
             return
         try:
-            self.transport.map_peer(agent, dst.ipc, self.regions[0].tensor.device)
+            self.transport.map_peer(agent, [e.to_dict() for e in dst.ipc], self.regions[0].tensor.device)
             logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
                         len(dst.ipc), dst.engine_id, dst.rank)
         except Exception as e:  # noqa: BLE001 - the post fails with this reason
@@ -443,8 +430,7 @@ class DSAConnectorWorker(ReceiveSide):
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
         try:
-            self.transport.notify(agent, self.table.rank, encode(Notice(d_req, self.table.rank, False,
-                                                                        error=error[:500])))
+            self.transport.notify(agent, self.rank, encode(Notice(d_req, self.rank, False, error=error[:500])))
         except Exception as e:  # noqa: BLE001 - D times out instead
             logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
 
@@ -452,9 +438,10 @@ class DSAConnectorWorker(ReceiveSide):
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         with self._lock:
             self._poll_sends()
-            self._poll_recvs()
-        out = (self._done_sending, self._done_recving, self._failed_recving)
-        self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
+            self.recv.poll()
+        done_recving, failed_recving = self.recv.take_results()
+        out = (self._done_sending, done_recving, failed_recving)
+        self._done_sending = set()
         return out
 
     def _poll_sends(self) -> None:
@@ -480,8 +467,7 @@ class DSAConnectorWorker(ReceiveSide):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose checksum did not match (reported once)."""
-        out, self._error_blocks = self._error_blocks, set()
-        return out
+        return self.recv.take_error_blocks()
 
     def get_stats(self) -> DSAKVConnectorStats | None:
         """Stats since the last call, or None when nothing happened."""
@@ -489,9 +475,6 @@ class DSAConnectorWorker(ReceiveSide):
 
     def shutdown(self) -> None:
         """Stop the receiver thread, release NIXL resources."""
-        self._progress_stop.set()
-        self._progress_wake.set()
-        if self._progress_thread is not None:
-            self._progress_thread.join(timeout=2)
+        self.recv.stop()
         with self._lock:
             self.nixl.close()

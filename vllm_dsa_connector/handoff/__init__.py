@@ -17,7 +17,7 @@ Reading order:
   compatibility check that builds the transfer plan (``validate_peer``).
 - :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and :mod:`.consumer` (D: loads,
   :class:`~.consumer.LoadState`): one state enum each, one method where transitions happen, the clock
-  injected.
+  injected; :mod:`.states` checks every transition against the role's table.
 - :mod:`.settings`: the plain values both roles run on (an adapter maps its options onto them).
 
 Logging uses ``logging.getLogger(__name__)``; the vLLM adapter routes the package logger to vLLM's

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -73,7 +73,7 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     new_epoch,
 )
-from vllm_dsa_connector.handoff.producer import IllegalTransition
+from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import (
     HandshakeError,
@@ -82,6 +82,7 @@ from vllm_dsa_connector.handoff.side_channel import (
     fetch_payloads,
     validate_peer,
 )
+from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import (
     TRANSFER_MODE,
     RankPayload,
@@ -91,10 +92,13 @@ from vllm_dsa_connector.handoff.wire import (
     max_block_id,
 )
 
+if TYPE_CHECKING:
+    from vllm_dsa_connector.matching import PeerPlan
+
 logger = logging.getLogger(__name__)
 
 #: ``check(src_payloads, dst_payloads) -> plan``: refuses an incompatible peer, plans the transfer
-PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], Any]
+PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], "PeerPlan"]
 
 SAFETY_MARGIN_S = 1.0
 # A request inside its transfer budget tries an unanswered handshake again this soon (one attempt in flight per
@@ -156,7 +160,7 @@ class LoadState(Enum):
     FAILED = "failed"
 
 
-#: Every legal load transition; anything else is a bug and raises :class:`IllegalTransition`.
+#: Every legal load transition; anything else is a bug and raises :class:`~.states.IllegalTransition`.
 TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     LoadState.QUEUED: frozenset({LoadState.REGISTERING}),
     LoadState.REGISTERING: frozenset({LoadState.REGISTERED, LoadState.GIVING_UP, LoadState.FAILED}),
@@ -164,6 +168,7 @@ TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
     LoadState.GIVING_UP: frozenset({LoadState.FAILED}),
     LoadState.FAILED: frozenset(),
 }
+_LOADS = Transitions("load", TRANSITIONS)
 
 
 @dataclass
@@ -174,7 +179,7 @@ class Peer:
     port: int
     future: Future | None = None
     meta: PeerMeta | None = None
-    plan: Any = None
+    plan: PeerPlan | None = None  # the transfer plan the handshake built (validate_peer)
     payloads: list[bytes] = field(default_factory=list)
     expected: dict[int, list[int]] = field(default_factory=dict)
     max_block: int = 0
@@ -207,19 +212,16 @@ class Loading:
     reg: Future | None = None
     reg_body: RegReq | None = None
     cancel: Future | None = None
-    slots: list[tuple[int, Any]] = field(default_factory=list)
+    slots: Held = field(default_factory=list)  # staging slots its routes hold (RoutePlanner.free)
     req_id: str = ""
     queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
     error: str = ""  # QUEUED: P refused a heartbeat for it, or restarted (its lease is not kept); the load fails
     epoch: int = 0  # the P start holding the lease (the params' remote_epoch, else the handshake's when queued)
 
     def to(self, new: LoadState) -> None:
-        """The one place a load changes state."""
-        if new not in TRANSITIONS[self.state]:
-            allowed = ", ".join(s.value for s in TRANSITIONS[self.state]) or "none"
-            raise IllegalTransition(f"load of {self.req_id}: {self.state.value} -> {new.value} is not a "
-                                    f"transition (from {self.state.value}: {allowed})")
-        self.state = new
+        """The one place a load changes state (:class:`~.states.IllegalTransition` if ``new`` is not
+        allowed)."""
+        self.state = _LOADS.step(self.req_id, self.state, new)
 
 
 class Consumer:
@@ -257,7 +259,7 @@ class Consumer:
             fut.add_done_callback(lambda _f: on_reply())
         return fut
 
-    def _handshake(self, peer: Peer) -> tuple[PeerMeta, Any]:
+    def _handshake(self, peer: Peer) -> tuple[PeerMeta, PeerPlan]:
         meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth, self.origin)
         return meta, self.check_peer(meta.payloads, self._local())
 
@@ -407,7 +409,7 @@ class Consumer:
 
     def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
                  src_blocks: list[int], dst_blocks: list[int], routes: Routes,
-                 held_slots: list[tuple[int, Any]]) -> RecvJob:
+                 held_slots: Held) -> RecvJob:
         """Blocks are allocated and paired (``matching.BlockPairing``: tokens ``[first_token, +num_tokens)``
         in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
         workers."""
@@ -498,6 +500,23 @@ class Consumer:
     def giving_up(self) -> bool:
         """Whether a given-up load still waits for its workers to hand its blocks back."""
         return any(load.state in (LoadState.GIVING_UP, LoadState.FAILED) for load in list(self.loads.values()))
+
+    def pending(self) -> bool:
+        """Whether any load is tracked (queued, registering, registered or given up)."""
+        return bool(self.loads)
+
+    def load(self, req_id: str) -> Loading | None:
+        """The load of D request ``req_id`` (None: it does not load from P, or it finished)."""
+        return self.loads.get(req_id)
+
+    def load_error(self, req_id: str) -> str:
+        """Why the load of ``req_id`` fails at allocation (a refused heartbeat, P restarted), or ``""``."""
+        load = self.loads.get(req_id)
+        return load.error if load is not None else ""
+
+    def known_peer(self, engine: str) -> Peer | None:
+        """P ``engine``'s record as it stands, without starting or redoing its handshake (:meth:`peer` does)."""
+        return self.peers.get(engine)
 
     def finished(self, req_id: str) -> Loading | None:
         """The workers reported the request (loaded or failed): forget it."""

@@ -2,7 +2,7 @@
 
 One :class:`Lease` per finished prefill whose KV D will take, with an explicit :class:`LeaseState`;
 every state change goes through :meth:`Lease.to`, which refuses a transition not in :data:`TRANSITIONS`
-(naming the request, both states and the allowed ones). All calls hold one lock: the side-channel thread
+(:class:`~.states.IllegalTransition` naming the request, both states and the allowed ones). All calls hold one lock: the side-channel thread
 and the engine's scheduler thread both call in.
 
     HELD --reg--> REGISTERED --step--> DISPATCHED --workers' finished_sending--> (gone)
@@ -69,6 +69,7 @@ from vllm_dsa_connector.handoff.messages import (
     Request,
 )
 from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload, max_block_id
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class LeaseState(Enum):
     RELEASED = "released"  # the workers free the blocks (no WRITE was or will be posted)
 
 
-#: Every legal lease transition; anything else is a bug and raises :class:`IllegalTransition`.
+#: Every legal lease transition; anything else is a bug and raises :class:`~.states.IllegalTransition`.
 TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.HELD: frozenset({LeaseState.REGISTERED, LeaseState.CANCELLED, LeaseState.RELEASED}),
     LeaseState.REGISTERED: frozenset({LeaseState.DISPATCHED, LeaseState.CANCELLED, LeaseState.RELEASED}),
@@ -94,10 +95,7 @@ TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.DISPATCHED: frozenset(),
     LeaseState.RELEASED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A request's state machine was asked for a transition it does not have (a bug, never peer input)."""
+_LEASES = Transitions("lease", TRANSITIONS)
 
 
 @dataclass
@@ -113,12 +111,9 @@ class Lease:
     reg_epoch: int = 0  # the epoch of the D engine start that sent ``reg``
 
     def to(self, new: LeaseState) -> None:
-        """The one place a lease changes state."""
-        if new not in TRANSITIONS[self.state]:
-            allowed = ", ".join(s.value for s in TRANSITIONS[self.state]) or "none"
-            raise IllegalTransition(f"lease of {self.req_id}: {self.state.value} -> {new.value} is not a "
-                                    f"transition (from {self.state.value}: {allowed})")
-        self.state = new
+        """The one place a lease changes state (:class:`~.states.IllegalTransition` if ``new`` is not
+        allowed)."""
+        self.state = _LEASES.step(self.req_id, self.state, new)
 
 
 @dataclass
@@ -345,8 +340,8 @@ class Producer:
             raise MessageError(str(e)) from None
         if not payloads or any(p.engine_id != d_engine for p in payloads):
             raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
-        return DPeer(epoch, list(encoded), max_block_id(payloads), int(payloads[0].page_table.get("block_size", 0) or 0),
-                     {p.rank: int((p.staging or {}).get("size", 0)) for p in payloads},
+        return DPeer(epoch, list(encoded), max_block_id(payloads), payloads[0].page_table.block_size,
+                     {p.rank: p.staging.size if p.staging else 0 for p in payloads},
                      frozenset(p.rank for p in payloads if p.ipc))
 
     def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:

@@ -21,11 +21,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_dsa_connector.handoff.wire import RankPayload, Route, Routes
 from vllm_dsa_connector.transport.runs import packed_offsets
 from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.transport.gate import BounceGate
+    from vllm_dsa_connector.transport.gate_options import BounceSettings
 
 #: (destination rank, reservation) pairs a request holds until its transfer is over
 Held = list[tuple[int, Reservation]]
@@ -37,8 +42,9 @@ def ipc_reachable(src: RankPayload, dst: RankPayload) -> bool:
     return bool(dst.ipc) and bool(src.host) and src.host == dst.host and bool(dst.gpu) and dst.gpu in src.reach
 
 
-def plan_routes(plan: Any, src: Sequence[RankPayload], dst: Sequence[RankPayload], src_blocks: Sequence[int],
-                dst_blocks: Sequence[int], gate: Any, arenas: dict[int, SlotAllocator], *, first_token: int = 0,
+def plan_routes(plan: PeerPlan, src: Sequence[RankPayload], dst: Sequence[RankPayload], src_blocks: Sequence[int],
+                dst_blocks: Sequence[int], gate: BounceGate | None, arenas: dict[int, SlotAllocator], *,
+                first_token: int = 0,
                 num_tokens: int | None = None, ipc: bool = True) -> tuple[Routes, Held]:
     """The routes of one request: per (destination rank, source rank) pair with bytes to move.
 
@@ -81,11 +87,12 @@ class RoutePlanner:
     ``ipc``: whether the ipc path may be chosen (``ipc_mode``).
     """
 
-    def __init__(self, bounce: Any, local: Callable[[], list[RankPayload]], *, ipc: bool = True) -> None:
+    def __init__(self, bounce: BounceSettings | None, local: Callable[[], list[RankPayload]], *,
+                 ipc: bool = True) -> None:
         self.bounce = bounce
         self.ipc = ipc
         self._local = local
-        self._gate: Any = None
+        self._gate: BounceGate | None = None  # built with the arenas, on first use
         self._arenas: dict[int, SlotAllocator] | None = None
         # (safe from, tie-break, rank, reservation): quarantined slots, at most one per live slot of an arena
         self._quarantine: list[tuple[float, int, int, Reservation]] = []
@@ -100,12 +107,12 @@ class RoutePlanner:
             from vllm_dsa_connector.transport.gate import BounceGate
 
             local = self._local()
-            device = local[0].page_table["pools"][0].get("device", "cpu") if local else "cpu"
+            device = local[0].page_table.pools[0].device if local else "cpu"
             self._gate = BounceGate(self.bounce, device=device)
-            self._arenas = {p.rank: SlotAllocator(int(p.staging["size"])) for p in local if p.staging}
+            self._arenas = {p.rank: SlotAllocator(p.staging.size) for p in local if p.staging}
         return bool(self._arenas)
 
-    def plan(self, plan: Any, src: Sequence[RankPayload], src_blocks: Sequence[int],
+    def plan(self, plan: PeerPlan, src: Sequence[RankPayload], src_blocks: Sequence[int],
              dst_blocks: Sequence[int], *, first_token: int = 0,
              num_tokens: int | None = None) -> tuple[Routes, Held]:
         """The routes of one request from the peer ``src`` (none: every pair direct)."""

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -56,6 +56,9 @@ from vllm_dsa_connector.handoff.messages import (
     decode_request,
 )
 from vllm_dsa_connector.handoff.wire import MAX_ERROR_CHARS, RankPayload, decode_payload
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.matching import PeerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +263,7 @@ def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator |
     return PeerMeta(reply.engine_id, payloads, reply.write_timeout_s, clock, sender.epoch)
 
 
-def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any:
+def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> PeerPlan:
     """Refuse corrupting mismatches (naming them) and return the :class:`~vllm_dsa_connector.matching.PeerPlan`
     ``src -> dst`` (both sides' page tables, decoded once here, and the transfer plan).
 
@@ -282,8 +285,8 @@ def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Any
             "and dtypes)"
         )
     try:
-        src_tables = [PageTable.from_dict(p.page_table) for p in src]
-        dst_tables = [PageTable.from_dict(p.page_table) for p in dst]
+        src_tables = [PageTable.from_dict(p.page_table.to_dict()) for p in src]
+        dst_tables = [PageTable.from_dict(p.page_table.to_dict()) for p in dst]
     except ValueError as e:
         raise HandshakeError(f"DSAConnector handshake: {e}") from None
     try:

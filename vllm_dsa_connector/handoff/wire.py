@@ -1,13 +1,19 @@
 """What travels: handshake payloads, the jobs a scheduler hands its workers, completion notices.
 
 msgspec structs (compact, typed, versioned), shared by both roles and free of any serving engine. Every
-list, dict, string and bytes field is bounded (``msgspec.Meta``): peer input over a bound is refused while
-it is decoded, before it costs memory (the nested plain data of a page table or region is bounded by the
-size of the payload bytes that carry it):
+list, dict, string and bytes field is bounded (``msgspec.Meta``), the page table, regions and CUDA IPC
+exports of a payload included: peer input over a bound, or of another shape, is refused while it is
+decoded, before it costs memory:
 
 - :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
-  which serves them on the side channel (:mod:`.side_channel`).
+  which serves them on the side channel (:mod:`.side_channel`). Its page table (:class:`WirePageTable`),
+  regions and staging arena (:class:`WireRegion`) and CUDA IPC exports (:class:`WireIpcExport`) are the
+  wire forms of ``layout.PageTable.to_dict()``, ``transport.RegionDesc.to_dict()`` and
+  ``transport.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
+  those dicts (the protocol is unchanged). :meth:`WireStruct.of` builds one from such a dict,
+  :meth:`WireStruct.to_dict` gives the dict back to the layout's and the transport's ``from_dict``, which
+  check the values (enum names, handles).
 - :class:`PeerInfo`, :class:`PushJob` (producer), :class:`RecvJob` (consumer): what a scheduler tells its
   workers (the vLLM adapter carries them in its ``KVConnectorMetadata``).
 - :class:`Notice`: the NIXL notification a sender attaches to its WRITE (or sends alone on failure).
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -52,7 +58,7 @@ MAX_PAYLOAD_BYTES = 4 << 20
 MAX_WORKERS = 1024
 MAX_ID_CHARS = 512
 MAX_ERROR_CHARS = 4096
-#: Most entries of a plain-data map or list in a handshake payload (page table keys, regions, compat facts)
+#: Most entries of a list or map in a handshake payload (a page table's pools, views, layers; regions, compat facts)
 MAX_ENTRIES = 4096
 #: Most blocks (or checksum runs) one job or notice names
 MAX_BLOCKS = 1 << 20
@@ -63,8 +69,119 @@ Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds fit an int64
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORKERS)]
 _Str = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
-_Map = Annotated[dict[_Str, Any], msgspec.Meta(max_length=MAX_ENTRIES)]
 _Blocks = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
+_Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_ENTRIES)]  # layer ids of a page table
+#: An enum value or memory kind of the layout or transport (checked by their ``from_dict``)
+_Name = Annotated[str, msgspec.Meta(max_length=64)]
+#: A CUDA IPC handle, hex-encoded (``IpcDesc.to_dict``)
+_Hex = Annotated[str, msgspec.Meta(max_length=1024)]
+
+W = TypeVar("W", bound="WireStruct")
+
+
+class WireStruct(msgspec.Struct, frozen=True):
+    """The wire form of a plain ``to_dict()`` of the layout or transport: bounded, typed fields."""
+
+    @classmethod
+    def of(cls: type[W], plain: dict[str, Any]) -> W:
+        """``plain`` (a ``to_dict()``) as this struct; ``ValueError`` naming the field that does not fit."""
+        try:
+            return msgspec.convert(plain, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{cls.__name__}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain dict again (what the layout's or transport's ``from_dict`` takes)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class WirePool(WireStruct, frozen=True):
+    """``layout.Pool``: block ``b`` of an entry is at ``base_ptr + offset + b * block_stride``."""
+
+    base_ptr: int
+    nbytes: int
+    block_stride: int
+    num_blocks: int
+    device: _Name = "cpu"
+
+
+class WireLayer(WireStruct, frozen=True):
+    """``layout.LayerEntry``: one layer's page in a pool."""
+
+    global_layer: int
+    name: _Str
+    offset: int
+    nbytes: int
+    row: int
+
+
+class WireView(WireStruct, frozen=True):
+    """``layout.PoolView``: one role's pages, in one pool."""
+
+    role: _Name
+    mapper: _Name
+    pool: int
+    entries: Annotated[list[WireLayer], msgspec.Meta(max_length=MAX_ENTRIES)]
+    bytes_per_token: int
+    page_format: _Name = "token_rows"
+
+
+class WireModel(WireStruct, frozen=True):
+    """``layout.ModelId``: what must be identical between peers."""
+
+    architecture: _Str
+    num_hidden_layers: int
+    num_mtp_layers: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    index_topk_freq: int
+    index_skip_topk_offset: int
+    index_topk_pattern: _Str | None
+    owning_layers: _Ints
+
+
+class WirePageTable(WireStruct, frozen=True):
+    """``layout.PageTable``: one worker's KV cache (``layout.PageTable.from_dict(t.to_dict())`` reads it)."""
+
+    rank: int
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    block_size: int
+    kv_cache_dtype: _Name
+    model: WireModel
+    layers: _Ints
+    pools: Annotated[list[WirePool], msgspec.Meta(max_length=MAX_ENTRIES)]
+    views: Annotated[list[WireView], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+
+
+class WireRegion(WireStruct, frozen=True):
+    """``transport.RegionDesc``: a registered region as a peer sees it."""
+
+    agent: Id
+    addr: int
+    size: int
+    mem: _Name  # "DRAM" | "VRAM"
+    dev: int = 0
+
+
+class WireIpcExport(WireStruct, frozen=True):
+    """``transport.ipc.IpcDesc``: one pool exported through CUDA IPC (handles hex-encoded)."""
+
+    host: Id
+    uuid: Id
+    size: int
+    offset: int
+    handle: _Hex
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: _Hex
+    ref_counter_offset: int
+    event_handle: _Hex
+    event_sync_required: bool
 
 
 class RankPayload(msgspec.Struct, frozen=True):
@@ -76,16 +193,16 @@ class RankPayload(msgspec.Struct, frozen=True):
     tp_rank: int
     agent_name: Id
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
-    page_table: _Map
-    regions: Annotated[list[_Map], msgspec.Meta(max_length=MAX_ENTRIES)]  # RegionDesc.to_dict() per pool
+    page_table: WirePageTable
+    regions: Annotated[list[WireRegion], msgspec.Meta(max_length=MAX_ENTRIES)]  # one per pool, in pool order
     compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
-    staging: _Map | None = None  # receive staging arena (RegionDesc dict) for bounced writes
+    staging: WireRegion | None = None  # receive staging arena for bounced writes
     protocol: int = PROTOCOL_VERSION
     host: Id = ""  # this machine (``transport.ipc.host_id``): same host is the first condition of the ipc path
     gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)
     reach: Annotated[list[Id], msgspec.Meta(max_length=MAX_WORKERS)] = []  # GPU UUIDs this rank's kernels can write
-    # CUDA IPC export of each pool (``IpcDesc.to_dict()``), in pool order; None: this rank offers no ipc path
-    ipc: Annotated[list[_Map], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
+    # CUDA IPC export of each pool, in pool order; None: this rank offers no ipc path
+    ipc: Annotated[list[WireIpcExport], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -187,6 +304,16 @@ NOTICE_PREFIX = b"DSA1:"
 
 _enc = msgspec.msgpack.Encoder()
 _dec_payload = msgspec.msgpack.Decoder(RankPayload)
+
+
+class _Versioned(msgspec.Struct):
+    """Only the protocol of a payload: read first, so a peer of another protocol is named as such, whatever
+    shape its payload has."""
+
+    protocol: int = PROTOCOL_VERSION
+
+
+_dec_version = msgspec.msgpack.Decoder(_Versioned)
 _dec_notice = msgspec.msgpack.Decoder(Notice)
 
 
@@ -198,14 +325,12 @@ def encode(obj: Any) -> bytes:
 def decode_payload(data: bytes) -> RankPayload:
     """Decode a :class:`RankPayload`; ``ValueError`` naming the problem on bad input."""
     try:
-        p = _dec_payload.decode(data)
+        version = _dec_version.decode(data).protocol
+        if version != PROTOCOL_VERSION:
+            raise ValueError(f"DSAConnector protocol mismatch: peer speaks {version}, this side {PROTOCOL_VERSION}")
+        return _dec_payload.decode(data)
     except msgspec.DecodeError as e:
         raise ValueError(f"malformed DSAConnector handshake payload: {e}") from None
-    if p.protocol != PROTOCOL_VERSION:
-        raise ValueError(
-            f"DSAConnector protocol mismatch: peer speaks {p.protocol}, this side {PROTOCOL_VERSION}"
-        )
-    return p
 
 
 def encode_notice(n: Notice) -> bytes:
@@ -225,4 +350,4 @@ def decode_notice(data: bytes) -> Notice | None:
 
 def max_block_id(payloads: Sequence[RankPayload]) -> int:
     """Blocks ``0 .. n-1`` exist in every pool of every worker of an engine; returns ``n``."""
-    return min((int(p["num_blocks"]) for pl in payloads for p in pl.page_table.get("pools", [])), default=0)
+    return min((p.num_blocks for pl in payloads for p in pl.page_table.pools), default=0)

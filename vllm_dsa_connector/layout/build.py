@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +62,19 @@ def role_of(name: str, spec: Any) -> tuple[Role, MapperKind, PageFormat]:
     return Role.KV, MapperKind.INDEXED, PageFormat.TOKEN_ROWS
 
 
+class _PlacedLayer(NamedTuple):
+    """Where one KV cache layer's page sits, as both builders find it (the input of :func:`_assemble`)."""
+
+    name: str  # vLLM's layer name
+    role: Role
+    mapper: MapperKind
+    page_format: PageFormat
+    layer: int  # global layer id
+    pool: int  # index into the table's pools
+    offset: int  # bytes from the pool's base to this layer's page in block 0
+    page_bytes: int  # bytes of one block's page of this layer
+
+
 def _layer_specs(kv_cache_config: Any) -> tuple[dict[str, Any], int]:
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
@@ -80,7 +93,7 @@ def _layer_specs(kv_cache_config: Any) -> tuple[dict[str, Any], int]:
 
 def _assemble(
     hf_config: Any,
-    placed: list[tuple[str, Role, MapperKind, PageFormat, int, int, int, int]],
+    placed: list[_PlacedLayer],
     pools: list[Pool],
     *,
     block_size: int,
@@ -91,10 +104,10 @@ def _assemble(
     tp_rank: int,
     tp_size: int,
 ) -> PageTable:
-    """Common tail of both builders. ``placed``: (name, role, mapper, fmt, layer, pool, offset, page)."""
+    """Common tail of both builders: one view per role over the ``placed`` layers."""
     owners = owning_layers(hf_config)
-    layers = tuple(sorted({p[4] for p in placed if p[1] != Role.INDEXER_K}))
-    idx_layers = {p[4] for p in placed if p[1] == Role.INDEXER_K}
+    layers = tuple(sorted({p.layer for p in placed if p.role != Role.INDEXER_K}))
+    idx_layers = {p.layer for p in placed if p.role == Role.INDEXER_K}
     expected = set(layers) & set(owners)
     if is_dsa(hf_config) and idx_layers != expected:
         raise LayoutError(
@@ -108,11 +121,11 @@ def _assemble(
     }
     views = []
     for role in (Role.MLA, Role.INDEXER_K, Role.KV):
-        mine = sorted((p for p in placed if p[1] == role), key=lambda p: p[4])
+        mine = sorted((p for p in placed if p.role == role), key=lambda p: p.layer)
         if not mine:
             continue  # e.g. a fully masked stage: no indexer view at all
-        pool_ids = {p[5] for p in mine}
-        pages = {p[7] for p in mine}
+        pool_ids = {p.pool for p in mine}
+        pages = {p.page_bytes for p in mine}
         if len(pool_ids) != 1 or len(pages) != 1:
             raise LayoutError(
                 f"{role.value} layers span pools {sorted(pool_ids)} with page sizes {sorted(pages)}; "
@@ -122,17 +135,18 @@ def _assemble(
         if page % block_size:
             raise LayoutError(f"{role.value} page of {page} B is not a multiple of block {block_size}")
         entries = tuple(
-            LayerEntry(global_layer=p[4], name=p[0], offset=p[6], nbytes=p[7], row=rows_by_role[role][p[4]])
+            LayerEntry(global_layer=p.layer, name=p.name, offset=p.offset, nbytes=p.page_bytes,
+                       row=rows_by_role[role][p.layer])
             for p in mine
         )
         views.append(
             PoolView(
                 role=role,
-                mapper=mine[0][2],
+                mapper=mine[0].mapper,
                 pool=pool_ids.pop(),
                 entries=entries,
                 bytes_per_token=page // block_size,
-                page_format=mine[0][3],
+                page_format=mine[0].page_format,
             )
         )
     return PageTable(
@@ -166,7 +180,7 @@ def build_from_kv_caches(
     specs, block_size = _layer_specs(kv_cache_config)
     pool_index: dict[tuple[int, int], int] = {}
     pools: list[Pool] = []
-    placed = []
+    placed: list[_PlacedLayer] = []
     for name in sorted(kv_caches):
         if name not in specs:
             continue  # e.g. cross-group aliases vLLM adds; we only describe spec'd layers
@@ -189,7 +203,8 @@ def build_from_kv_caches(
             )
         role, mapper, fmt = role_of(name, specs[name])
         page = t[0].numel() * esize
-        placed.append((name, role, mapper, fmt, layer_of(name), pool_index[key], t.data_ptr() - key[0], page))
+        placed.append(_PlacedLayer(name, role, mapper, fmt, layer_of(name), pool_index[key],
+                                   t.data_ptr() - key[0], page))
     if not placed:
         raise LayoutError("no KV cache layers to describe (kv_caches and kv_cache_config share no names)")
     return _assemble(
@@ -357,7 +372,7 @@ def _table_from_config(hf_config: Any, kc: Any, **ranks: Any) -> PageTable:
     entries.sort(key=lambda e: e[0])
     pool_index: dict[int, int] = {}
     pools: list[Pool] = []
-    placed = []
+    placed: list[_PlacedLayer] = []
     for name, t, li in entries:
         if t.block_stride not in pool_index:
             pool_index[t.block_stride] = len(pools)
@@ -365,8 +380,8 @@ def _table_from_config(hf_config: Any, kc: Any, **ranks: Any) -> PageTable:
                               num_blocks=kc.num_blocks_of(t)))
         role, mapper, fmt = role_of(name, specs[name])
         page = specs[name].page_size_bytes
-        placed.append((name, role, mapper, fmt, layer_of(name), pool_index[t.block_stride],
-                       t.offset + li * t.layer_stride, page))
+        placed.append(_PlacedLayer(name, role, mapper, fmt, layer_of(name), pool_index[t.block_stride],
+                                   t.offset + li * t.layer_stride, page))
     return _assemble(hf_config, placed, pools, block_size=block_size, **ranks)
 
 
