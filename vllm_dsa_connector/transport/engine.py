@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from vllm_dsa_connector.transport.backoff import ReconnectBackoff
+from vllm_dsa_connector.transport.prepared import LOCAL_AGENT, PreparedLists, descriptors
 from vllm_dsa_connector.transport.regions import (
     PreparedList,
     Region,
@@ -114,7 +115,7 @@ class NixlEngine:
         self._peers: set[str] = set()
         self._meta: dict[str, bytes] = {}  # peer -> the metadata it was added from (for reconnects)
         self._disconnected: dict[str, str] = {}  # peer -> why its connection is gone (reconnect before posting)
-        self._remote_lists: dict[str, list[PreparedList]] = {}  # peer -> its live prepared lists
+        self._lists = PreparedLists(self._agent)  # lists prepared once (prepare_local/prepare_remote)
         self._conn: dict[str, int] = {}  # peer -> how many times it was reconnected (tags transfers)
         self.on_reconnect = on_reconnect
         self.reconnects = 0  # remote agents removed and added again after a disconnect
@@ -165,7 +166,7 @@ class NixlEngine:
             self._peers.discard(peer)
             self._meta.pop(peer, None)
             self._disconnected.pop(peer, None)
-            self._remote_lists.pop(peer, None)
+            self._lists.forget(peer)
             self._backoff.reset(peer, proven=False)
             try:
                 self._agent.remove_remote_agent(peer)
@@ -205,8 +206,7 @@ class NixlEngine:
             raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
         self._conn[peer] = self._conn.get(peer, 0) + 1
         self._backoff.reconnected(peer)
-        for plist in self._remote_lists.get(peer, []):
-            self._reprepare(plist)
+        self._lists.reprepare(peer)
         why = self._disconnected.pop(peer, "") or reason
         self.reconnects += 1
         logger.info("NIXL agent %s: remote agent %s removed and added again (%s)", self.name, peer, why)
@@ -245,13 +245,6 @@ class NixlEngine:
 
     # -- transfers ----------------------------------------------------------------------------------
 
-    def _descs(self, base: int, offsets: np.ndarray, lengths: np.ndarray, dev: int) -> np.ndarray:
-        arr = np.empty((offsets.size, 3), np.uint64)
-        arr[:, 0] = offsets + base
-        arr[:, 1] = lengths
-        arr[:, 2] = dev
-        return arr
-
     def write(
         self,
         peer: str,
@@ -282,14 +275,14 @@ class NixlEngine:
                 return "DONE"
             n = runs.num_runs
             lh = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT",
-                self._descs(local.addr, runs.src_offsets, runs.lengths, local.dev),
+                LOCAL_AGENT,
+                descriptors(local.addr, runs.src_offsets, runs.lengths, local.dev),
                 local.mem,
             )
             xfer_obj._dlists = (lh,)
             rh = self._agent.prep_xfer_dlist(
                 peer,
-                self._descs(remote.addr, runs.dst_offsets, runs.lengths, remote.dev),
+                descriptors(remote.addr, runs.dst_offsets, runs.lengths, remote.dev),
                 remote.mem,
             )
             xfer_obj._dlists = (lh, rh)
@@ -345,8 +338,7 @@ class NixlEngine:
 
     def prepare_local(self, region: Region, offsets: Any, lengths: Any) -> PreparedList:
         """Prepare a local descriptor list once (e.g. one entry per block of a KV pool)."""
-        return self._prepare("NIXL_INIT_AGENT", region.addr, region.size, region.mem, region.dev,
-                             offsets, lengths)
+        return self._lists.prepare(LOCAL_AGENT, region.addr, region.size, region.mem, region.dev, offsets, lengths)
 
     def prepare_remote(self, peer: str, remote: RegionDesc | dict[str, Any], offsets: Any,
                        lengths: Any) -> PreparedList:
@@ -356,46 +348,11 @@ class NixlEngine:
             raise TransferError(f"prepare_remote: unknown peer {peer!r}", peer=peer)
         self._ensure_connected(peer)
         r = RegionDesc.from_dict(remote)
-        plist = self._prepare(peer, r.addr, r.size, r.mem, r.dev, offsets, lengths)
-        self._remote_lists.setdefault(peer, []).append(plist)
-        return plist
-
-    def _prepare(self, agent: str, addr: int, size: int, mem: str, dev: int, offsets: Any,
-                 lengths: Any) -> PreparedList:
-        offs = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
-        lens = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
-        if offs.shape != lens.shape or offs.size == 0:
-            raise ValueError("prepare: offsets and lengths must be non-empty and of equal length")
-        if offs.min() < 0 or lens.min() <= 0 or int((offs + lens).max()) > size:
-            raise ValueError(f"prepare: entries must lie inside the {size}-byte region")
-        plist = PreparedList(agent, offs, lens, _region=(addr, mem, dev))
-        self._reprepare(plist)
-        return plist
-
-    def _reprepare(self, plist: PreparedList) -> None:
-        """(Re)make ``plist``'s NIXL handle from its entries (the old handle, if any, is released)."""
-        assert plist._region is not None
-        addr, mem, dev = plist._region
-        if plist._handle is not None:
-            try:
-                self._agent.release_dlist_handle(plist._handle)
-            except Exception as e:  # a handle of the old connection: NIXL may have dropped it already
-                logger.debug("release dlist of %s: %s", plist.agent, e)
-            plist._handle = None
-        try:
-            plist._handle = self._agent.prep_xfer_dlist(plist.agent, self._descs(addr, plist.offsets,
-                                                                                 plist.lengths, dev), mem)
-        except Exception as e:
-            raise TransferError(f"prepare for {plist.agent!r} failed: {e}", peer=plist.agent) from e
+        return self._lists.prepare(peer, r.addr, r.size, r.mem, r.dev, offsets, lengths)
 
     def release_prepared(self, plist: PreparedList) -> None:
         """Free a prepared list (no transfer may still use it)."""
-        lists = self._remote_lists.get(plist.agent)
-        if lists is not None and plist in lists:
-            lists.remove(plist)
-        if plist._handle is not None:
-            self._agent.release_dlist_handle(plist._handle)
-            plist._handle = None
+        self._lists.release(plist)
 
     def write_prepared(self, peer: str, local: PreparedList, local_idx: Any, remote: PreparedList,
                        remote_idx: Any, notif: bytes = b"") -> Transfer:
