@@ -14,8 +14,10 @@ What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.handoff`, the 
 - D handshakes over the side channel (:class:`~vllm_dsa_connector.handoff.consumer.Consumer`: payloads,
   compatibility check, plan), registers its blocks (scattered, out of order; one request with a prefix
   already on D, so P sends from its second block), and arms the transport's receiver.
-- P dispatches each registration, posts the plan's runs through ``DirectTransport`` and reports the lease
-  finished; D's receiver settles the request.
+- D chooses each pair's route as the connector's scheduler does (``handoff.routes.plan_routes``; ``--path``:
+  direct, bounce with the gate forced, or ipc between two processes on one CUDA host), P dispatches each
+  registration and follows the route (``transport.routed.RoutedTransport``) and reports the lease finished;
+  D's receiver settles the request (a bounced writer's parts scattered from its slot).
 - D then checks EVERY byte of its pools: the paired blocks hold P's bytes (P's seeded pools regenerated on
   D, copied with torch index ops along the plan's runs), every other byte is still zero.
 
@@ -24,7 +26,8 @@ request settled, through the side channel, P's step, the WRITEs and the notifica
 
     PYTHONPATH=. python bench/core_pd.py                                   # CPU, small pools (the suite)
     PYTHONPATH=. python bench/core_pd.py --blocks 1200 --save-table t.json  # build a table (needs vLLM)
-    PYTHONPATH=. python bench/core_pd.py --device cuda --table t.json --requests 594,300,64,8 --blocks 1200
+    PYTHONPATH=. python bench/core_pd.py --device cuda --table t.json --requests 594,300,64,8 --blocks 1200 \\
+        --path ipc    # or direct / bounce: the three routes, every byte of D's pools checked
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -47,22 +51,31 @@ sys.path.insert(0, str(ROOT))
 from vllm_dsa_connector.handoff.consumer import Consumer, parse_remote_params  # noqa: E402
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, new_epoch  # noqa: E402
 from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
+from vllm_dsa_connector.handoff.routes import plan_routes  # noqa: E402
 from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
 from vllm_dsa_connector.handoff.wire import (  # noqa: E402
     RankPayload,
+    WireIpcExport,
     WirePageTable,
     WireRegion,
     decode_payload,
     encode,
+    route_of,
 )
 from vllm_dsa_connector.harness.pair import Channel, Kind, run_two  # noqa: E402
 from vllm_dsa_connector.layout.model import PageTable  # noqa: E402
 from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
+from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings  # noqa: E402
+from vllm_dsa_connector.transport.ipc import device_uuid, export_region, host_id  # noqa: E402
 from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
 from vllm_dsa_connector.transport.regions import Region, RegionDesc  # noqa: E402
-from vllm_dsa_connector.transport.transports import DirectTransport, PostState  # noqa: E402
+from vllm_dsa_connector.transport.routed import RoutedTransport  # noqa: E402
+from vllm_dsa_connector.transport.runs import packed_offsets  # noqa: E402
+from vllm_dsa_connector.transport.slots import SlotAllocator  # noqa: E402
+from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot  # noqa: E402
+from vllm_dsa_connector.transport.transports import PostState  # noqa: E402
 
 SHAPE = ROOT / "vllm_dsa_connector" / "examples" / "glm5_2_shape.json"
 FILL_CHUNK = 1 << 28  # seeded bytes are generated per 256 MiB chunk (same chunks on P and on D)
@@ -135,10 +148,14 @@ class Side:
     engine: NixlEngine
     regions: list[Region]
     payload: RankPayload
+    arena: StagingArena | None = None  # P: where bounced parts are gathered; D: where they land (bounce path)
 
 
-def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int | None) -> Side:
-    """Allocate the table's pools on ``device`` (seeded bytes, or zeros), register them, build the payload."""
+def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int | None,
+              path: str = "direct", arena_bytes: int = 0) -> Side:
+    """Allocate the table's pools on ``device`` (seeded bytes, or zeros), register them, build the payload:
+    with ``path`` bounce a staging arena of ``arena_bytes`` (D registers it as its receive arena), with ipc
+    (D) the pools' CUDA IPC exports and, on CUDA, the host and GPU identity the route planner compares."""
     table = PageTable.from_dict(table_dict)
     tensors = [torch.zeros(p.nbytes, dtype=torch.uint8, device=device) for p in table.pools]
     if seed is not None:
@@ -150,10 +167,18 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
     regions = [engine.register(t) for t in tensors]
     compat = {"architecture": table.model.architecture, "kv_cache_dtype": table.kv_cache_dtype,
               "block_size": str(table.block_size)}
+    arena = StagingArena(arena_bytes, device=device) if path == "bounce" else None  # registered by its user
+    gpu, reach, ipc = "", [], None
+    if device.startswith("cuda"):
+        gpu = device_uuid(tensors[0].device)
+        reach = [gpu]
+        if path == "ipc" and seed is None:
+            ipc = [WireIpcExport.of(export_region(t).to_dict()) for t in tensors]
     payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
                           WirePageTable.of(replace(table, pools=pools).to_dict()),
-                          [WireRegion.of(r.desc().to_dict()) for r in regions], compat)
-    return Side(tensors, engine, regions, payload)
+                          [WireRegion.of(r.desc().to_dict()) for r in regions], compat,
+                          host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
+    return Side(tensors, engine, regions, payload, arena)
 
 
 def _vllm_loaded() -> bool:
@@ -174,13 +199,13 @@ Job = tuple[argparse.Namespace, dict[str, Any], list[RequestSpec]]
 def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     """P: leases, the side channel, dispatch and posts, until D says stop; P's result."""
     args, table, specs = work
-    side = open_side("P", table, args.device, args.seed)
+    side = open_side("P", table, args.device, args.seed, args.path, args.arena_bytes)
     settings = _settings(args)
     producer = Producer("P", settings, block_size=BLOCK, epoch=new_epoch())
     payloads = [encode(side.payload)]
     server = SideChannelServer("127.0.0.1", 0, lambda req, sender: producer.handle(req, payloads, sender),
                                Authenticator(args.secret), origin=Origin("P", producer.epoch))
-    transport = DirectTransport(side.engine, timeout_s=settings.transfer_timeout_s)
+    transport = RoutedTransport(side.engine, settings.transfer_timeout_s, arena=side.arena)
     params = [dict(do_remote_prefill=True, remote_engine_id="P", remote_request_id=s.req_id,
                    remote_token=producer.add_lease(s.req_id, list(s.p_blocks)), remote_host=server.host,
                    remote_port=server.port, remote_block_ids=list(s.p_blocks),
@@ -189,6 +214,7 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     peers: dict[str, tuple[list[tuple[str, RankPayload]], Any]] = {}
     posts: dict[str, tuple[list[Any], float]] = {}
     post_ms: dict[str, float] = {}
+    paths: dict[str, int] = {}  # posts per path followed
     errors: list[str] = []
     while not ch.poll():
         out = producer.step()
@@ -200,10 +226,20 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
             agents, plan = peers[job.dst_engine]
             started, mine = time.perf_counter(), []
             for agent, d in agents:
+                triples = plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks,
+                                    first_token=job.first_token, num_tokens=job.num_tokens)
                 parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp].to_dict()), runs)
-                         for sp, dp, runs in plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks,
-                                                       first_token=job.first_token, num_tokens=job.num_tokens)]
-                mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode()))
+                         for sp, dp, runs in triples]
+                route = route_of(job.routes, d.rank, side.payload.rank)  # D's choice; P follows it
+                path = route.path if route is not None else "direct"
+                slot = None
+                if route is not None and route.path == "bounce" and d.staging is not None:
+                    slot = StagingSlot(RegionDesc.from_dict(d.staging.to_dict()), route.offset, route.size)
+                if path == "ipc" and not transport.mapped(agent) and d.ipc:
+                    transport.map_peer(agent, [e.to_dict() for e in d.ipc], side.tensors[0].device)
+                mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode(),
+                                           path=path, slot=slot, pools=[dp for _, dp, _ in triples]))
+                paths[path] = paths.get(path, 0) + 1
             posts[job.req_id] = (mine, started)
         if out.release:
             errors += [f"lease {r} released without a push" for r in out.release]
@@ -219,7 +255,8 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     ch.recv(Kind.STOP)
     server.close()
     side.engine.close()
-    return {"post_ms": post_ms, "errors": errors, "pending": producer.pending(), "vllm_loaded": _vllm_loaded()}
+    return {"post_ms": post_ms, "errors": errors, "pending": producer.pending(), "vllm_loaded": _vllm_loaded(),
+            "paths": paths}
 
 
 # ------------------------------------------------------------------------------------------ D
@@ -228,10 +265,18 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
 def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
     """D: handshake, registrations, the receiver, then the byte-for-byte check of every pool; D's result."""
     args, table, specs = work
-    side = open_side("D", table, args.device, None)
+    side = open_side("D", table, args.device, None, args.path, args.arena_bytes)
+    receiver = Receiver(side.engine)
+    slots: SlotAllocator | None = None
+    if side.arena is not None:  # the receive arena the bounce routes' slots lie in
+        region = receiver.attach(side.arena)
+        # the agent's metadata names its registered memory: taken again now that the arena is registered
+        side.payload = msgspec.structs.replace(side.payload, staging=WireRegion.of(region.desc().to_dict()),
+                                               agent_metadata=side.engine.metadata())
+        slots = SlotAllocator(side.arena.size)
     consumer = Consumer("D", _settings(args), Authenticator(args.secret), lambda: [side.payload],
                         lambda: [encode(side.payload)])
-    receiver = Receiver(side.engine)
+    gate = BounceGate(BounceSettings(mode="always"), device=args.device) if args.path == "bounce" else None
     params = ch.recv(Kind.DATA).body["params"]
     first = parse_remote_params(params[0])
     deadline = time.monotonic() + 30
@@ -247,9 +292,13 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
         rp = parse_remote_params(param)
         consumer.queue(spec.req_id, rp)
         started = time.perf_counter()
+        assert peer.plan is not None
+        routes, held = plan_routes(peer.plan, peer.meta.payloads, [side.payload], list(spec.src_blocks),
+                                   list(spec.d_blocks), gate, {side.payload.rank: slots} if slots else {},
+                                   first_token=spec.first_token, num_tokens=spec.num_tokens, ipc=args.path == "ipc")
         job = consumer.register(spec.req_id, rp, peer, spec.first_token, spec.num_tokens, list(spec.src_blocks),
-                                list(spec.d_blocks), {}, [])
-        writers = {w: WriterSpec(peer=agents[w]) for w in job.expected[side.payload.rank]}
+                                list(spec.d_blocks), routes, held)
+        writers = {w: _writer(side, peer.plan, job, w, agents[w]) for w in job.expected[side.payload.rank]}
         receiver.arm(spec.req_id.encode(), writers, timeout_s=args.timeout)
         result = None
         while result is None:
@@ -264,12 +313,28 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
         if result.state is not RecvState.DONE:
             raise RuntimeError(f"{spec.req_id}: receive ended {result.state.value}: {result.reason}")
         e2e_ms[spec.req_id] = 1000 * (time.perf_counter() - started)
+        for _, res in held:
+            assert slots is not None
+            slots.release(res)
         consumer.finished(spec.req_id)
     out = {"e2e_ms": e2e_ms, "vllm_loaded": _vllm_loaded(), **verify(side, peer.plan, specs, args)}
     ch.send(Kind.STOP)  # P may close its side channel now
     consumer.shutdown()
     side.engine.close()
     return out
+
+
+def _writer(side: Side, plan: Any, job: Any, w: int, agent: str) -> WriterSpec:
+    """What D expects from writer ``w`` along the route D chose (as the connector's receive side builds it)."""
+    route = route_of(job.routes, side.payload.rank, w)
+    if route is None or route.path == "ipc":
+        return WriterSpec(peer=agent, path=route.path if route else "direct")
+    merged = [(dp, runs.merged()) for _, dp, runs in plan.runs(w, side.payload.rank, job.src_blocks, job.blocks,
+                                                               first_token=job.first_token,
+                                                               num_tokens=job.num_tokens)]
+    offsets, _ = packed_offsets([r.total_bytes for _, r in merged])
+    return WriterSpec(peer=agent, slot=(route.offset, route.size), path="bounce",
+                      parts=tuple((side.tensors[dp], r, off) for (dp, r), off in zip(merged, offsets, strict=True)))
 
 
 def verify(side: Side, plan: Any, specs: list[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
@@ -301,14 +366,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = plan_requests([int(x) for x in args.requests.split(",")], pool_blocks, args.seed)
     job = (args, table, specs)
     p_res, d_res = run_two(run_producer, run_consumer, job, job, timeout_s=args.timeout * len(specs) + 660)
-    block_bytes = int(table["pools"][0]["block_stride"])
+    block_bytes = PageTable.from_dict(table).bytes_per_block
     reqs = [{"req": s.req_id, "blocks": len(s.d_blocks), "bytes": len(s.d_blocks) * block_bytes,
              "post_ms": round(p_res["post_ms"].get(s.req_id, -1.0), 3), "e2e_ms": round(d_res["e2e_ms"][s.req_id], 3)}
             for s in specs]
     return {"device": args.device, "pool_blocks": pool_blocks, "requests": reqs,
             "bytes_moved": d_res["bytes_moved"], "bytes_checked": d_res["bytes_checked"],
             "ok": not (d_res["mismatched_pools"] or p_res["errors"] or p_res["pending"]),
-            "mismatched_pools": d_res["mismatched_pools"], "p_errors": p_res["errors"],
+            "mismatched_pools": d_res["mismatched_pools"], "p_errors": p_res["errors"], "path": args.path,
+            "posts_per_path": p_res["paths"],
             "vllm_in_p_or_d": p_res["vllm_loaded"] or d_res["vllm_loaded"]}
 
 
@@ -323,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=60.0, help="transfer timeout per request (s)")
     ap.add_argument("--secret", default="core-pd-secret-0123456789", help="side-channel auth secret")
+    ap.add_argument("--path", choices=("direct", "bounce", "ipc"), default="direct",
+                    help="the route D chooses for every pair (ipc: CUDA on one host; bounce: forced by the gate)")
+    ap.add_argument("--arena-bytes", type=int, default=256 << 20, help="staging arena per side (bounce)")
     ap.add_argument("--out", help="write the result JSON here")
     return ap.parse_args(argv)
 
