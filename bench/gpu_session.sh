@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU session's engine and core work in one device call, after the payload is installed
+# (shared/gpu/README.md: `bash .gpu/bin/run.sh stage part02 install patch gate` in the same call, the
+# machine kept warm since `stage part00` / `stage part01`). Writes every result and log under $OUT.
+#
+#   bash .gpu/bin/run.sh stage part02 install patch gate && bash bench/gpu_session.sh [core] [pd]
+#
+# core: bench/core_pd.py on CUDA, the three routes D can choose (direct, bounce, ipc), every byte of D's pools
+#       checked, on the GLM-5.2-shaped table in vLLM's GPU layout (two pools).
+# pd:   bench/gpu_pd.py, the tiny GLM DSA model (and one with an MTP layer) as P/D pairs of real vLLM GPU
+#       engines: ipc (ipc_mode=auto: one GPU, so D routes through CUDA IPC), bounce (bounce_mode=always), the
+#       plain DSAConnector (direct NIXL), vLLM's NixlConnector, and MTP speculative decoding.
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$REPO:$REPO/.gpu/pylib PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+cd "$REPO"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(core pd)
+t0=$(date +%s)
+stamp() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*"; }
+rc=0
+for step in "${steps[@]}"; do
+  case $step in
+    core)
+      python3 - <<'EOF' >"$OUT/core_table.log" 2>&1
+import json
+from vllm_dsa_connector.layout import build_offline
+(t,) = build_offline("vllm_dsa_connector/examples/glm5_2_shape.json", kv_cache_dtype="fp8_ds_mla",
+                     num_blocks=1200, layout="LBNHC")
+open("/tmp/glm52_lbnhc.json", "w").write(json.dumps(t.to_dict()))
+print(len(t.pools), "pools", t.bytes_per_block, "B/block")
+EOF
+      for path in direct bounce ipc; do
+        stamp "core_pd --path $path"
+        timeout 240 python3 bench/core_pd.py --device cuda --table /tmp/glm52_lbnhc.json --requests 594,300,64,8 \
+          --path "$path" --arena-bytes $((4 << 30)) --out "$OUT/core_pd_$path.json" >"$OUT/core_pd_$path.log" 2>&1
+        r=$?; stamp "core_pd --path $path rc=$r"; [ $r -eq 0 ] || rc=1
+        tail -c 600 "$OUT/core_pd_$path.log"
+      done
+      ;;
+    pd)
+      M=/tmp/models/tiny-glm-dsa-h32-k128
+      [ -f "$M/.complete" ] || python3 -m vllm_dsa_connector.cli make-model --kind dsa --index-n-heads 32 \
+        --index-topk 128 --out "$M" >"$OUT/make_model.log" 2>&1
+      [ -f "$M-mtp/.complete" ] || python3 -m vllm_dsa_connector.cli make-model --kind dsa --index-n-heads 32 \
+        --index-topk 128 --mtp-layers 1 --out "$M-mtp" >>"$OUT/make_model.log" 2>&1
+      stamp "gpu_pd"
+      timeout 480 python3 bench/gpu_pd.py --model "$M" --mtp-model "$M-mtp" \
+        --pairs ipc=dsa/graphs/auto,bounce=dsa/graphs/auto,dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,mtp=dsa/graphs/auto \
+        >"$OUT/gpu_pd.log" 2>&1
+      r=$?; stamp "gpu_pd rc=$r"; [ $r -eq 0 ] || rc=1
+      grep -a "^\[gpu_pd\] turn" "$OUT/gpu_pd.log" | cut -c1-300 | tail -15
+      ;;
+    *) echo "gpu_session: unknown step $step (core, pd)"; exit 2 ;;
+  esac
+done
+exit $rc
