@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.pages import crc_runs
+from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.connector.receiving import ReportedIds
 from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
 from vllm_dsa_connector.transport.regions import RegionDesc

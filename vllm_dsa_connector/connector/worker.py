@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.pages import pool_tensor
+from vllm_dsa_connector.connector.pool_bytes import pool_tensor
 from vllm_dsa_connector.connector.receiving import ReceiveSide
 from vllm_dsa_connector.connector.sending import SendSide
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
