@@ -2,14 +2,14 @@
 
 Needs torch with CUDA only (no vLLM). It exercises exactly what the runtime fix installs:
 
-1. ``compute_token_to_req_indices`` (vllm_dsa_connector/fixes/token_map.py) captured in a
+1. ``compute_token_to_req_indices`` (vllm_dsa_connector/fixes/token_to_req_indices.py) captured in a
    CUDA graph per (batch size, padded token count), replayed after ``query_start_loc`` is
    rewritten in place with target layouts (draft_len + 1 tokens per request), draft layouts
    (one token per request, padded tail) and ragged layouts with zero-length rows; every
    replay is compared with ``repeat_interleave`` on the host.
 2. The same with a fixed ``num_mapped_tokens`` (the runtime fix's call, graph keyed on the
    CPU total), replayed with new per-request boundaries.
-3. The installed method itself (``mtp_token_map._fixed_token_to_req_indices``) on a minimal
+3. The installed method itself (``mtp_stale_caches._fixed_token_to_req_indices``) on a minimal
    stand-in with the fields it reads, through the draft-loop rewrite, under
    ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises.
 4. Where vLLM is installed: vLLM's own ``compute_token_to_req_indices`` (its Triton kernel, imported
@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_dsa_connector.fixes import mtp_token_map  # noqa: E402
-from vllm_dsa_connector.fixes.token_map import compute_token_to_req_indices  # noqa: E402
+from vllm_dsa_connector.fixes import mtp_stale_caches  # noqa: E402
+from vllm_dsa_connector.fixes.token_to_req_indices import compute_token_to_req_indices  # noqa: E402
 
 
 def _reference(query_lens: list[int], num_tokens: int) -> list[int]:
@@ -154,12 +154,12 @@ def method_checks(device: str) -> dict:
         torch.cuda.synchronize()
         try:
             torch.cuda.set_sync_debug_mode("error")
-            target = mtp_token_map._fixed_token_to_req_indices(meta, target_buf)
-            again = mtp_token_map._fixed_token_to_req_indices(meta, target_buf)
+            target = mtp_stale_caches._fixed_token_to_req_indices(meta, target_buf)
+            again = mtp_stale_caches._fixed_token_to_req_indices(meta, target_buf)
             meta.num_actual_tokens = batch  # llm_base_proposer.propose() rewrite
             meta.query_start_loc = arange[: batch + 1]
             meta.query_start_loc_cpu = torch.arange(batch + 1, dtype=torch.int32)
-            draft = [mtp_token_map._fixed_token_to_req_indices(meta, draft_buf) for _ in range(2)]
+            draft = [mtp_stale_caches._fixed_token_to_req_indices(meta, draft_buf) for _ in range(2)]
         except RuntimeError as exc:
             results["sync_errors"] += 1
             results["sync_error"] = str(exc)[:300]

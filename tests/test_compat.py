@@ -138,7 +138,7 @@ def stock_metadata(monkeypatch: pytest.MonkeyPatch):
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
-    from vllm_dsa_connector.fixes.mtp_token_map import is_installed
+    from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
 
     monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
     was_installed = is_installed(CommonAttentionMetadata)
@@ -151,7 +151,7 @@ def stock_metadata(monkeypatch: pytest.MonkeyPatch):
 
 def _draft_step_map(cls: type) -> list[int]:
     """The token->request map of draft step 1 after a 3 x 3-token target forward."""
-    from vllm_dsa_connector.fixes.mtp_token_map import _probe_metadata, _to_draft_layout
+    from vllm_dsa_connector.fixes.mtp_stale_caches import _probe_metadata, _to_draft_layout
 
     cm = _probe_metadata(
         cls,
@@ -164,7 +164,12 @@ def _draft_step_map(cls: type) -> list[int]:
 def test_mtp_fix_on_real_common_attention_metadata(stock_metadata: type) -> None:
     """The draft-loop bug is still in 0.33: the probe sees it, the fix removes it."""
     from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for
-    from vllm_dsa_connector.fixes.mtp_token_map import FIX_NAME, is_installed, missing_fields, probe
+    from vllm_dsa_connector.fixes.mtp_stale_caches import (
+        FIX_NAME,
+        is_installed,
+        missing_fields,
+        probe,
+    )
 
     assert missing_fields(stock_metadata) == ()
     before = probe(stock_metadata)
@@ -185,7 +190,7 @@ def test_mtp_fix_applies_on_an_unknown_release(
     import vllm
 
     from vllm_dsa_connector import fixes
-    from vllm_dsa_connector.fixes import mtp_token_map
+    from vllm_dsa_connector.fixes import mtp_stale_caches
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setattr(fixes, "_LOGGED", set())
@@ -193,7 +198,7 @@ def test_mtp_fix_applies_on_an_unknown_release(
     caplog.set_level(logging.INFO, logger=fixes._LOGGER_NAME)
     logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
     try:
-        report = fixes.report_for(fixes.apply_runtime_fixes(), mtp_token_map.FIX_NAME)
+        report = fixes.report_for(fixes.apply_runtime_fixes(), mtp_stale_caches.FIX_NAME)
     finally:
         logger.removeHandler(caplog.handler)
     assert (report.status, report.vllm_version) == ("applied", "0.99.0")
@@ -209,8 +214,8 @@ def test_mtp_fix_leaves_a_fixed_class_alone(
     """A vLLM with the upstream patch (here: a patched copy of backend.py) is not touched."""
     import vllm.v1.attention.ops.metadata as ops
 
-    from vllm_dsa_connector.fixes.mtp_token_map import probe
-    from vllm_dsa_connector.fixes.token_map import compute_token_to_req_indices
+    from vllm_dsa_connector.fixes.mtp_stale_caches import probe
+    from vllm_dsa_connector.fixes.token_to_req_indices import compute_token_to_req_indices
 
     patched = _patched_backend(tmp_path)
     result = probe(patched)

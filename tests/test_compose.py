@@ -168,7 +168,7 @@ def test_guard_is_installed_with_the_runtime_fixes_and_off_with_them(guard, monk
 
     from vllm_dsa_connector.fixes import FIX_NAMES, apply_runtime_fixes, revert_runtime_fixes
     from vllm_dsa_connector.fixes import multi_connector as g
-    from vllm_dsa_connector.fixes.mtp_token_map import is_installed
+    from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
 
     mtp_was = is_installed(CommonAttentionMetadata)
     try:

@@ -85,7 +85,7 @@ def _feed(p: Any, d: Any, notice: Any) -> None:
 
 def _good_checks(p: Any, d: Any) -> list[tuple[int, int, int, int]]:
     """What a real sender puts in its notice for this request (D's plan of P rank 0 -> D rank 0)."""
-    from vllm_dsa_connector.connector.pages import crc_runs
+    from vllm_dsa_connector.connector.pool_bytes import crc_runs
 
     plan = d.sources[p.engine_id].plan
     out = []

@@ -68,7 +68,7 @@ def pd(tiny_mla_dir: Path):
     p.set_local_payloads([_payload("P")])
     d.set_local_payloads([_payload("D")])
     # the page tables are fakes: skip the layout check, keep the real handshake round trip
-    d.consumer.check_peer = lambda src, dst: _Plan()
+    d.consumer.producers.check_peer = lambda src, dst: _Plan()
     # the clock estimate pairs the injected clock with real round trips: start it now, not before the
     # (seconds-long, on a cold host) config set-up, or the first registration is past its post deadline
     clock.t = time.monotonic()
@@ -365,7 +365,7 @@ def test_one_p_request_feeds_one_d_request(pd, tiny_mla_dir: Path) -> None:
                                clock)
     try:
         d2.set_local_payloads([_payload("D2")])
-        d2.consumer.check_peer = lambda src, dst: _Plan()
+        d2.consumer.producers.check_peer = lambda src, dst: _Plan()
         _load(d2, clock, "d2-fork", params, 2 * BLOCK, 0, [92, 93])
         d2.build_connector_meta(None)
         _wait(d2.consumer.loads["d2-fork"].reg)
@@ -523,7 +523,7 @@ def test_a_restarted_d_is_served_with_its_own_payloads(pd, tiny_mla_dir: Path) -
                                clock)
     try:
         d2.set_local_payloads([_payload("D", agent="agent-D-restarted", num_blocks=1024)])
-        d2.consumer.check_peer = lambda src, dst: _Plan()
+        d2.consumer.producers.check_peer = lambda src, dst: _Plan()
         assert d2.epoch != d.epoch
         _registered(p, d2, clock, "new", [45, 46], [700, 701])  # blocks only the new start has
         assert d2.consumer.loads["d-new"].state is LoadState.REGISTERED

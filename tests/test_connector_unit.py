@@ -323,18 +323,18 @@ def test_crc_runs_in_place_and_gathered_agree_with_zlib() -> None:
 
     import torch
 
-    from vllm_dsa_connector.connector import pages
+    from vllm_dsa_connector.connector import pool_bytes
 
     pool = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     offsets, lengths = [0, 17, 40_000, 65_000, 3, 9_000], [17, 1_000, 5_000, 536, 0, 30_000]
     want = [zlib.crc32(pool[o:o + n].numpy().tobytes()) for o, n in zip(offsets, lengths, strict=True)]
-    assert pages.crc_runs(pool, offsets, lengths) == want
-    assert pages.crc_runs(pool, offsets, lengths, gather=True) == want
-    old = pages.CRC_BATCH_BYTES
-    pages.CRC_BATCH_BYTES = 4_096  # several batches, one run longer than a batch
+    assert pool_bytes.crc_runs(pool, offsets, lengths) == want
+    assert pool_bytes.crc_runs(pool, offsets, lengths, gather=True) == want
+    old = pool_bytes.CRC_BATCH_BYTES
+    pool_bytes.CRC_BATCH_BYTES = 4_096  # several batches, one run longer than a batch
     try:
-        assert pages.crc_runs(pool, offsets, lengths, gather=True) == want
+        assert pool_bytes.crc_runs(pool, offsets, lengths, gather=True) == want
     finally:
-        pages.CRC_BATCH_BYTES = old
+        pool_bytes.CRC_BATCH_BYTES = old
     with pytest.raises(ValueError, match="2 offsets but 1 lengths"):
-        pages.crc_runs(pool, [0, 1], [1])
+        pool_bytes.crc_runs(pool, [0, 1], [1])

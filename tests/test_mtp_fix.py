@@ -9,7 +9,7 @@ through ``dataclasses.replace()`` as ``AttentionGroup._with_kernel_block_table``
 One substitution, because the fault cannot be avoided otherwise: vLLM's Triton kernel
 ``compute_token_to_req_indices`` cannot run here (Triton has no CPU backend), so on the
 stock and patched-vLLM paths the kernel is replaced by the torch function with the same
-contract (``vllm_dsa_connector.fixes.token_map``). The caching logic under test is
+contract (``vllm_dsa_connector.fixes.token_to_req_indices``). The caching logic under test is
 vLLM's own (stock or patched) or the runtime fix's.
 
 This file is also a script: ``python tests/test_mtp_fix.py --json ...`` runs the checks in
@@ -51,7 +51,7 @@ def substitute_cpu_kernel() -> None:
     """Replace vLLM's Triton map kernel (no CPU backend) by the same-contract torch one."""
     import vllm.v1.attention.ops.metadata as ops
 
-    from vllm_dsa_connector.fixes.token_map import compute_token_to_req_indices
+    from vllm_dsa_connector.fixes.token_to_req_indices import compute_token_to_req_indices
 
     ops.compute_token_to_req_indices = compute_token_to_req_indices
 
@@ -271,7 +271,7 @@ def _assert_stale(summary: dict[str, object]) -> None:
 
 
 def test_token_map_matches_repeat_interleave() -> None:
-    from vllm_dsa_connector.fixes.token_map import (
+    from vllm_dsa_connector.fixes.token_to_req_indices import (
         compute_token_to_req_indices,
         token_to_req_indices_from_lens,
     )
@@ -299,7 +299,7 @@ def fix_state(monkeypatch: pytest.MonkeyPatch):
     import vllm.v1.attention.ops.metadata as ops
 
     from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
-    from vllm_dsa_connector.fixes.mtp_token_map import is_installed
+    from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
 
     monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
     was_installed = is_installed(_metadata_cls())
@@ -316,7 +316,7 @@ def test_stale_without_fix_and_correct_with_fix(fix_state: None) -> None:
     import vllm.v1.attention.ops.metadata as ops
 
     from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for, revert_runtime_fixes
-    from vllm_dsa_connector.fixes.mtp_token_map import FIX_NAME, is_installed
+    from vllm_dsa_connector.fixes.mtp_stale_caches import FIX_NAME, is_installed
 
     cls = _metadata_cls()
     kernel = ops.compute_token_to_req_indices
@@ -337,7 +337,7 @@ def test_stale_without_fix_and_correct_with_fix(fix_state: None) -> None:
 def test_v2_runner_style_seeded_cache(fix_state: None) -> None:
     """The V2 runner passes the map via the constructor; a stale one must be rebuilt."""
     from vllm_dsa_connector.fixes import apply_runtime_fixes
-    from vllm_dsa_connector.fixes.mtp_token_map import is_installed
+    from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
 
     cls = _metadata_cls()
     apply_runtime_fixes()
@@ -453,7 +453,7 @@ def main() -> None:
     if args.patched_backend:
         import inspect
 
-        from vllm_dsa_connector.fixes.mtp_token_map import probe
+        from vllm_dsa_connector.fixes.mtp_stale_caches import probe
 
         patched = _load_patched_backend(Path(args.patched_backend))
         out["stock_file"] = inspect.getfile(_metadata_cls())

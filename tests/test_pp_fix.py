@@ -133,10 +133,10 @@ def test_register_applies_the_fix(stock_runner: type) -> None:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from vllm_dsa_connector import fixes
-    from vllm_dsa_connector.fixes import mtp_token_map
+    from vllm_dsa_connector.fixes import mtp_stale_caches
     from vllm_dsa_connector.fixes import pp_intermediate as fix
 
-    others_were_installed = mtp_token_map.is_installed(CommonAttentionMetadata)
+    others_were_installed = mtp_stale_caches.is_installed(CommonAttentionMetadata)
     try:
         reports = fixes.apply_runtime_fixes()
         assert [r.name for r in reports] == list(fixes.FIX_NAMES)
@@ -153,9 +153,9 @@ def test_register_applies_the_fix(stock_runner: type) -> None:
 
 def test_fix_names_and_report_lookup() -> None:
     from vllm_dsa_connector import fixes
-    from vllm_dsa_connector.fixes import deep_gemm_api, mtp_token_map, pp_intermediate
+    from vllm_dsa_connector.fixes import deep_gemm_api, mtp_stale_caches, pp_intermediate
 
-    assert fixes.FIX_NAMES == (mtp_token_map.FIX_NAME, pp_intermediate.FIX_NAME, deep_gemm_api.FIX_NAME)
+    assert fixes.FIX_NAMES == (mtp_stale_caches.FIX_NAME, pp_intermediate.FIX_NAME, deep_gemm_api.FIX_NAME)
     reports = (fixes.FixReport("a", "applied", "0", ""), fixes.FixReport("b", "failed", "0", ""))
     assert fixes.report_for(reports, "b") is reports[1]
     with pytest.raises(KeyError, match="'c'.*\\['a', 'b'\\]"):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.pages import crc_runs
+from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.handoff.wire import (
     NOTICE_PREFIX,
     Notice,

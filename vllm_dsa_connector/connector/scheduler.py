@@ -25,7 +25,7 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    they WRITE into D's blocks and report ``finished_sending``: P frees the blocks.
 5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
    abort) are decided here, on the scheduler, and reach the workers as ``fail_recv`` only once no WRITE
-   can land any more (the argument is in :mod:`vllm_dsa_connector.handoff.consumer`).
+   can land any more (the argument is in :mod:`vllm_dsa_connector.handoff.loads`).
 
 Each engine start draws one epoch (``self.epoch``): every side-channel message and reply names it, the
 ``kv_transfer_params`` P hands out name it (``remote_epoch``), and the :class:`PeerInfo` this scheduler hands
@@ -48,7 +48,8 @@ from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
-from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, parse_remote_params
+from vllm_dsa_connector.handoff.consumer import Consumer
+from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, Reply, Request, new_epoch
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.routes import Held, RoutePlanner

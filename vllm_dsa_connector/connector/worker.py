@@ -5,14 +5,9 @@ views, MLA latent AND indexer K), so the indexer pages, for which vLLM's per-lay
 with everything else: a transfer is the byte runs of the peer's plan (``matching.PeerPlan.runs``, built
 once when the worker learns the peer: merged where contiguous on both sides), not a per-layer loop.
 
-P (sender): a ``PushJob`` becomes, per destination rank this rank feeds in the plan, one post of the
-transport (``transport.transports``: :class:`DirectTransport`, or :class:`BounceTransport` when bouncing is
-allowed; called the same way, polled from the engine's steps; never after the job's post deadline) whose
-tag is a :class:`~vllm_dsa_connector.handoff.wire.Notice` (bytes, runs, and with ``verify_transfers`` a
-CRC32 per run): D gets it once the data landed. The job's post deadline is checked before every
-destination rank's post and, inside the transport, before every WRITE (after any staging wait). ``finished_sending`` is reported once, when every WRITE of
-the request completed, failed or was aborted; a failure notice goes only when no part of that
-destination's post is in flight any more.
+P (sender): :class:`~.sending.SendSide`, owned by the worker, which hands it its NIXL engine, stats, rank,
+pools, payload and destination records and delegates P's calls to it (push jobs -> posts of the transport,
+their progress, failure notices, ``finished_sending``).
 
 D (receiver): :class:`~.receiving.ReceiveSide`, owned by the worker, which hands it its NIXL engine, lock,
 stats, rank, pools and source records and delegates D's calls to it (the transport's one :class:`Receiver`).
@@ -37,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,30 +40,24 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.pages import crc_runs, pool_tensor
-from vllm_dsa_connector.connector.receiving import ReceiveSide, ReportedIds
+from vllm_dsa_connector.connector.pool_bytes import pool_tensor
+from vllm_dsa_connector.connector.receiving import ReceiveSide
+from vllm_dsa_connector.connector.sending import SendSide
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_peer
 from vllm_dsa_connector.handoff.wire import (
-    Notice,
     PeerInfo,
-    PushJob,
     RankPayload,
     WireIpcExport,
     WirePageTable,
     WireRegion,
     decode_payload,
     encode,
-    route_of,
 )
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.receiver import Receiver
-from vllm_dsa_connector.transport.regions import RegionDesc
-from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
-from vllm_dsa_connector.transport.transports import Post, PostState
+from vllm_dsa_connector.transport.staging import StagingArena
 
 if TYPE_CHECKING:
     from vllm_dsa_connector.layout import PageTable
@@ -76,29 +65,12 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
-_SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
-
-
-@dataclass
-class _Group:
-    """The post of one request to one destination rank (the transport notifies D once it is DONE; a
-    failure notice goes once no part of it is in flight any more)."""
-
-    agent: str
-    rank: int
-    post: Post
-
-
-@dataclass
-class _Send:
-    req_id: str
-    dst_req: str
-    groups: list[_Group] = field(default_factory=list)
-    failed: bool = False
-
 
 @dataclass
 class _RemoteEngine:
+    """The worker's record of one peer engine start in one role (a :class:`~.sending.DestRecord` or a
+    :class:`~.receiving.SourceRecord`)."""
+
     payloads: list[RankPayload]
     agents: dict[int, str]  # rank -> NIXL agent name
     plan: PeerPlan | None = None  # decoded page tables of both sides + transfer plan, built once
@@ -107,7 +79,8 @@ class _RemoteEngine:
 
 
 class DSAConnectorWorker:
-    """Connector worker state for one (pp, tp) rank: P's sends here, D's receiving in :attr:`recv`."""
+    """Connector worker state for one (pp, tp) rank: its pools and peer records here, P's sending in
+    :attr:`send`, D's receiving in :attr:`recv`."""
 
     def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str],
                  role: str = "kv_both") -> None:
@@ -127,16 +100,14 @@ class DSAConnectorWorker:
         # one record per peer engine and role: an engine of a kv_both pair is both P and D of the same peer
         self.remotes: dict[str, _RemoteEngine] = {}  # engines we write to (we are P): plan + NIXL agents
         self.sources: dict[str, _RemoteEngine] = {}  # engines that write to us (we are D): plan only
-        self._retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self.stats = DSAKVConnectorStats()
-        self.transport = RoutedTransport(self.nixl, options.transfer_timeout_s)  # replaced at register
-        self._sends: dict[str, _Send] = {}
-        self._done_sending: set[str] = set()
-        self._sent_reported = ReportedIds()
         # NIXL agents are not thread-safe: every NIXL call below holds this lock.
         self._lock = threading.RLock()
         self.recv = ReceiveSide(self.nixl, self._lock, self.stats, rank=lambda: self.rank,
                                 regions=lambda: self.regions, sources=self.sources)
+        self.send = SendSide(self.nixl, self.stats, options.transfer_timeout_s, engine_id=engine_id,
+                             rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
+                             remotes=self.remotes)
 
     @property
     def rank(self) -> int:
@@ -168,8 +139,7 @@ class DSAConnectorWorker:
             if self.role in ("kv_consumer", "kv_both"):
                 recv_arena = StagingArena(settings.arena_bytes, device=device)
                 staging = WireRegion.of(self.recv.attach_arena(recv_arena).desc().to_dict())
-        self.transport = RoutedTransport(self.nixl, self.opts.transfer_timeout_s, arena=send_arena,
-                                         reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
+        self.send.attach_arena(send_arena, reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
         gpu, reach, ipc = self._cuda_identity(device)
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
             self._prefault([r.tensor for r in self.regions] + ([recv_arena.buffer] if recv_arena else []))
@@ -237,15 +207,14 @@ class DSAConnectorWorker:
         assert self.payload is not None, "register_kv_caches first"
         local = self.local or [self.payload]
         if old is not None:
-            self._retired.update(old.agents.values())
+            self.send.retire(old.agents.values())
         try:
             if peer.as_source:  # it writes to us: we only need the plan (to check and scatter its bytes)
                 remote.plan = validate_peer(payloads, local)
             else:
                 remote.plan = validate_peer(local, payloads)
                 for p in payloads:
-                    if p.agent_name in self._retired and p.agent_name in self.nixl.peers:  # still loaded: reuse
-                        self._retired.discard(p.agent_name)
+                    if self.send.reclaim(p.agent_name):  # a retired agent still loaded: reuse it
                         remote.agents[p.rank] = p.agent_name
                     else:
                         remote.agents[p.rank] = self.nixl.add_peer(p.agent_metadata)
@@ -258,7 +227,7 @@ class DSAConnectorWorker:
                            "source" if peer.as_source else "destination", peer.epoch, old.epoch,
                            sorted(old.agents.values()), sorted(remote.agents.values()))
         records[peer.engine_id] = remote
-        self._remove_retired()
+        self.send.remove_retired()
 
     def _reconnected(self, agent: str, reason: str) -> None:
         """The transport removed and added ``agent`` again after its connection was lost: count and log it."""
@@ -268,17 +237,6 @@ class DSAConnectorWorker:
                        "remote agent and added it again from its handshake metadata", self.engine_id,
                        ", ".join(engines), agent, reason)
 
-    def _remove_retired(self) -> None:
-        """Remove the retired NIXL agents no post of this worker uses any more."""
-        if not self._retired:
-            return
-        busy = {g.agent for send in self._sends.values() for g in send.groups}
-        for agent in sorted(self._retired - busy):
-            self.transport.unmap_peer(agent)
-            self.nixl.remove_peer(agent)
-            self._retired.discard(agent)
-            logger.info("DSAConnector %s: removed NIXL remote agent %s (its engine restarted)", self.engine_id, agent)
-
     def _forget(self, engine: str, as_source: bool) -> None:
         """The scheduler forgot an idle peer in one role: drop that record; a destination's NIXL remote
         agents are retired (removed once no post of this worker uses them: removing one earlier would abort
@@ -286,8 +244,8 @@ class DSAConnectorWorker:
         remote = (self.sources if as_source else self.remotes).pop(engine, None)
         if remote is None:
             return
-        self._retired.update(remote.agents.values())
-        self._remove_retired()
+        self.send.retire(remote.agents.values())
+        self.send.remove_retired()
         logger.info("DSAConnector %s: forgot idle peer %s as %s (%d remote agents retired)", self.engine_id, engine,
                     "source" if as_source else "destination", len(remote.agents))
 
@@ -308,9 +266,9 @@ class DSAConnectorWorker:
         for peer in meta.peers:
             self._learn(peer)
         for job in meta.push:
-            self._push(job)
+            self.send.push(job)
         if meta.push:
-            self._progress_sends()
+            self.send.progress()
         for recv in meta.recv:
             self.recv.expect(recv)
         for req_id, reason in meta.fail_recv.items():
@@ -319,151 +277,15 @@ class DSAConnectorWorker:
             # unusable kv_transfer_params: the scheduler logged what it got once per peer, not here per request
             log = logger.debug if req_id in meta.fail_quiet else logger.error
             log("DSAConnector: load of %s failed: %s", req_id, reason)
-        for req_id in meta.release:
-            if req_id not in self._sends and self._sent_reported.add(req_id):
-                self.stats.add("send_expired")
-                self._done_sending.add(req_id)
-
-    def _push(self, job: PushJob) -> None:
-        send = _Send(job.req_id, job.dst_req_id)
-        self._sends[job.req_id] = send
-        if time.monotonic() >= job.post_deadline:
-            # D has given up (or will before a WRITE could land): posting now could hit reused blocks
-            logger.error("DSAConnector: push of %s reached the workers after its post deadline; not writing",
-                         job.req_id)
-            send.failed = True
-            self.stats.add("send_late")
-            return
-        remote = self.remotes.get(job.dst_engine)
-        if remote is None or remote.error or remote.plan is None:
-            logger.error("DSAConnector: cannot push %s to %s: %s", job.req_id, job.dst_engine,
-                         (remote.error or "no plan") if remote else "unknown peer")
-            send.failed = True
-            return
-        if job.dst_epoch and job.dst_epoch != remote.epoch:
-            # registered by another start of that engine: its blocks are not the current start's
-            logger.error("DSAConnector: not pushing %s to %s: registered by its start %016x, this worker knows "
-                         "%016x (restarted)", job.req_id, job.dst_engine, job.dst_epoch, remote.epoch)
-            send.failed = True
-            return
-        plan = remote.plan
-        me = self.payload
-        assert me is not None, "register_kv_caches first"
-        for dst in remote.payloads:
-            if dst.rank not in remote.agents:  # never silently "sent": D would wait for bytes that never come
-                logger.error("DSAConnector: cannot push %s to %s rank %d: no NIXL agent of that rank is loaded",
-                             job.req_id, job.dst_engine, dst.rank)
-                send.failed = True
-                continue
-            agent = remote.agents[dst.rank]
-            if (now := time.monotonic()) >= job.post_deadline:
-                # an earlier rank's post (its staging wait) took the job past the deadline: no later rank posts
-                logger.error("DSAConnector: push of %s to %s rank %d: post deadline passed %.3f s ago; not "
-                             "writing", job.req_id, job.dst_engine, dst.rank, now - job.post_deadline)
-                send.failed = True
-                self.stats.add("send_late")
-                self._notify_failure(agent, job.dst_req_id, "P's post deadline passed before the post")
-                continue
-            try:
-                parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks, first_token=job.first_token,
-                                  num_tokens=job.num_tokens)
-                if parts:
-                    self._write(job, send, dst, agent, parts)
-            except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
-                logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
-                             dst.rank, e)
-                send.failed = True
-                self._notify_failure(agent, job.dst_req_id, str(e))
-
-    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str,
-               parts: list[tuple[int, int, Runs]]) -> None:
-        """Post one writer's parts (one per (source pool, destination pool)) along the route D chose for the
-        pair (direct when it named none); D gets the notice either way."""
-        me = self.rank
-        checks: list[tuple[int, int, int, int]] = []
-        nbytes = sum(r.total_bytes for _, _, r in parts)
-        nruns = sum(r.num_runs for _, _, r in parts)
-        if job.verify:
-            for sp, dp, runs in parts:
-                crcs = crc_runs(self.regions[sp].tensor, runs.src_offsets, runs.lengths)
-                checks.extend((dp, int(o), int(n), crc)
-                              for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs, strict=True))
-        notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
-        route = route_of(job.routes, dst.rank, me)
-        path = route.path if route is not None else "direct"
-        slot = None
-        if path == "bounce" and route is not None and dst.staging is not None:
-            slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
-        if path == "ipc":
-            self._map(agent, dst)
-        post = self.transport.post(agent, [(self.regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts],
-                                   writer=me, tag=encode(notice), path=path, slot=slot,
-                                   pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
-        if post.state is not PostState.FAILED:
-            if path != "direct":
-                self.stats.add(f"{path}_bytes", nbytes)
-        send.groups.append(_Group(agent, dst.rank, post))
-        self.stats.add("send_bytes", nbytes)
-        self.stats.add_pair_bytes("send", me, dst.rank, nbytes)
-        self.stats.add("send_runs", nruns)
-
-    def _map(self, agent: str, dst: RankPayload) -> None:
-        """Map ``dst``'s exported pools here once (ipc route); a failure leaves them unmapped and the post then
-        fails naming why (D armed its receive for the ipc path: no other path may be taken)."""
-        if self.transport.mapped(agent) or not dst.ipc:
-            return
-        try:
-            self.transport.map_peer(agent, [e.to_dict() for e in dst.ipc], self.regions[0].tensor.device)
-            logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
-                        len(dst.ipc), dst.engine_id, dst.rank)
-        except Exception as e:  # noqa: BLE001 - the post fails with this reason
-            logger.error("DSAConnector %s: cannot map the KV pools of %s rank %d through CUDA IPC: %s",
-                         self.engine_id, dst.engine_id, dst.rank, e)
-
-    def _progress_sends(self) -> None:
-        """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread
-        (it would busy-poll a core the engine needs), so UCX copies only while someone polls; without
-        this the copy would wait for the next engine step."""
-        deadline = time.perf_counter() + _SPIN_S
-        while self._sends and time.perf_counter() < deadline:
-            self._poll_sends()
-
-    def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
-        try:
-            self.transport.notify(agent, self.rank, encode(Notice(d_req, self.rank, False, error=error[:500])))
-        except Exception as e:  # noqa: BLE001 - D times out instead
-            logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
+        self.send.release(meta.release)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         with self._lock:
-            self._poll_sends()
+            self.send.poll()
             self.recv.poll()
         done_recving, failed_recving = self.recv.take_results()
-        out = (self._done_sending, done_recving, failed_recving)
-        self._done_sending = set()
-        return out
-
-    def _poll_sends(self) -> None:
-        for req_id, send in list(self._sends.items()):
-            for group in list(send.groups):
-                if not self.transport.progress(group.post):
-                    continue
-                send.groups.remove(group)
-                for st in group.post.stats:
-                    self.stats.observe("transfer_s", st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds)
-                    if st.desc_count >= 0:
-                        self.stats.add("send_descriptors", st.desc_count)
-                if group.post.state is PostState.FAILED:  # every part is over: D may give up now
-                    logger.error("DSAConnector: %s", group.post.error)
-                    send.failed = True
-                    self._notify_failure(group.agent, send.dst_req, group.post.error)
-            if not send.groups:
-                del self._sends[req_id]
-                self.stats.add("send_failed" if send.failed else "send_ok")
-                if self._sent_reported.add(req_id):
-                    self._done_sending.add(req_id)
-        self._remove_retired()
+        return self.send.take_done(), done_recving, failed_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose checksum did not match (reported once)."""

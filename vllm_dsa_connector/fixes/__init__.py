@@ -10,7 +10,7 @@ know is left alone with a warning. ``VLLM_DSA_DISABLE_RUNTIME_FIXES=1`` turns al
 
 Fixes:
 
-* ``mtp-draft-token-map`` (:mod:`.mtp_token_map`): the MTP/EAGLE draft loop reuses the
+* ``mtp-draft-token-map`` (:mod:`.mtp_stale_caches`): the MTP/EAGLE draft loop reuses the
   target forward's token->request map (and num_computed_tokens) after rewriting the batch
   to one token per request.
 * ``cpu-pp-intermediate-tensors`` (:mod:`.pp_intermediate`): vLLM's CPU runner has no pipeline
@@ -100,7 +100,7 @@ def apply_runtime_fixes() -> tuple[FixReport, ...]:
             return tuple(FixReport(name, "disabled", version, "env") for name in FIX_NAMES)
         _install_guards(version)
         return (
-            _apply_mtp_token_map(version),
+            _apply_mtp_stale_caches(version),
             pp_intermediate.apply(version),
             deep_gemm_api.apply(version),
         )
@@ -121,11 +121,11 @@ def report_for(reports: Iterable[FixReport], name: str) -> FixReport:
     )
 
 
-def _apply_mtp_token_map(version: str) -> FixReport:
+def _apply_mtp_stale_caches(version: str) -> FixReport:
     """Probe, install and re-probe fix ``mtp-draft-token-map`` (caller holds the lock)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_dsa_connector.fixes import mtp_token_map as fix
+    from vllm_dsa_connector.fixes import mtp_stale_caches as fix
 
     if fix.is_installed(CommonAttentionMetadata):
         return FixReport(fix.FIX_NAME, "already-applied", version, "")
@@ -222,12 +222,12 @@ def revert_runtime_fixes() -> bool:
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_dsa_connector.fixes import deep_gemm_api, mtp_token_map, pp_intermediate
+    from vllm_dsa_connector.fixes import deep_gemm_api, mtp_stale_caches, pp_intermediate
     from vllm_dsa_connector.fixes import multi_connector as guard
 
     with _LOCK:
         changed = deep_gemm_api.revert()
-        changed = mtp_token_map.uninstall(CommonAttentionMetadata) or changed
+        changed = mtp_stale_caches.uninstall(CommonAttentionMetadata) or changed
         runner = pp_intermediate.runner_class()
         if runner is not None:
             changed = pp_intermediate.uninstall(runner) or changed

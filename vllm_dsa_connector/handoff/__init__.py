@@ -15,8 +15,10 @@ Reading order:
   estimate that turns D's give-up time into a deadline in P's clock.
 - :mod:`.side_channel`: the ZMQ server and client, the handshake (``fetch_payloads``) and the
   compatibility check that builds the transfer plan (``validate_peer``).
-- :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and :mod:`.consumer` (D: loads,
-  :class:`~.consumer.LoadState`): one state enum each, one method where transitions happen, the clock
+- :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and, for D, :mod:`.loads` (one load,
+  :class:`~.loads.LoadState`, and its give-up/release bounds), :mod:`.peers` (the P engines D knows: the
+  handshake, its retries, P's restarts) and :mod:`.consumer` (the loads driven: registrations,
+  heartbeats, cancels): one state enum per role, one method where transitions happen, the clock
   injected; :mod:`.states` checks every transition against the role's table.
 - :mod:`.settings`: the plain values both roles run on (an adapter maps its options onto them).
 

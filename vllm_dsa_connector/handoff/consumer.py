@@ -1,50 +1,18 @@
-"""The consumer (D) role: handshakes, registrations, give-up, heartbeats, cancels.
+"""The consumer (D) role: registrations, give-up, heartbeats, cancels of every load of one decode engine.
 
-Each request that takes its prompt's KV from P is a :class:`Loading` with an explicit
-:class:`LoadState`; every state change goes through :meth:`Loading.to`, which refuses a transition not in
-:data:`TRANSITIONS`. All calls come from one thread (the engine's scheduler): :meth:`Consumer.step`
-(background replies are collected there), :meth:`Consumer.register`, :meth:`Consumer.give_up` and
-:meth:`Consumer.finished`:
+All calls come from one thread (the engine's scheduler): :meth:`Consumer.step` (background replies are
+collected there), :meth:`Consumer.register`, :meth:`Consumer.give_up` and :meth:`Consumer.finished`.
+What one load is, its states and the bounds that keep a WRITE out of blocks D gave back live in
+:mod:`.loads` (:class:`~.loads.Loading`, :class:`~.loads.LoadState`); the P engines D knows, their
+handshakes, retries and restarts in :mod:`.peers` (:class:`~.peers.Peers`). The consumer drives both: it
+queues a request while it waits for its peer's handshake or for blocks (heartbeats keep P's lease alive
+meanwhile), sends the registration once blocks are paired, collects P's replies, gives up on timeout or
+abort (a cancel on the peer's control thread), and fails the loads of a P start that is gone
+(:meth:`Consumer._restarted`).
 
-    QUEUED (waiting for the handshake or for blocks; heartbeated)
-      -> REGISTERING (blocks allocated, registration sent) -> REGISTERED (P accepted)
-      -> (gone: every notice arrived, the workers report finished_recving)
-    REGISTERING / REGISTERED -> GIVING_UP (timeout, abort) -> FAILED (fail_recv sent to the workers)
-    REGISTERING -> FAILED (P refused the registration: it will never write it)
-    QUEUED -> (gone) when the request will not load (nothing was registered, nothing to wait for)
-
-A handshake that fails transiently (unanswered, P still starting, or an answer that is not P's signed reply
-to this request: an unsigned refusal, e.g. of a clock skew over the replay window or a secret P cannot
-check) is tried again while a request waits for it inside its transfer budget (``transfer_timeout_s`` from
-when it was queued); a refused peer (layout, engine id) fails its requests at once.
-
-Guarantee "no WRITE lands in blocks D gave back": D hands its blocks back to the engine only by reporting
-the request finished, and after a give-up it does so only when no WRITE can still arrive:
-
-- a registration carries ``post_deadline``, D's give-up time mapped to P's clock with a margin for the
-  clock estimate (``ClockEstimate.to_peer_before``): P posts nothing after it (see :mod:`.producer`);
-- D releases at once when P never got the registration by its own word (refused, or a cancel answered
-  ``not_posted``; P tombstones cancelled requests, so a registration arriving later is refused too);
-- otherwise D keeps the blocks until give-up time + P's write timeout (P's workers complete or abort a
-  posted WRITE within it) + :data:`SAFETY_MARGIN_S`. A P that is merely slow, stalled or unreachable
-  therefore costs D blocks for that bound, never corrupted KV.
-The residual assumption: monotonic clocks of the two hosts drift less than ``ClockEstimate.DRIFT``.
-
-Producer restarts (epochs). The handshake records the epoch of the P start that answered
-(``PeerMeta.epoch``); P's ``kv_transfer_params`` name the start that holds the lease (``remote_epoch``).
-D redoes the handshake (a fresh :class:`Peer`, the same control thread) when a request names another
-epoch than the handshake's (once per epoch it names), or when any reply of P (registration, heartbeat)
-comes from another epoch. When the new handshake settles on a new epoch, the loads of the old start fail
-(:meth:`Consumer._restarted`): queued ones at allocation, registered ones by the give-up rule above (P's
-new start never writes them; D still keeps their blocks until the write bound unless the start that took
-the registration confirms a cancel); a request naming an epoch that is not P's current one fails its load
-(its lease died with that start). D's payloads reach the new start with its first registration (P asks
-for them), and the workers get the new start's :class:`~.wire.PeerInfo` (scheduler's job).
-The staging slots of a failed load follow the same rule (:meth:`Consumer.writes_over_at`).
-
-Nothing grows without bound: a peer no load has used for ``peer_idle_s`` is forgotten
-(:meth:`Consumer.forget_idle`: its control thread stops, the workers drop it; its next request handshakes
-again), and a peer's unanswered heartbeats queue at most :data:`_HB_PENDING` deep.
+Nothing grows without bound: idle peers are forgotten (:meth:`Consumer.forget_idle`), at most
+:data:`_TAKEN` P requests are remembered as taken (:meth:`Consumer.taken_by`), and a peer's unanswered
+heartbeats queue at most :data:`_HB_PENDING` deep.
 """
 
 from __future__ import annotations
@@ -52,20 +20,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from vllm_dsa_connector.handoff.loads import (
+    SAFETY_MARGIN_S,
+    TRANSITIONS,
+    Loading,
+    LoadState,
+    RemoteParams,
+    parse_remote_params,
+    write_bound_s,
+)
 from vllm_dsa_connector.handoff.messages import (
-    MAX_ID_CHARS,
     MAX_REQS_PER_MESSAGE,
     Authenticator,
     CancelReq,
-    CancelState,
     HeartbeatReq,
     Origin,
     RegReq,
@@ -73,155 +45,30 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     new_epoch,
 )
+from vllm_dsa_connector.handoff.peers import Peer, PeerCheck, Peers
 from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import (
-    HandshakeError,
-    PeerMeta,
-    exchange,
-    fetch_payloads,
-    validate_peer,
-)
-from vllm_dsa_connector.handoff.states import Transitions
-from vllm_dsa_connector.handoff.wire import (
-    TRANSFER_MODE,
-    RankPayload,
-    RecvJob,
-    Routes,
-    encode,
-    max_block_id,
-)
+from vllm_dsa_connector.handoff.side_channel import exchange, validate_peer
+from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Routes
 
-if TYPE_CHECKING:
-    from vllm_dsa_connector.matching import PeerPlan
+__all__ = [
+    "SAFETY_MARGIN_S",
+    "TRANSITIONS",
+    "Consumer",
+    "LoadState",
+    "Loading",
+    "Peer",
+    "PeerCheck",
+    "RemoteParams",
+    "parse_remote_params",
+]
 
 logger = logging.getLogger(__name__)
 
-#: ``check(src_payloads, dst_payloads) -> plan``: refuses an incompatible peer, plans the transfer
-PeerCheck = Callable[[Sequence[RankPayload], Sequence[RankPayload]], "PeerPlan"]
-
-SAFETY_MARGIN_S = 1.0
-# A request inside its transfer budget tries an unanswered handshake again this soon (one attempt in flight per
-# peer): on a loaded host a P's side channel can stay unanswered past handshake_timeout_s (2 cores, CI: P's
-# engine starved), and one slow answer must not fail every request that was waiting for it.
-_RETRY_S = 0.5
 _TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings arrive within steps)
-_EPOCHS = 64  # epochs a peer's requests named that already caused a fresh handshake (remembered per peer)
 # Heartbeats of one peer still unanswered (its control thread is behind, P is slow or gone): beyond this no new
 # one is queued for it (each waits handshake_timeout_s; a queue growing every heartbeat_s would never drain).
 _HB_PENDING = 64
-
-
-class RemoteParams(msgspec.Struct, frozen=True):
-    """The ``kv_transfer_params`` P handed out (through the proxy: untrusted, checked)."""
-
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    remote_block_ids: list[int]
-    remote_num_tokens: int
-    remote_token: str
-    transfer_mode: str = TRANSFER_MODE
-    remote_epoch: int = 0  # the P start holding the lease (0: not named)
-
-    @property
-    def ref(self) -> ReqRef:
-        return ReqRef(self.remote_request_id, self.remote_token)
-
-
-def parse_remote_params(params: dict[str, Any]) -> RemoteParams:
-    """Typed params; ``ValueError`` naming the problem."""
-    fields = {k: params[k] for k in RemoteParams.__struct_fields__ if k in params}
-    try:
-        rp = msgspec.convert(fields, RemoteParams)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"malformed kv_transfer_params: {e}") from None
-    if not 0 < rp.remote_port < 65536:
-        raise ValueError(f"remote_port {rp.remote_port} out of range")
-    if not 0 <= rp.remote_epoch < 1 << 63:
-        raise ValueError(f"remote_epoch {rp.remote_epoch} out of range (0..2**63-1)")
-    if rp.remote_num_tokens < 0 or any(b < 0 for b in rp.remote_block_ids):
-        raise ValueError("negative remote_num_tokens or block id")
-    for name in ("remote_engine_id", "remote_request_id", "remote_token"):
-        # P refuses a whole heartbeat or cancel naming one id it cannot take: never let one through
-        if not 0 < len(getattr(rp, name)) <= MAX_ID_CHARS:
-            raise ValueError(f"{name} must be 1..{MAX_ID_CHARS} characters, got {len(getattr(rp, name))}")
-    return rp
-
-
-class LoadState(Enum):
-    """Where one D request's KV load stands."""
-
-    QUEUED = "queued"
-    REGISTERING = "registering"
-    REGISTERED = "registered"
-    GIVING_UP = "giving_up"
-    FAILED = "failed"
-
-
-#: Every legal load transition; anything else is a bug and raises :class:`~.states.IllegalTransition`.
-TRANSITIONS: dict[LoadState, frozenset[LoadState]] = {
-    LoadState.QUEUED: frozenset({LoadState.REGISTERING}),
-    LoadState.REGISTERING: frozenset({LoadState.REGISTERED, LoadState.GIVING_UP, LoadState.FAILED}),
-    LoadState.REGISTERED: frozenset({LoadState.GIVING_UP}),
-    LoadState.GIVING_UP: frozenset({LoadState.FAILED}),
-    LoadState.FAILED: frozenset(),
-}
-_LOADS = Transitions("load", TRANSITIONS)
-
-
-@dataclass
-class Peer:
-    """One producer engine, as learnt by the handshake."""
-
-    host: str
-    port: int
-    future: Future | None = None
-    meta: PeerMeta | None = None
-    plan: PeerPlan | None = None  # the transfer plan the handshake built (validate_peer)
-    payloads: list[bytes] = field(default_factory=list)
-    expected: dict[int, list[int]] = field(default_factory=dict)
-    max_block: int = 0
-    error: str | None = None
-    failed_at: float = 0.0  # when a transient handshake failure happened (0: refused, never retried)
-    control: ThreadPoolExecutor | None = None  # cancels and heartbeats to this peer only
-    started_at: float = 0.0  # the current handshake attempt
-    attempt: int = 1
-    stale: str = ""  # a reply came from another start of P than the handshake's: redo it (why)
-    epochs_asked: set[int] = field(default_factory=set)  # request epochs that already caused a fresh handshake
-    last_used: float = 0.0  # the last step a request used this peer (idle peers are forgotten)
-    warned: set[str] = field(default_factory=set)  # caps already logged for this peer (once each)
-
-    @property
-    def retryable(self) -> bool:
-        """The last handshake failed transiently (no answer, or P still starting): another may succeed."""
-        return bool(self.error and self.failed_at)
-
-
-@dataclass
-class Loading:
-    """One request loading its prompt's KV from P."""
-
-    engine: str
-    ref: ReqRef
-    state: LoadState = LoadState.QUEUED
-    give_up_at: float = 0.0
-    release_at: float = 0.0  # registered: no WRITE lands after this (GIVING_UP: reported finished by then)
-    reason: str = ""
-    reg: Future | None = None
-    reg_body: RegReq | None = None
-    cancel: Future | None = None
-    slots: Held = field(default_factory=list)  # staging slots its routes hold (RoutePlanner.free)
-    req_id: str = ""
-    queued_at: float = 0.0  # the request's transfer budget (transfer_timeout_s) runs from here
-    error: str = ""  # QUEUED: P refused a heartbeat for it, or restarted (its lease is not kept); the load fails
-    epoch: int = 0  # the P start holding the lease (the params' remote_epoch, else the handshake's when queued)
-
-    def to(self, new: LoadState) -> None:
-        """The one place a load changes state (:class:`~.states.IllegalTransition` if ``new`` is not
-        allowed)."""
-        self.state = _LOADS.step(self.req_id, self.state, new)
 
 
 class Consumer:
@@ -236,21 +83,24 @@ class Consumer:
         self.origin = Origin(engine_id, self.epoch)
         self._on_reply = on_reply  # a handshake or registration finished on a background thread
         self.settings = settings
-        self.check_peer = check_peer
         self.auth = auth
         self.clock = clock
-        self._local = local_payloads
         self._local_encoded = local_encoded
-        self.peers: dict[str, Peer] = {}
+        self.producers = Peers(engine_id, settings, auth, self.origin, local_payloads, clock, check_peer,
+                               self._notifying, self._restarted)
         self.loads: dict[str, Loading] = {}
-        self._handshakes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-handshake")
         self._regs = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsa-register")
         self._last_hb = 0.0
         self._heartbeats: list[tuple[str, list[ReqRef], Future]] = []  # (engine, refs, reply) in flight
         self._taken: OrderedDict[tuple[str, str], str] = OrderedDict()  # (P engine, P request) -> D request
         self.heartbeats_refused = 0  # heartbeats P answered with a refusal (each an error, logged)
 
-    # ------------------------------------------------------------ handshake
+    @property
+    def peers(self) -> dict[str, Peer]:
+        """The P engines this D knows, by engine id (:attr:`.peers.Peers.by_engine`)."""
+        return self.producers.by_engine
+
+    # ------------------------------------------------------------ peers
 
     def _notifying(self, fut: Future) -> Future:
         """``fut``, calling ``on_reply`` once it is done (the engine's idle pause ends: its next step reads it)."""
@@ -259,97 +109,26 @@ class Consumer:
             fut.add_done_callback(lambda _f: on_reply())
         return fut
 
-    def _handshake(self, peer: Peer) -> tuple[PeerMeta, PeerPlan]:
-        meta = fetch_payloads(peer.host, peer.port, self.settings.handshake_timeout_s, self.auth, self.origin)
-        return meta, self.check_peer(meta.payloads, self._local())
-
     def peer(self, engine: str, host: str, port: int, waiting_since: float | None = None, epoch: int = 0) -> Peer:
-        """The peer (its handshake started on first use). After a transient failure (no answer, or P still
-        starting) the handshake is tried again ``_RETRY_S`` later for a request queued at ``waiting_since``
-        whose transfer budget is not spent (:meth:`patient`). A fresh handshake also starts when a reply came
-        from another start of P (``stale``) or a request names a P start (``epoch``) the handshake did not
-        answer from, once per such epoch."""
-        now = self.clock()
-        peer = self.peers.get(engine)
-        attempt = 1
-        asked: set[int] = set()
-        if peer is not None and peer.retryable and self.patient(waiting_since) and now - peer.failed_at >= _RETRY_S:
-            attempt, peer = peer.attempt + 1, None
-        elif peer is not None and peer.future is None and peer.meta is not None and (
-                peer.stale or (epoch and epoch != peer.meta.epoch and epoch not in peer.epochs_asked)):
-            why = peer.stale or f"a request names its epoch {epoch:016x}, the handshake's is {peer.meta.epoch:016x}"
-            logger.warning("DSAConnector %s: P %s at %s:%d restarted? %s; redoing the handshake", self.engine_id,
-                           engine, host, port, why)
-            asked = set(peer.epochs_asked) if len(peer.epochs_asked) < _EPOCHS else set()
-            if epoch:
-                asked.add(epoch)
-            peer = None
-        if peer is None:
-            peer = Peer(host, port, started_at=now, attempt=attempt, epochs_asked=asked)
-            peer.control = (self.peers[engine].control if engine in self.peers else
-                            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-control"))
-            peer.future = self._notifying(self._handshakes.submit(self._handshake, peer))
-            self.peers[engine] = peer
-        if peer.future is not None and peer.future.done():
-            self._settle_handshake(engine, peer, peer.future, now)
-        peer.last_used = now
-        return peer
+        """The peer, its handshake started, retried or redone as :meth:`.peers.Peers.peer` says."""
+        return self.producers.peer(engine, host, port, waiting_since, epoch)
 
     def forget_idle(self) -> list[str]:
         """Forget the peers no load has used for ``peer_idle_s`` (no handshake, heartbeat or load in
         flight): their control thread stops once its queued cancels went out, and the returned engines are
         the ones the workers must drop (their plan). A later request to such an engine handshakes again;
         without this every P ever seen (each restart is a new engine) would keep a thread and its state."""
-        now = self.clock()
         busy = {load.engine for load in self.loads.values()} | {engine for engine, _, _ in self._heartbeats}
-        gone = []
-        for engine, peer in list(self.peers.items()):
-            if engine in busy or peer.future is not None:
-                peer.last_used = now
-            elif now - peer.last_used >= self.settings.peer_idle_s:
-                del self.peers[engine]
-                if peer.control is not None:
-                    peer.control.shutdown(wait=False)
-                gone.append(engine)
-                logger.info("DSAConnector %s: peer %s (%s:%d) idle for %.0f s: forgotten", self.engine_id, engine,
-                            peer.host, peer.port, now - peer.last_used)
-        return gone
+        return self.producers.forget_idle(busy)
 
     def patient(self, waiting_since: float | None) -> bool:
         """Whether a request queued at ``waiting_since`` may still wait for a handshake to be retried."""
-        return waiting_since is not None and self.clock() - waiting_since < self.settings.transfer_timeout_s
+        return self.producers.patient(waiting_since)
 
     def waits_for(self, peer: Peer, waiting_since: float) -> bool:
         """Whether a request queued at ``waiting_since`` should ask again later: the handshake is in flight,
         or it went unanswered and will be retried inside the request's transfer budget."""
-        return peer.future is not None or (peer.retryable and self.patient(waiting_since))
-
-    def _settle_handshake(self, engine: str, peer: Peer, done: Future, now: float) -> None:
-        host, port = peer.host, peer.port
-        took = now - peer.started_at
-        try:
-            peer.meta, peer.plan = done.result()
-            if peer.meta.engine_id != engine:
-                raise HandshakeError(f"DSAConnector peer {host}:{port} is engine {peer.meta.engine_id!r}, "
-                                     f"kv_transfer_params name {engine!r}")
-            peer.payloads = [encode(p) for p in peer.meta.payloads]
-            peer.expected = {p.rank: list(peer.plan.senders_for(p.rank)) for p in self._local()}
-            peer.max_block = max_block_id(peer.meta.payloads)
-            logger.info("DSAConnector %s: handshake with %s (epoch %016x) done in %.2f s (attempt %d; %d workers, "
-                        "plan %s)", self.engine_id, engine, peer.meta.epoch, took, peer.attempt, len(peer.payloads),
-                        peer.expected)
-            self._restarted(engine, peer.meta.epoch)
-        except HandshakeError as e:
-            peer.error = str(e)
-            # an unreachable or starting peer may come back; a refused layout will not
-            peer.failed_at = now if e.transient else 0.0
-            logger.error("%s (attempt %d, after %.2f s%s)", e, peer.attempt, took,
-                         "; waiting requests retry within their transfer budget" if e.transient else "")
-        except Exception as e:  # noqa: BLE001 - any handshake bug becomes a load failure, not a crash
-            peer.error = f"DSAConnector handshake with {engine} failed: {e!r}"
-            peer.failed_at = now
-            logger.exception("DSAConnector handshake with %s failed", engine)
-        peer.future = None
+        return self.producers.waits_for(peer, waiting_since)
 
     def _restarted(self, engine: str, epoch: int) -> None:
         """The handshake with ``engine`` settled on start ``epoch``: the loads whose lease another start of it
@@ -364,15 +143,6 @@ class Consumer:
                 load.error = load.error or reason
             elif load.state in (LoadState.REGISTERING, LoadState.REGISTERED):
                 self.give_up(req_id, reason)
-
-    def _check_sender(self, engine: str, sender: Origin) -> None:
-        """A reply of ``engine`` from another start than the handshake's: the next :meth:`peer` redoes it."""
-        peer = self.peers.get(engine)
-        if (peer is not None and peer.meta is not None and not peer.stale and sender.engine_id == engine
-                and sender.epoch != peer.meta.epoch):
-            peer.stale = (f"a reply came from its epoch {sender.epoch:016x}, the handshake's is "
-                          f"{peer.meta.epoch:016x}")
-            logger.warning("DSAConnector %s: P %s: %s (restarted?)", self.engine_id, engine, peer.stale)
 
     # ------------------------------------------------------------ requests
 
@@ -454,17 +224,13 @@ class Consumer:
 
     def _release_bound(self, peer: Peer | None) -> float:
         write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
-        return self.settings.transfer_timeout_s + max(write, self.settings.transfer_timeout_s) + SAFETY_MARGIN_S
+        return self.settings.transfer_timeout_s + write_bound_s(write, self.settings.transfer_timeout_s)
 
     def writes_over_at(self, load: Loading) -> float:
-        """From when no WRITE of P can land in this load's blocks or staging slots: at once for a FAILED
-        load (P refused it, confirmed ``not_posted``, or the bound passed: the only ways there) or a cancel
-        P answered ``not_posted``; else the load's release bound (give-up time + P's write timeout +
-        :data:`SAFETY_MARGIN_S`). The workers may report a load failed before the scheduler gave up on it
-        (a writer's failure notice, a bad notice): its slots wait for this bound, never for less."""
-        if load.state is LoadState.FAILED or self._cancel_confirmed(load):
-            return 0.0
-        return load.release_at
+        """From when no WRITE of P can land in this load's blocks or staging slots
+        (:meth:`.loads.Loading.writes_over_at`). The workers may report a load failed before the scheduler
+        gave up on it (a writer's failure notice, a bad notice): its slots wait for this bound, never for less."""
+        return load.writes_over_at()
 
     def give_up(self, req_id: str, reason: str) -> None:
         """Stop waiting for P: cancel there, hand the blocks back once no WRITE can land in them."""
@@ -480,7 +246,7 @@ class Consumer:
         load.to(LoadState.GIVING_UP)
         load.reason = reason
         write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
-        load.release_at = load.give_up_at + max(write, self.settings.transfer_timeout_s) + SAFETY_MARGIN_S
+        load.release_at = load.give_up_at + write_bound_s(write, self.settings.transfer_timeout_s)
         load.cancel = self.cancel(load.engine, [load.ref])
 
     def cancel(self, engine: str, refs: list[ReqRef]) -> Future | None:
@@ -516,7 +282,7 @@ class Consumer:
 
     def known_peer(self, engine: str) -> Peer | None:
         """P ``engine``'s record as it stands, without starting or redoing its handshake (:meth:`peer` does)."""
-        return self.peers.get(engine)
+        return self.producers.get(engine)
 
     def finished(self, req_id: str) -> Loading | None:
         """The workers reported the request (loaded or failed): forget it."""
@@ -539,7 +305,7 @@ class Consumer:
                     else:
                         self.give_up(req_id, f"registration unanswered: {e}")
                     continue
-                self._check_sender(load.engine, sender)
+                self.producers.check_sender(load.engine, sender)
                 if reply.ok:
                     load.to(LoadState.REGISTERED)
                 else:  # P refused: it will never write this registration
@@ -549,21 +315,11 @@ class Consumer:
             if load.state in (LoadState.REGISTERING, LoadState.REGISTERED) and now >= load.give_up_at:
                 self.give_up(req_id, f"no KV after {self.settings.transfer_timeout_s:.1f} s")
             if load.state is LoadState.GIVING_UP:
-                if self._cancel_confirmed(load):
+                if load.cancel_confirmed():
                     self._fail(fail, req_id, load, load.reason + " (P confirmed nothing was written)")
                 elif now >= load.release_at:
                     self._fail(fail, req_id, load, load.reason + " (write bound passed)")
         self._heartbeat(now)
-
-    @staticmethod
-    def _cancel_confirmed(load: Loading) -> bool:
-        """P's start that holds the lease said nothing was or will be posted (another start's word, e.g. of a
-        P restarted on the same port, is not: it never knew the registration)."""
-        if load.cancel is None or not load.cancel.done() or load.cancel.exception() is not None:
-            return False
-        reply, sender = load.cancel.result()
-        return (reply.ok and reply.states.get(load.ref.p_req) == CancelState.NOT_POSTED
-                and (not load.epoch or sender.epoch == load.epoch))
 
     @staticmethod
     def _fail(fail: dict[str, str], req_id: str, load: Loading, reason: str) -> None:
@@ -617,7 +373,7 @@ class Consumer:
             except Exception as e:  # noqa: BLE001 - unanswered (HandshakeError) or cancelled at shutdown
                 logger.warning("DSAConnector heartbeat of %d requests to %s: %s", len(refs), engine, e)
                 continue
-            self._check_sender(engine, sender)
+            self.producers.check_sender(engine, sender)
             if reply.ok:
                 continue
             self.heartbeats_refused += 1
@@ -632,5 +388,5 @@ class Consumer:
 
     def shutdown(self) -> None:
         """Stop background threads."""
-        for pool in [self._handshakes, self._regs] + [p.control for p in self.peers.values() if p.control]:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._regs.shutdown(wait=False, cancel_futures=True)
+        self.producers.shutdown()

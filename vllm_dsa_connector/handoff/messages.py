@@ -13,7 +13,7 @@ size cap, :data:`MAX_MESSAGE_BYTES`, comes first).
 Every envelope names its sender (:class:`Origin`: the engine id and the *epoch*, a random 63-bit id drawn once
 per engine start, :func:`new_epoch`), so a peer learns when the engine behind an id restarted: a producer
 replaces its record of a consumer whose registration comes from a new epoch (:mod:`.producer`), a consumer
-redoes the handshake with a producer whose epoch changed (:mod:`.consumer`).
+redoes the handshake with a producer whose epoch changed (:mod:`.peers`).
 
 Authentication (optional, ``auth_secret``): the envelope carries an HMAC-SHA256 over fixed-size and
 length-prefixed fields (direction, protocol version, wall-clock timestamp, a random nonce, the nonce of

@@ -1,7 +1,7 @@
 """The one transition check of the handoff's state machines (P's leases, D's loads).
 
 Each role states its machine once, as a table of the transitions it allows
-(``producer.TRANSITIONS``, ``consumer.TRANSITIONS``), and changes a request's state only through
+(``producer.TRANSITIONS``, ``loads.TRANSITIONS``), and changes a request's state only through
 :meth:`Transitions.step`, which refuses any other transition with :class:`IllegalTransition` naming the
 request, both states and the ones allowed from the old state. A refused transition is a bug in this
 package, never the effect of peer input: peer input is checked before it reaches a state change.

@@ -1,4 +1,4 @@
-"""Runtime fix: stale token->request map in vLLM's MTP/EAGLE draft loop.
+"""Runtime fix: stale metadata caches (token->request map, computed tokens) in vLLM's MTP/EAGLE draft loop.
 
 vLLM 0.32's (and 0.33's) ``CommonAttentionMetadata.token_to_req_indices`` caches the map in
 ``_token_to_req_indices_cache``. The V1 proposer (``v1/spec_decode/llm_base_proposer.py``)
@@ -14,7 +14,7 @@ at run time:
   ``query_start_loc`` and the CPU token total) is host metadata, so checking it reads no
   device memory; the key is stored on the cached tensor, so it travels with the cache
   through ``replace()``/``copy()`` and is compared against the copy's own fields. A miss
-  rebuilds the map with :func:`~vllm_dsa_connector.fixes.token_map.compute_token_to_req_indices`
+  rebuilds the map with :func:`~vllm_dsa_connector.fixes.token_to_req_indices.compute_token_to_req_indices`
   (one device ``searchsorted``, CUDA-graph safe). For the target forward the key always
   matches, and the map has the same values as vLLM's kernel.
 * ``compute_num_computed_tokens`` is recomputed on every call: the drafter also advances
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.fixes.token_map import compute_token_to_req_indices
+from vllm_dsa_connector.fixes.token_to_req_indices import compute_token_to_req_indices
 
 FIX_NAME = "mtp-draft-token-map"
 # Fields of CommonAttentionMetadata the fixed methods read or write. A class without one of

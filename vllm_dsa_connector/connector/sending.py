@@ -1,0 +1,307 @@
+"""Send side of a DSAConnector worker (P): push jobs become posts of the transport, polled until done.
+
+A :class:`SendSide` is owned by :class:`~.worker.DSAConnectorWorker` (composition), as
+:class:`~.receiving.ReceiveSide` is for D: the worker hands it what it shares (the NIXL engine, the stats,
+its rank, KV pool regions and handshake payload, the records of the engines it writes to) and delegates
+P's calls to it (:meth:`SendSide.push`, :meth:`SendSide.progress`, :meth:`SendSide.poll`,
+:meth:`SendSide.release`, :meth:`SendSide.take_done`). Every NIXL call it makes happens under the
+worker's lock (the worker takes it around each of these calls).
+
+A ``PushJob`` becomes, per destination rank this rank feeds in the plan, one post of the transport
+(:class:`~vllm_dsa_connector.transport.routed.RoutedTransport`, along the route D named for the pair:
+direct, bounce through D's staging slot, or CUDA IPC into D's exported pools; polled from the engine's
+steps; never after the job's post deadline) whose tag is a
+:class:`~vllm_dsa_connector.handoff.wire.Notice` (bytes, runs, and with ``verify_transfers`` a CRC32 per
+run): D gets it once the data landed. The job's post deadline is checked before every destination rank's
+post and, inside the transport, before every WRITE (after any staging wait). ``finished_sending`` is
+reported once, when every WRITE of the request completed, failed or was aborted; a failure notice goes
+only when no part of that destination's post is in flight any more.
+
+Retired agents: the NIXL remote agents of a destination's replaced start (or of a forgotten one) are
+removed only once no post of this side uses them any more (:meth:`SendSide.remove_retired`; removing one
+earlier would abort that WRITE).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from vllm.logger import init_logger
+
+from vllm_dsa_connector.connector.pool_bytes import crc_runs
+from vllm_dsa_connector.connector.receiving import ReportedIds
+from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
+from vllm_dsa_connector.transport.regions import RegionDesc
+from vllm_dsa_connector.transport.routed import RoutedTransport
+from vllm_dsa_connector.transport.runs import Runs
+from vllm_dsa_connector.transport.staging import StagingSlot
+from vllm_dsa_connector.transport.transports import Post, PostState
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
+    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.transport.engine import NixlEngine, Region
+    from vllm_dsa_connector.transport.staging import StagingArena
+
+logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+
+_SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
+
+
+class DestRecord(Protocol):
+    """What P knows of an engine it writes to (the worker's record of that peer start)."""
+
+    @property
+    def payloads(self) -> list[RankPayload]:
+        """The peer's worker payloads (their regions, staging and IPC exports)."""
+
+    @property
+    def agents(self) -> dict[int, str]:
+        """Rank -> the NIXL remote agent loaded for it."""
+
+    @property
+    def plan(self) -> PeerPlan | None:
+        """The transfer plan from this engine to the peer (None: the peer was refused)."""
+
+    @property
+    def error(self) -> str:
+        """Why the peer was refused (``""``: it was not)."""
+
+    @property
+    def epoch(self) -> int:
+        """The peer start these payloads belong to."""
+
+
+@dataclass
+class _Group:
+    """The post of one request to one destination rank (the transport notifies D once it is DONE; a
+    failure notice goes once no part of it is in flight any more)."""
+
+    agent: str
+    rank: int
+    post: Post
+
+
+@dataclass
+class _Send:
+    """One request's push: its posts, one per destination rank, until every one is over."""
+
+    req_id: str
+    dst_req: str
+    groups: list[_Group] = field(default_factory=list)
+    failed: bool = False
+
+
+class SendSide:
+    """P's sending for one worker rank: posts each ``PushJob`` (:meth:`push`), polls the posts
+    (:meth:`poll`), sends failure notices, and keeps the requests to report as ``finished_sending``.
+
+    ``nixl``: the worker's NIXL engine; ``stats``: the worker's stats; ``transfer_timeout_s``: the
+    transport's WRITE timeout; ``engine_id``: names this engine in logs; ``rank``, ``regions`` and
+    ``payload``: this rank, its registered KV pools and its handshake payload (read when needed: known only
+    once the worker registered its caches); ``remotes``: the worker's records of the engines it writes to,
+    by engine id (the worker keeps them current).
+    """
+
+    def __init__(self, nixl: NixlEngine, stats: DSAKVConnectorStats, transfer_timeout_s: float, *,
+                 engine_id: str, rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
+                 payload: Callable[[], RankPayload | None], remotes: Mapping[str, DestRecord]) -> None:
+        self.nixl = nixl
+        self.stats = stats
+        self.engine_id = engine_id
+        self._rank = rank
+        self._regions = regions
+        self._payload = payload
+        self.remotes = remotes
+        self.reported = ReportedIds()  # requests reported to vLLM (finished_sending), each once
+        self.transfer_timeout_s = transfer_timeout_s
+        self.transport = RoutedTransport(nixl, transfer_timeout_s)  # replaced by attach_arena at register
+        self._sends: dict[str, _Send] = {}
+        self._done: set[str] = set()  # finished_sending since the last take_done
+        self.retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
+
+    def attach_arena(self, arena: StagingArena | None, reserve_timeout_s: float) -> None:
+        """The transport this side posts with: bounced posts stage through ``arena`` (None: no bouncing),
+        waiting up to ``reserve_timeout_s`` for room in it."""
+        self.transport = RoutedTransport(self.nixl, self.transfer_timeout_s, arena=arena,
+                                         reserve_timeout_s=reserve_timeout_s)
+
+    # ---------------------------------------------------------------- retired agents
+
+    def retire(self, agents: Iterable[str]) -> None:
+        """These remote agents belong to a replaced or forgotten peer start: remove them once no post uses
+        them (:meth:`remove_retired`)."""
+        self.retired.update(agents)
+
+    def reclaim(self, agent: str) -> bool:
+        """Take a retired ``agent`` back when it is still loaded (a new record names it again): True if so."""
+        if agent in self.retired and agent in self.nixl.peers:
+            self.retired.discard(agent)
+            return True
+        return False
+
+    def remove_retired(self) -> None:
+        """Remove the retired NIXL agents no post of this worker uses any more."""
+        if not self.retired:
+            return
+        busy = {g.agent for send in self._sends.values() for g in send.groups}
+        for agent in sorted(self.retired - busy):
+            self.transport.unmap_peer(agent)
+            self.nixl.remove_peer(agent)
+            self.retired.discard(agent)
+            logger.info("DSAConnector %s: removed NIXL remote agent %s (its engine restarted)", self.engine_id, agent)
+
+    # ---------------------------------------------------------------- per step
+
+    def push(self, job: PushJob) -> None:
+        """Post ``job`` to every destination rank this rank feeds, or fail it (late, unknown or refused
+        peer, another start's registration): a failed push is still reported as finished_sending once."""
+        send = _Send(job.req_id, job.dst_req_id)
+        self._sends[job.req_id] = send
+        if time.monotonic() >= job.post_deadline:
+            # D has given up (or will before a WRITE could land): posting now could hit reused blocks
+            logger.error("DSAConnector: push of %s reached the workers after its post deadline; not writing",
+                         job.req_id)
+            send.failed = True
+            self.stats.add("send_late")
+            return
+        remote = self.remotes.get(job.dst_engine)
+        if remote is None or remote.error or remote.plan is None:
+            logger.error("DSAConnector: cannot push %s to %s: %s", job.req_id, job.dst_engine,
+                         (remote.error or "no plan") if remote else "unknown peer")
+            send.failed = True
+            return
+        if job.dst_epoch and job.dst_epoch != remote.epoch:
+            # registered by another start of that engine: its blocks are not the current start's
+            logger.error("DSAConnector: not pushing %s to %s: registered by its start %016x, this worker knows "
+                         "%016x (restarted)", job.req_id, job.dst_engine, job.dst_epoch, remote.epoch)
+            send.failed = True
+            return
+        plan = remote.plan
+        me = self._payload()
+        assert me is not None, "register_kv_caches first"
+        for dst in remote.payloads:
+            if dst.rank not in remote.agents:  # never silently "sent": D would wait for bytes that never come
+                logger.error("DSAConnector: cannot push %s to %s rank %d: no NIXL agent of that rank is loaded",
+                             job.req_id, job.dst_engine, dst.rank)
+                send.failed = True
+                continue
+            agent = remote.agents[dst.rank]
+            if (now := time.monotonic()) >= job.post_deadline:
+                # an earlier rank's post (its staging wait) took the job past the deadline: no later rank posts
+                logger.error("DSAConnector: push of %s to %s rank %d: post deadline passed %.3f s ago; not "
+                             "writing", job.req_id, job.dst_engine, dst.rank, now - job.post_deadline)
+                send.failed = True
+                self.stats.add("send_late")
+                self._notify_failure(agent, job.dst_req_id, "P's post deadline passed before the post")
+                continue
+            try:
+                parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks, first_token=job.first_token,
+                                  num_tokens=job.num_tokens)
+                if parts:
+                    self._write(job, send, dst, agent, parts)
+            except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
+                logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
+                             dst.rank, e)
+                send.failed = True
+                self._notify_failure(agent, job.dst_req_id, str(e))
+
+    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str,
+               parts: list[tuple[int, int, Runs]]) -> None:
+        """Post one writer's parts (one per (source pool, destination pool)) along the route D chose for the
+        pair (direct when it named none); D gets the notice either way."""
+        me = self._rank()
+        regions = self._regions()
+        checks: list[tuple[int, int, int, int]] = []
+        nbytes = sum(r.total_bytes for _, _, r in parts)
+        nruns = sum(r.num_runs for _, _, r in parts)
+        if job.verify:
+            for sp, dp, runs in parts:
+                crcs = crc_runs(regions[sp].tensor, runs.src_offsets, runs.lengths)
+                checks.extend((dp, int(o), int(n), crc)
+                              for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs, strict=True))
+        notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
+        route = route_of(job.routes, dst.rank, me)
+        path = route.path if route is not None else "direct"
+        slot = None
+        if path == "bounce" and route is not None and dst.staging is not None:
+            slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
+        if path == "ipc":
+            self._map(agent, dst)
+        post = self.transport.post(agent, [(regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts],
+                                   writer=me, tag=encode(notice), path=path, slot=slot,
+                                   pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
+        if post.state is not PostState.FAILED:
+            if path != "direct":
+                self.stats.add(f"{path}_bytes", nbytes)
+        send.groups.append(_Group(agent, dst.rank, post))
+        self.stats.add("send_bytes", nbytes)
+        self.stats.add_pair_bytes("send", me, dst.rank, nbytes)
+        self.stats.add("send_runs", nruns)
+
+    def _map(self, agent: str, dst: RankPayload) -> None:
+        """Map ``dst``'s exported pools here once (ipc route); a failure leaves them unmapped and the post then
+        fails naming why (D armed its receive for the ipc path: no other path may be taken)."""
+        if self.transport.mapped(agent) or not dst.ipc:
+            return
+        try:
+            self.transport.map_peer(agent, [e.to_dict() for e in dst.ipc], self._regions()[0].tensor.device)
+            logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
+                        len(dst.ipc), dst.engine_id, dst.rank)
+        except Exception as e:  # noqa: BLE001 - the post fails with this reason
+            logger.error("DSAConnector %s: cannot map the KV pools of %s rank %d through CUDA IPC: %s",
+                         self.engine_id, dst.engine_id, dst.rank, e)
+
+    def progress(self) -> None:
+        """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread
+        (it would busy-poll a core the engine needs), so UCX copies only while someone polls; without
+        this the copy would wait for the next engine step."""
+        deadline = time.perf_counter() + _SPIN_S
+        while self._sends and time.perf_counter() < deadline:
+            self.poll()
+
+    def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
+        rank = self._rank()
+        try:
+            self.transport.notify(agent, rank, encode(Notice(d_req, rank, False, error=error[:500])))
+        except Exception as e:  # noqa: BLE001 - D times out instead
+            logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
+
+    def poll(self) -> None:
+        """Progress every post; a request whose posts are all over is finished_sending (once), a failed post
+        sends its failure notice; then remove the retired agents no post uses any more."""
+        for req_id, send in list(self._sends.items()):
+            for group in list(send.groups):
+                if not self.transport.progress(group.post):
+                    continue
+                send.groups.remove(group)
+                for st in group.post.stats:
+                    self.stats.observe("transfer_s", st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds)
+                    if st.desc_count >= 0:
+                        self.stats.add("send_descriptors", st.desc_count)
+                if group.post.state is PostState.FAILED:  # every part is over: D may give up now
+                    logger.error("DSAConnector: %s", group.post.error)
+                    send.failed = True
+                    self._notify_failure(group.agent, send.dst_req, group.post.error)
+            if not send.groups:
+                del self._sends[req_id]
+                self.stats.add("send_failed" if send.failed else "send_ok")
+                if self.reported.add(req_id):
+                    self._done.add(req_id)
+        self.remove_retired()
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        """P's scheduler released these leases without a push (expired): report each as finished_sending
+        once, unless a push of it is still in flight (:meth:`poll` reports that one)."""
+        for req_id in req_ids:
+            if req_id not in self._sends and self.reported.add(req_id):
+                self.stats.add("send_expired")
+                self._done.add(req_id)
+
+    def take_done(self) -> set[str]:
+        """The requests finished_sending since the last call."""
+        out, self._done = self._done, set()
+        return out
