@@ -69,8 +69,8 @@ from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
 from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings  # noqa: E402
 from vllm_dsa_connector.transport.ipc import device_uuid, export_region, host_id  # noqa: E402
 from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
+from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc  # noqa: E402
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
-from vllm_dsa_connector.transport.regions import Region, RegionDesc  # noqa: E402
 from vllm_dsa_connector.transport.routed import RoutedTransport  # noqa: E402
 from vllm_dsa_connector.transport.runs import packed_offsets  # noqa: E402
 from vllm_dsa_connector.transport.slots import SlotAllocator  # noqa: E402

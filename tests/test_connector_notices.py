@@ -204,7 +204,7 @@ def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> N
     failed without a WRITE."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
-    from vllm_dsa_connector.transport.regions import TransferError
+    from vllm_dsa_connector.transport.nixl_data import TransferError
 
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),

@@ -151,7 +151,7 @@ def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
     from vllm_dsa_connector.layout import PageTable, build_offline
     from vllm_dsa_connector.tiny_models import glm_dsa_config
     from vllm_dsa_connector.transport.ipc import IpcDesc
-    from vllm_dsa_connector.transport.regions import RegionDesc
+    from vllm_dsa_connector.transport.nixl_data import RegionDesc
 
     (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
     wire = WirePageTable.of(table.to_dict())

@@ -17,7 +17,7 @@ A byte's way, in five modules (the connector's worker calls the first and the la
    backoff while a peer stays unreachable: ``reconnect_backoff_s`` doubling up to ``reconnect_backoff_max_s``,
    posts in between fail at once naming the peer); its plain data
    (:class:`Region`, :class:`RegionDesc`, :class:`Transfer`, :class:`TransferStats`, :class:`TransferError`)
-   in :mod:`.regions`.
+   in :mod:`.nixl_data`.
 4. :mod:`.notices`: the ``dsa1:<path><writer>:<tag>`` notification codec (one per writer and request,
    whatever the path).
 5. :mod:`.receiver` (D): :class:`Receiver`, the one target side: ``arm(key, {writer: WriterSpec})``,
@@ -51,12 +51,12 @@ _LAZY = {
     "DISCONNECT_ERRORS": "engine",
     "NixlEngine": "engine",
     "is_disconnect": "engine",
-    "PreparedList": "regions",
-    "Region": "regions",
-    "RegionDesc": "regions",
-    "Transfer": "regions",
-    "TransferError": "regions",
-    "TransferStats": "regions",
+    "PreparedList": "nixl_data",
+    "Region": "nixl_data",
+    "RegionDesc": "nixl_data",
+    "Transfer": "nixl_data",
+    "TransferError": "nixl_data",
+    "TransferStats": "nixl_data",
     "Reservation": "slots",
     "SlotAllocator": "slots",
     "StagingArena": "staging",

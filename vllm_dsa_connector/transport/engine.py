@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from vllm_dsa_connector.transport.backoff import ReconnectBackoff
-from vllm_dsa_connector.transport.prepared import LOCAL_AGENT, PreparedLists, descriptors
-from vllm_dsa_connector.transport.regions import (
+from vllm_dsa_connector.transport.nixl_data import (
     PreparedList,
     Region,
     RegionDesc,
@@ -39,6 +38,7 @@ from vllm_dsa_connector.transport.regions import (
     TransferError,
     TransferStats,
 )
+from vllm_dsa_connector.transport.prepared import LOCAL_AGENT, PreparedLists, descriptors
 from vllm_dsa_connector.transport.runs import Runs
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Descriptor lists prepared once (NixlConnector style): the handles behind ``NixlEngine.prepare_*``.
 
-A :class:`~.regions.PreparedList` names a region's entries (offsets, lengths); its NIXL handle is made once and
+A :class:`~.nixl_data.PreparedList` names a region's entries (offsets, lengths); its NIXL handle is made once and
 reused for every WRITE that picks entries of it (``NixlEngine.write_prepared``). A peer's lists belong to one
 connection: after a reconnect the engine asks :meth:`PreparedLists.reprepare` to make their handles again.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_dsa_connector.transport.regions import PreparedList, TransferError
+from vllm_dsa_connector.transport.nixl_data import PreparedList, TransferError
 
 logger = logging.getLogger(__name__)
 

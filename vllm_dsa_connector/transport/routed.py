@@ -32,8 +32,8 @@ import torch
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
 from vllm_dsa_connector.transport.local_copy import copy_runs, gather, sync
+from vllm_dsa_connector.transport.nixl_data import Transfer, TransferError, TransferStats
 from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.regions import Transfer, TransferError, TransferStats
 from vllm_dsa_connector.transport.runs import Runs, packed_offsets
 from vllm_dsa_connector.transport.slots import Reservation
 from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport.regions import RegionDesc
+from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
 
 __all__ = ["Reservation", "StagingArena", "StagingSlot"]

@@ -34,14 +34,14 @@ from enum import Enum
 from typing import Any, Protocol
 
 from vllm_dsa_connector.transport.engine import NixlEngine
-from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.regions import (
+from vllm_dsa_connector.transport.nixl_data import (
     Region,
     RegionDesc,
     Transfer,
     TransferError,
     TransferStats,
 )
+from vllm_dsa_connector.transport.notices import encode_notif
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from vllm_dsa_connector.transport.gate import Decision
-from vllm_dsa_connector.transport.regions import Transfer
+from vllm_dsa_connector.transport.nixl_data import Transfer
 from vllm_dsa_connector.transport.runs import Chunk
 from vllm_dsa_connector.transport.slots import Reservation
 from vllm_dsa_connector.transport.staging import StagingSlot
