@@ -170,7 +170,7 @@ def requests(kind: str, target_tokens: int, turns: int, count: Callable[[str], i
     else:
         system = "You are a careful assistant for Python code review.\n" + src.take(3000)
     messages: list[tuple[str, str]] = [("system", system)]
-    per_token = {"prose": 4.4, "code": 3.2}.get(kind, 4.0)  # characters per token, roughly
+    per_token = {"prose": 4.4, "code": 4.6}.get(kind, 4.0)  # characters per token, roughly
     window = int(sum(sum(size(i)) for i in range(turns)) / per_token)
     build_to = max(0, target_tokens - window // 2)
     previous = render(messages)
