@@ -4,15 +4,21 @@ Every cached result is compared with a full encode. Code-specific seams: the sha
 at every character around a string literal spanning lines (line starts inside the literal are cuts), CRLF
 source, tab and mixed tab/space indentation, and a user turn that ends inside an identifier; continuations
 complete, extend or rewrite the text there. Every cut the cache records is checked to split its text's ids
-exactly. The ``code`` workload of ``vllm-dsa bench tokenizer`` is exact on every request.
+exactly. A prompt that ends anywhere (inside an identifier, a partial anchor, a CR, combining marks) and is
+then extended by an anchor reuses all its ids; a tokenizer with ``single_word`` added tokens, where that
+splice would be wrong, never does. The ``code`` and ``code-open`` workloads of ``vllm-dsa bench tokenizer``
+are exact on every request.
 """
 
 from __future__ import annotations
 
 import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
 from vllm_dsa_connector.tokenizer import cache as cache_mod
+from vllm_dsa_connector.tokenizer.analysis import QWEN2_PATTERN, analyze
 from vllm_dsa_connector.tokenizer.workloads import TextSource, render, requests
 
 STRING_LITERAL = (
@@ -116,8 +122,56 @@ def test_growing_code_conversation_records_exact_cuts(qwen):
     assert _exact_cuts(cache, qwen) > 60
 
 
+ENDINGS = ("self._encod", "<|im_end|", "<|im_", "<", "   ", "\t", "\r", "\n", "x = '''doc\n  ", "e", "\\",
+           "a\u0301\u0323", "<|im_end|>")
+OPENERS = ("<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>\u0301x\n", "<|im_start|>user\n", "<|endoftext|>\n")
+
+
+def test_a_prompt_extended_by_an_anchor_reuses_all_its_ids(qwen):
+    """The cached prompt ends anywhere; the new one adds an anchor right there: the result is exact, the
+    cut lies where the cached prompt ends (all its ids kept, only the new text encoded) and is recorded."""
+    base = render([("system", "Review.\n" + TextSource(3, code=True).take(800)), ("user", IDENTIFIER)])
+    base = base[: base.rindex("<|im_end|>")]
+    cache = PrefixTokenCache(qwen, min_chars=0, chunk_chars=64)
+    for end in ENDINGS:
+        for opener in OPENERS:
+            old = base + end
+            new = old + opener + "def more():\n\treturn 1\n"
+            cache.clear()
+            assert cache.encode(old) == ref(qwen, old)
+            before = cache.stats()["tail_tokens"]
+            assert cache.encode(new) == ref(qwen, new), (end, opener)
+            assert cache.stats()["tail_tokens"] - before == len(ref(qwen, new[len(old) :])), (end, opener)
+            entry = next(reversed(cache._index.entries.values()))
+            assert any(c >> cache_mod._POS == len(old) for c in entry.cuts)
+    assert cache.stats()["mismatches"] == 0 and _exact_cuts(cache, qwen) > 0
+
+
+def test_single_word_tokens_keep_the_closing_splice_off():
+    """With a ``single_word`` added token the text before an anchor tokenizes differently on its own (the
+    token is a whole word at the end of the text, not before the anchor's first letter): the rules say so,
+    and the cache stays exact."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    raw = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(bytes_to_unicode().values())}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    raw.add_tokens([AddedToken("Zq>", special=True, normalized=False), AddedToken("ab", single_word=True, normalized=False)])
+    rules = analyze(raw)
+    assert rules.anchors == {"Zq>": 256} and not rules.closing
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    old, new = "hello ab", "hello abZq> more"
+    assert ref(tok, old) + ref(tok, new[len(old) :]) != ref(tok, new)  # the splice would be wrong here
+    cache = PrefixTokenCache(tok, min_chars=0, chunk_chars=4)
+    assert cache.encode(old) == ref(tok, old) and cache.encode(new) == ref(tok, new)
+    assert analyze(assets.qwen_tokenizer().backend_tokenizer).closing
+
+
+@pytest.mark.parametrize("kind", ["code", "code-open"])
 @pytest.mark.parametrize("options", [{}, {"chunk_chars": 64, "cut_spacing": 1, "min_chars": 0}])
-def test_code_conversation_every_request_exact(qwen, options):
+def test_code_conversation_every_request_exact(qwen, options, kind):
     cache = PrefixTokenCache(qwen, **options)
     checked = 0
 
@@ -128,9 +182,10 @@ def test_code_conversation_every_request_exact(qwen, options):
         checked += 1
         return len(got)
 
-    for req in requests("code", 12_000, 6, count, seed=5):
+    for req in requests(kind, 12_000, 6, count, seed=5):
         assert count(req.text) > 0
         assert len(req.delta) > 1000 and req.delta.count("\n") > 15
+        assert req.text.endswith("<|im_start|>assistant\n") == (kind == "code")
     s = cache.stats()
     assert checked > 10 and s["hits"] >= checked - 3 and s["mismatches"] == 0
     assert s["tail_tokens"] < s["reused_tokens"] / 4  # re-tokenized from the last anchor, not the start

@@ -1,8 +1,9 @@
 """``vllm-dsa bench tokenizer``: prefix token cache vs a full encode vs encoding only the new text.
 
-Two workloads (:mod:`vllm_dsa_connector.tokenizer.workloads`): ``chat`` (code-review chat, many lines) and
-``prose`` (running prose with few newlines and NFC-composed accents), grown to ~38k and ~128k tokens with the
-Qwen3 (NFC) tokenizer. Per workload and size: median ``full_ms``, ``cache_ms``, ``delta_only_ms`` (the same
+Four workloads (:mod:`vllm_dsa_connector.tokenizer.workloads`): ``chat`` (code-review chat, many lines),
+``prose`` (running prose with few newlines and NFC-composed accents), ``code`` (user turns of Python source,
+replies of prose) and ``code-open`` (the same, each prompt ending inside the user's code), grown to ~38k and
+~128k tokens with the Qwen3 (NFC) tokenizer. Per workload and size: median ``full_ms``, ``cache_ms``, ``delta_only_ms`` (the same
 tokenizer call on only the text added since the previous request), ``speedup`` (full / cache),
 ``cache_over_delta`` (median per-request ratio, both measured back to back) and ``mismatches`` (every cached
 result is compared with the full encode). Then the index lookup of one prompt with 1 and 1,000 cached

@@ -4,7 +4,10 @@ Exactness: a cached prompt keeps, besides its ids, a sparse list of *cuts* (char
 exact by :mod:`.analysis` (added-token anchors and line starts). For a new text the cache finds the cached text
 with the longest common prefix ``L``, takes the last cut ``p`` whose deciding characters lie inside the common
 prefix (``p + width <= L``), and returns ``cached_ids[:k] + encode(text[p:])``. Both texts agree on every
-character the proof looks at, so the cut is exact in both; no cut, no reuse (full encode). Each cut recorded
+character the proof looks at, so the cut is exact in both; no cut, no reuse (full encode). A new text that
+extends the cached one with an anchor (a prompt that ended inside a turn, then the turn's end) is cut where
+the cached text ends: the cached ids are those of exactly the text left of that anchor
+(:attr:`~.analysis.CutRules.closing`). Each cut recorded
 from a fresh encode is also checked against that encode's offsets (a failed check only drops the cut).
 
 Lookup (:mod:`.prefix_index`): O(log chunks) dict probes on sampled prefix keys, whatever the number of
@@ -17,7 +20,7 @@ the result: an entry's ids are a shared ``head`` plus a short ``rest``, so the r
 through the tail encoding's offsets for the few candidates kept, not by converting all of them. A tail whose
 last cut is an anchor (a chat prompt ending in its generation prompt) is encoded without offsets
 (``encode_batch_fast``) when the analysis proves anchor ids countable: the k-th occurrence of an anchor is its
-k-th id (:func:`_pair`, counts and order checked); only line cuts between that tail's anchors go unrecorded.
+k-th id (:func:`~.idlists.pair_anchors`, counts and order checked); only line cuts between that tail's anchors go unrecorded.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tokenizers import Tokenizer
 from vllm.logger import init_logger
 
 from .analysis import CutRules, analyze, last_line_cut
+from .idlists import interned, pair_anchors
 from .options import CacheOptions
 from .prefix_index import Match, PrefixIndex
 
@@ -49,19 +53,6 @@ _OFFSETS_FROM = 2048  # tokens from which an encoding's offsets are converted at
 _FAST_MAX_CHARS = 16384  # longer tails keep their line cuts (encoded with offsets)
 
 _HAS_FAST = hasattr(Tokenizer, "encode_batch_fast")
-
-
-def _interned(ids: list[int], ints: dict[int, int]) -> list[int]:
-    """A list equal to ``ids`` whose items are the objects of ``ints``, one per id value (added as needed).
-
-    An encoding gives every id its own int object, so a 128k-token head would point at 128k objects (4 MB)
-    that building each result (one reference count per item) reads and writes. The entries of one
-    conversation share one ``ints``: their heads point at its few thousand objects instead, made in the
-    order the conversation first uses them (``i + 0`` makes a new object next to the previous one), so a
-    result touches a few hundred KB in nearly the order it reads them."""
-    for i in [i for i in dict.fromkeys(ids) if i not in ints]:
-        ints.setdefault(i, i + 0)  # atomic: threads that race keep the first object stored
-    return list(map(ints.__getitem__, ids))
 
 _CLONE_LOCK = threading.Lock()
 _CLONES: OrderedDict[tuple[Any, ...], tuple[Any, Any, CutRules]] = OrderedDict()
@@ -139,7 +130,8 @@ class PrefixTokenCache:
         _, rules = _shared_state(self.tokenizer, need_clone=False)
         anchors = {a: i for a, i in rules.anchors.items() if len(a) <= _MAX_WIDTH} if self.options.anchors else {}
         self.rules = CutRules(anchors=anchors, line_cuts=rules.line_cuts and self.options.line_cuts,
-                              usable=rules.usable, reasons=rules.reasons, counted=rules.counted)
+                              usable=rules.usable, reasons=rules.reasons, counted=rules.counted,
+                              closing=rules.closing and bool(anchors))
         # all anchors in one alternation, longest first (a match only proposes: each is checked per encoding)
         self._anchor_re = re.compile("|".join(re.escape(a) for a in sorted(anchors, key=len, reverse=True))
                                      ) if anchors else None
@@ -241,21 +233,27 @@ class PrefixTokenCache:
         if common == len(text) == len(entry.text):
             self._count(hits=1, reused_tokens=entry.n_ids, **looked)
             return entry.ids()
-        # The last cut whose deciding characters lie in the common prefix.
         cuts = entry.cuts
-        j = bisect_right(cuts, ((common - 1) << _POS) | _LOW) - 1
-        while j >= 0 and (cuts[j] >> _POS) + (cuts[j] & 0xFF) > common:
-            j -= 1
-        if j < 0:
-            return self._encode_whole(text, backend, match, generation, fallbacks=1, **looked)
-
-        p, k = cuts[j] >> _POS, (cuts[j] & _LOW) >> 8
+        at_end = None
+        if common == len(entry.text) and self.rules.closing and self._anchor_re is not None:
+            at_end = self._anchor_re.match(text, common)
+        if at_end is not None:  # an anchor starts where the cached text ends: cut there (all its ids kept)
+            j, p, k = len(cuts) - 1, common, entry.n_ids
+            first = [(p << _POS) | (k << 8) | len(at_end.group())]
+        else:  # the last cut whose deciding characters lie in the common prefix
+            j = bisect_right(cuts, ((common - 1) << _POS) | _LOW) - 1
+            while j >= 0 and (cuts[j] >> _POS) + (cuts[j] & 0xFF) > common:
+                j -= 1
+            if j < 0:
+                return self._encode_whole(text, backend, match, generation, fallbacks=1, **looked)
+            p, k = cuts[j] >> _POS, (cuts[j] & _LOW) >> 8
+            first = []
         tail_text = text[p:]
         located = None
         found = self._fast_plan(tail_text)
         if found is not None:  # ids only; anchor cuts paired by occurrence
             tail = backend.encode_batch_fast([tail_text], add_special_tokens=False)[0].ids
-            located = _pair(found, tail, self.rules.anchors)
+            located = pair_anchors(found, tail, self.rules.anchors)
             if located is None:  # cannot happen (analysis: counted anchors); kept as a check
                 self._count(fast_rejects=1)
         if located is None:
@@ -271,12 +269,12 @@ class PrefixTokenCache:
             head, rest = head[:k], tail
         if len(rest) > max(_REST_MIN, len(head) >> 4):  # fold rest into a new head, keeping its last ids
             keep = min(_REST_KEEP, len(rest))
-            head, rest = head + _interned(rest[: len(rest) - keep], entry.ints), rest[len(rest) - keep :]
+            head, rest = head + interned(rest[: len(rest) - keep], entry.ints), rest[len(rest) - keep :]
         out = head + rest
         if located is None:
-            new_cuts = cuts[: j + 1] + self._cuts_of(tail_text, enc, tail, p, k)
+            new_cuts = cuts[: j + 1] + first + self._cuts_of(tail_text, enc, tail, p, k)
         else:
-            new_cuts = cuts[: j + 1] + self._keep(tail_text, located, None, p, k)
+            new_cuts = cuts[: j + 1] + first + self._keep(tail_text, located, None, p, k)
         if len(text) <= self.options.max_chars and generation == self._generation:
             probe, content = self._index.keys_for(text, match)
             replace = entry if common == len(entry.text) else None
@@ -293,7 +291,7 @@ class PrefixTokenCache:
         """Full encode of ``text``, cached as a new entry (keeps the keys it shares with ``match``)."""
         enc = backend.encode(text, add_special_tokens=False)
         ints: dict[int, int] = {}
-        ids = _interned(enc.ids, ints)
+        ids = interned(enc.ids, ints)
         if len(text) <= self.options.max_chars and generation == self._generation:
             cuts = self._cuts_of(text, enc, ids, 0, 0)
             probe, content = self._index.keys_for(text, match)
@@ -397,36 +395,6 @@ class PrefixTokenCache:
             logger.error("prefix token cache: cached ids differ from a full encode (%d chars); cache disabled",
                          len(text))
             got[:] = full
-
-
-def _pair(found: list[tuple[int, str]], ids: list[int], anchor_of: dict[str, int]) -> list[tuple[int, int, int]] | None:
-    """(pos, width, token index) of each anchor match in ``found`` (ascending): the k-th occurrence of an
-    anchor is its k-th id in ``ids`` (analysis, counted anchors). None when the counts or the order disagree."""
-    where: dict[str, list[int]] = {}
-    for _, a in found:
-        where.setdefault(a, [])
-    for a, idx in where.items():
-        aid, i = anchor_of[a], -1
-        try:
-            while True:
-                i = ids.index(aid, i + 1)
-                idx.append(i)
-        except ValueError:
-            pass
-    seen = dict.fromkeys(where, 0)
-    out: list[tuple[int, int, int]] = []
-    last = -1
-    for p, a in found:
-        n = seen[a]
-        idx = where[a]
-        if n >= len(idx) or idx[n] <= last:
-            return None
-        last = idx[n]
-        seen[a] = n + 1
-        out.append((p, len(a), last))
-    if any(len(where[a]) != n for a, n in seen.items()):
-        return None
-    return out
 
 
 __all__ = ["PrefixTokenCache", "CacheOptions"]

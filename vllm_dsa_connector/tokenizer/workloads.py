@@ -11,6 +11,8 @@ Text is real and varied: Python standard-library sources and docstrings, in sort
 - *code*: user turns of 1,200-3,500 characters of Python source (standard-library modules, whole lines: many
   short lines, indentation, operators, string literals spanning lines), replies of ~300 characters of prose
   (:class:`ProseSource`), the same shape all the way up.
+- *code-open*: the *code* conversation, each prompt ending inside the user's code (no end token, no
+  generation prompt: a completion-style client); the next prompt closes that turn and adds a reply and a turn.
 
 Prompts use the Qwen chat format (``<|im_start|>role\\n...<|im_end|>\\n``, generation prompt at the end), so
 each request extends the previous one; ``Request.delta`` is the text added since the previous request.
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("chat", "prose", "code")
+WORKLOADS = ("chat", "prose", "code", "code-open")
 # Decomposed (NFD) spellings that an NFC normalizer composes, and one non-canonical mark order.
 NFC_WORDS = ("cafe\u0301", "nai\u0308ve", "re\u0301sume\u0301", "fac\u0327ade", "A\u030angstro\u0308m",
              "jalapen\u0303o", "e\u0301le\u0300ve", "x\u0323\u0301", "Zu\u0308rich", "pin\u0303ata")
@@ -152,9 +154,15 @@ def requests(kind: str, target_tokens: int, turns: int, count: Callable[[str], i
     requests that straddle the target."""
     if kind not in WORKLOADS:
         raise ValueError(f"workload {kind!r} is not one of {', '.join(WORKLOADS)}")
-    same_shape = kind in ("prose", "code")  # ordinary turns all the way up (chat grows with pasted files)
+    code = kind.startswith("code")
+    same_shape = code or kind == "prose"  # ordinary turns all the way up (chat grows with pasted files)
     prose = ProseSource(seed) if same_shape else None
-    src = TextSource(seed, code=True) if kind == "code" else prose if kind == "prose" else TextSource(seed)
+    src = TextSource(seed, code=True) if code else prose if kind == "prose" else TextSource(seed)
+    close = len("<|im_end|>\n<|im_start|>assistant\n") if kind == "code-open" else 0
+
+    def prompt(messages: list[tuple[str, str]]) -> str:
+        text = render(messages)
+        return text[: len(text) - close]
     replies = prose if prose is not None else src
     assert src is not None and replies is not None
 
@@ -165,15 +173,15 @@ def requests(kind: str, target_tokens: int, turns: int, count: Callable[[str], i
 
     if kind == "prose":
         system = "You are a thoughtful editor. Answer in plain prose.\n" + src.take(1500)
-    elif kind == "code":
+    elif code:
         system = "You are a careful assistant for Python code review. Answer in plain prose.\n" + replies.take(1500)
     else:
         system = "You are a careful assistant for Python code review.\n" + src.take(3000)
     messages: list[tuple[str, str]] = [("system", system)]
-    per_token = {"prose": 4.4, "code": 4.6}.get(kind, 4.0)  # characters per token, roughly
+    per_token = 4.6 if code else 4.4 if kind == "prose" else 4.0  # characters per token, roughly
     window = int(sum(sum(size(i)) for i in range(turns)) / per_token)
     build_to = max(0, target_tokens - window // 2)
-    previous = render(messages)
+    previous = prompt(messages)
     n = count(previous)
     i = 0
     while n < build_to:
@@ -183,14 +191,14 @@ def requests(kind: str, target_tokens: int, turns: int, count: Callable[[str], i
         else:  # pasted files
             reply = 600
             messages.append(("user", "Please review this file:\n" + src.take(6000)))
-        previous = render(messages)
+        previous = prompt(messages)
         n = count(previous)
         messages.append(("assistant", replies.take(reply)))
         i += 1
     for t in range(turns):
         user, reply = size(t)
         messages.append(("user", src.take(user)))
-        text = render(messages)
+        text = prompt(messages)
         yield Request(text, text[len(previous):] if text.startswith(previous) else text)
         previous = text
         messages.append(("assistant", replies.take(reply)))
