@@ -37,7 +37,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from vllm.logger import init_logger
 
-from .analysis import CutRules, analyze, last_line_cut
+from .analysis import LINE_CUT_RE, CutRules, analyze, last_line_cut
 from .idlists import interned, pair_anchors
 from .options import CacheOptions
 from .prefix_index import Match, PrefixIndex
@@ -269,7 +269,7 @@ class PrefixTokenCache:
             head, rest = head[:k], tail
         if len(rest) > max(_REST_MIN, len(head) >> 4):  # fold rest into a new head, keeping its last ids
             keep = min(_REST_KEEP, len(rest))
-            head, rest = head + interned(rest[: len(rest) - keep], entry.ints), rest[len(rest) - keep :]
+            head, rest = head + interned(rest[: len(rest) - keep], entry.ints, fresh=False), rest[len(rest) - keep :]
         out = head + rest
         if located is None:
             new_cuts = cuts[: j + 1] + first + self._cuts_of(tail_text, enc, tail, p, k)
@@ -381,7 +381,7 @@ class PrefixTokenCache:
         found = [(m.start(), m.group()) for m in self._anchor_re.finditer(text)]  # type: ignore[union-attr]
         if not found or found[-1][0] == 0:
             return None
-        if self.rules.line_cuts and last_line_cut(text, len(text)) > found[-1][0]:
+        if self.rules.line_cuts and LINE_CUT_RE.search(text, found[-1][0]) is not None:  # a line cut after it
             return None
         return found
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 
-def interned(ids: list[int], ints: dict[int, int]) -> list[int]:
+def interned(ids: list[int], ints: dict[int, int], fresh: bool = True) -> list[int]:
     """A list equal to ``ids`` whose items are the objects of ``ints``, one per id value (added as needed).
 
     An encoding gives every id its own int object, so a 128k-token head would point at 128k objects (4 MB)
     that building each result (one reference count per item) reads and writes. The entries of one
-    conversation share one ``ints``: their heads point at its few thousand objects instead, made in the
-    order the conversation first uses them (``i + 0`` makes a new object next to the previous one), so a
-    result touches a few hundred KB in nearly the order it reads them."""
+    conversation share one ``ints``: their heads point at its few thousand objects instead, so a result
+    touches a few hundred KB. With ``fresh`` (a whole prompt) the new ids get new objects made one after the
+    other in the order the text first uses them (``i + 0``), close together in memory and read in nearly
+    that order; without it (ids added to a head, mostly known already) a new id keeps the object it has."""
+    if not fresh:
+        return list(map(ints.setdefault, ids, ids))  # atomic: threads that race keep the first object stored
     for i in [i for i in dict.fromkeys(ids) if i not in ints]:
-        ints.setdefault(i, i + 0)  # atomic: threads that race keep the first object stored
+        ints.setdefault(i, i + 0)
     return list(map(ints.__getitem__, ids))
 
 
