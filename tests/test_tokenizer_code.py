@@ -47,13 +47,15 @@ def ref(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _exact_cuts(cache: PrefixTokenCache, tok) -> int:
-    """Assert every recorded cut splits its text's ids exactly; the number of cuts checked."""
+def _exact_cuts(cache: PrefixTokenCache, tok, since: int = 0) -> int:
+    """Assert every recorded cut (at ``since`` or after) splits its text's ids exactly; the number checked."""
     n = 0
     for entry in list(cache._index.entries.values()):
         ids = ref(tok, entry.text)
         for c in entry.cuts:
             p, k = c >> cache_mod._POS, (c & cache_mod._LOW) >> 8
+            if p < since:
+                continue
             t = entry.text
             assert ref(tok, t[:p]) == ids[:k] and ref(tok, t[p:]) == ids[k:], (p, k, t[max(0, p - 20) : p + 20])
             n += 1
@@ -204,3 +206,26 @@ def test_heads_share_one_int_object_per_id(qwen):
     assert len(entry.head) > 5000
     assert len({id(x) for x in entry.head}) == len(set(entry.head))
     assert all(entry.ints[x] is x for x in entry.head)
+
+
+def test_prompts_that_end_inside_turns_take_the_ids_only_path(qwen):
+    """A client whose prompts end inside the user's code: each request closes the cached prompt with an
+    anchor, so its tail needs no offsets (fast_tails); a request that extends the open turn instead (no anchor
+    where the cached prompt ends) is exact too, re-encoded from the turn's anchor with its line cuts kept."""
+    cache = PrefixTokenCache(qwen)
+    last = None
+    for req in requests("code-open", 12_000, 6, lambda text: len(cache.encode(text)), seed=1):
+        assert cache.encode(req.text) == ref(qwen, req.text)
+        last = req.text
+    s = cache.stats()
+    assert s["fast_tails"] >= 6 and s["fast_rejects"] == 0 and s["mismatches"] == 0
+    assert last is not None
+    since = len(last) - 4000
+    for more in ("\n    more = self._encod", "ed(x)\nprint(1)\n", "\r\n\tx = '''\nlit\n'''\n"):
+        last += more
+        fast = cache.stats()["fast_tails"]
+        assert cache.encode(last) == ref(qwen, last)
+        assert cache.stats()["fast_tails"] == fast  # extended inside the turn: the tail keeps its offsets
+    closed = last + "<|im_end|>\n<|im_start|>assistant\n"
+    assert cache.encode(closed) == ref(qwen, closed)
+    assert _exact_cuts(cache, qwen, since) > 3

@@ -250,7 +250,7 @@ class PrefixTokenCache:
             first = []
         tail_text = text[p:]
         located = None
-        found = self._fast_plan(tail_text)
+        found = self._fast_plan(tail_text, closing=at_end is not None)
         if found is not None:  # ids only; anchor cuts paired by occurrence
             tail = backend.encode_batch_fast([tail_text], add_special_tokens=False)[0].ids
             located = pair_anchors(found, tail, self.rules.anchors)
@@ -369,19 +369,23 @@ class PrefixTokenCache:
         out.reverse()
         return out
 
-    def _fast_plan(self, text: str) -> list[tuple[int, str]] | None:
+    def _fast_plan(self, text: str, closing: bool) -> list[tuple[int, str]] | None:
         """The anchor matches of a tail ``text`` when its ids alone are enough to place its cuts, else None.
 
         That takes counted anchors (:attr:`CutRules.counted`), a tail of at most ``_FAST_MAX_CHARS`` and no
         line cut after its last anchor: then the last cut, the one the next extending request uses, is the
         same as with offsets, and only line cuts between the tail's anchors are not recorded (a later request
-        that diverges inside one re-encodes from the anchor before, at most this tail)."""
+        that diverges inside one re-encodes from the anchor before, at most this tail). With ``closing`` (this
+        request closed the cached prompt with an anchor: its client sends prompts that end inside a turn) a
+        line cut after the last anchor is not needed either: the next request most likely closes this text
+        too, which cuts where it ends; one that extends the open turn instead re-encodes from the tail's last
+        anchor, and its own tail keeps its line cuts."""
         if not self._counted or len(text) > _FAST_MAX_CHARS:
             return None
         found = [(m.start(), m.group()) for m in self._anchor_re.finditer(text)]  # type: ignore[union-attr]
         if not found or found[-1][0] == 0:
             return None
-        if self.rules.line_cuts and LINE_CUT_RE.search(text, found[-1][0]) is not None:  # a line cut after it
+        if not closing and self.rules.line_cuts and LINE_CUT_RE.search(text, found[-1][0]) is not None:
             return None
         return found
 
