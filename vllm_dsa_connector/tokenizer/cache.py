@@ -7,8 +7,8 @@ prefix (``p + width <= L``), and returns ``cached_ids[:k] + encode(text[p:])``. 
 character the proof looks at, so the cut is exact in both; no cut, no reuse (full encode). A new text that
 extends the cached one with an anchor (a prompt that ended inside a turn, then the turn's end) is cut where
 the cached text ends: the cached ids are those of exactly the text left of that anchor
-(:attr:`~.analysis.CutRules.closing`). Each cut recorded
-from a fresh encode is also checked against that encode's offsets (a failed check only drops the cut).
+(:attr:`~.analysis.CutRules.closing`). Each cut recorded from a fresh encode is also checked against that
+encode's offsets (a failed check only drops the cut).
 
 Lookup (:mod:`.prefix_index`): O(log chunks) dict probes on sampled prefix keys, whatever the number of
 entries; the winner is verified by string comparison (keys only propose).
@@ -20,7 +20,9 @@ the result: an entry's ids are a shared ``head`` plus a short ``rest``, so the r
 through the tail encoding's offsets for the few candidates kept, not by converting all of them. A tail whose
 last cut is an anchor (a chat prompt ending in its generation prompt) is encoded without offsets
 (``encode_batch_fast``) when the analysis proves anchor ids countable: the k-th occurrence of an anchor is its
-k-th id (:func:`~.idlists.pair_anchors`, counts and order checked); only line cuts between that tail's anchors go unrecorded.
+k-th id (:func:`~.idlists.pair_anchors`, counts and order checked); only line cuts between that tail's anchors
+go unrecorded. An entry's head holds one int object per id value, shared by the conversation's entries
+(:func:`~.idlists.interned`): a result's reference counts touch a few thousand objects, not one per token.
 """
 
 from __future__ import annotations
@@ -269,7 +271,8 @@ class PrefixTokenCache:
             head, rest = head[:k], tail
         if len(rest) > max(_REST_MIN, len(head) >> 4):  # fold rest into a new head, keeping its last ids
             keep = min(_REST_KEEP, len(rest))
-            head, rest = head + interned(rest[: len(rest) - keep], entry.ints, fresh=False), rest[len(rest) - keep :]
+            folded = interned(rest[: len(rest) - keep], entry.ints, fresh=False)
+            head, rest = head + folded, rest[len(rest) - keep :]
         out = head + rest
         if located is None:
             new_cuts = cuts[: j + 1] + first + self._cuts_of(tail_text, enc, tail, p, k)
