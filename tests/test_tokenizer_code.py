@@ -229,3 +229,18 @@ def test_prompts_that_end_inside_turns_take_the_ids_only_path(qwen):
     closed = last + "<|im_end|>\n<|im_start|>assistant\n"
     assert cache.encode(closed) == ref(qwen, closed)
     assert _exact_cuts(cache, qwen, since) > 3
+
+
+def test_bench_profile_cli_json_smoke(capsys):
+    import json
+
+    from vllm_dsa_connector.cli import main
+
+    argv = ["bench", "tokenizer", "--profile", "--json", "--targets", "3000", "--turns", "3",
+            "--workloads", "code", "code-open"]
+    assert main(argv) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["workload"] for r in last["results"]] == ["code", "code-open"]
+    for r in last["results"]:
+        assert r["profiled_hits"] == 3 and r["mismatches"] == 0 and r["delta_only_us"] > 0
+        assert any("encode" in label for label in r["own_us_per_hit"]), r["own_us_per_hit"]
