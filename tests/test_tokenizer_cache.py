@@ -142,7 +142,7 @@ def test_tails_encoded_without_offsets_record_exact_cuts(qwen):
 
 
 def test_anchor_pairing_refuses_disagreeing_counts():
-    from vllm_dsa_connector.tokenizer.cache import _pair
+    from vllm_dsa_connector.tokenizer.idlists import pair_anchors as _pair
 
     anchors = {"<a>": 7, "<b>": 8}
     found = [(0, "<a>"), (5, "<b>"), (9, "<a>")]
@@ -270,7 +270,7 @@ def test_bench_cli_json_smoke(capsys):
 
     assert main(["bench", "tokenizer", "--json", "--targets", "3000", "--turns", "3", "--lookup-entries", "1", "20"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["workload"] for r in last["results"]] == ["chat", "prose"]
+    assert [r["workload"] for r in last["results"]] == ["chat", "prose", "code", "code-open"]
     for r in last["results"]:
         assert r["mismatches"] == 0 and r["requests_measured"] == 3 and r["hits"] >= 3
         for key in ("full_ms", "cache_ms", "delta_only_ms", "speedup", "cache_over_delta"):

@@ -183,6 +183,20 @@ def render_tokenizer(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render_tokenizer_ab(data: dict[str, Any]) -> list[str]:
+    """A before/after comparison of the tokenizer cache: per workload and size, hit / delta-only and the speedup."""
+    before = {(r["workload"], r["target_tokens"]): r for r in data["summary_before"]}
+    rows = []
+    for r in data["summary_after"]:
+        b = before.get((r["workload"], r["target_tokens"]), {})
+        rows.append([r["workload"], r["target_tokens"], f"{fmt(b.get('cache_over_delta_wall'))} -> "
+                     f"{fmt(r['cache_over_delta_wall'])}", f"{fmt(b.get('cache_over_delta_cpu'))} -> "
+                     f"{fmt(r['cache_over_delta_cpu'])}", f"{fmt(b.get('speedup_vs_full'))} -> "
+                     f"{fmt(r['speedup_vs_full'])}", r["mismatches"], r["fallbacks"]])
+    return table(["workload", "target tokens", "cache / delta (wall)", "cache / delta (CPU)", "full / cache",
+                  "mismatches", "fallbacks"], rows)
+
+
 def renderer(data: dict[str, Any]) -> Callable[[dict[str, Any]], list[str]]:
     """The renderer of one result file's shape."""
     kind = data.get("kind")
@@ -197,6 +211,8 @@ def renderer(data: dict[str, Any]) -> Callable[[dict[str, Any]], list[str]]:
         return render_first_pair
     if bench == "tokenizer" and "results" in data:
         return render_tokenizer
+    if bench == "tokenizer_ab":
+        return render_tokenizer_ab
     raise ValueError(f"no renderer for a {bench!r} result (kind {kind!r}): add one to bench_report.py")
 
 

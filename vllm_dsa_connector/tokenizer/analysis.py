@@ -22,6 +22,14 @@ text order, so the k-th occurrence of ``A`` in ``T`` starts at the k-th ``A`` id
 :attr:`CutRules.counted`, anchor cuts located from the ids alone (no offsets). Since anchors overlap neither
 each other nor themselves, one left-to-right regex scan for all of them finds every occurrence.
 
+**Closing anchors.** The text left of an anchor occurrence, encoded on its own, gives exactly the ids left of
+that cut: ``encode(T[:p] + A + X) == encode(T[:p]) + encode(A + X)``. The splits left of ``p`` are the same in
+both (no match overlaps ``A``; an rstrip stops at ``A``'s non-space first character as it stops at the end of
+``T[:p]``) and each split is encoded on its own. The one check that reads the character after a match is
+``single_word``'s (``A``'s first character against the end of ``T[:p]``), so this holds when no added token
+has ``single_word``: :attr:`CutRules.closing`. A cached text that a new text extends with an anchor then gives
+all its ids to the new text, whatever its last characters are.
+
 **Line cuts** (``T[p-1] == "\\n"`` and ``T[p]`` printable ASCII ``!``..``~``), for pipelines built only from parts
 proved below:
 
@@ -115,6 +123,8 @@ class CutRules:
     # the model cannot emit an anchor's id: the k-th occurrence of an anchor in a text is its k-th id in the
     # ids (anchor cuts can then be located without offsets)
     counted: bool = False
+    # an anchor that starts where a cached text ends is a cut of that text's whole encoding (no single_word)
+    closing: bool = False
     usable: bool = False  # False: the cache must not be used at all (every encode is a full encode)
     reasons: tuple[str, ...] = ()
 
@@ -273,4 +283,6 @@ def analyze(backend: Any, encode_special_tokens: bool | None = None) -> CutRules
                 reasons.append(f"added token {tok.content!r} can match across a line cut")
                 break
     counted = bool(anchors) and all(model.id_to_token(i) is None for i in anchors.values())
-    return CutRules(anchors=anchors, line_cuts=line_cuts, usable=True, reasons=tuple(reasons), counted=counted)
+    closing = bool(anchors) and not any(tok.single_word for tok in added)
+    return CutRules(anchors=anchors, line_cuts=line_cuts, usable=True, reasons=tuple(reasons), counted=counted,
+                    closing=closing)

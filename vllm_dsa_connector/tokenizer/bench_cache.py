@@ -1,6 +1,6 @@
 """The prefix token cache measured side by side with a full encode and with encoding only the new text.
 
-For each workload (:mod:`.workloads`: ``chat``, ``prose``) and target size, a conversation grows through the
+For each workload (:mod:`.workloads`: ``chat``, ``prose``, ``code``, ``code-open``) and target size, a conversation grows through the
 cache to near the target, then every measured request is timed three ways, back to back in one process
 (the order of the first two alternates):
 
@@ -151,7 +151,7 @@ def lookup_flatness(tok: Any, sizes: tuple[int, ...] = (1, 1000), prompt_tokens:
 def line_of(r: dict[str, Any]) -> str:
     """One printed line for a result of :func:`run_workload` or of :mod:`.bench_modes`."""
     if "workload" in r:
-        return (f"{r['workload']:5} ~{r['target_tokens'] // 1000}k tokens (median prompt "
+        return (f"{r['workload']:9} ~{r['target_tokens'] // 1000}k tokens (median prompt "
                 f"{r['prompt_tokens_median']}, {r['requests_measured']} requests): full {r['full_ms']:.2f} ms, "
                 f"cache {r['cache_ms']:.3f} ms (p90 {r['cache_ms_p90']:.3f}), delta only {r['delta_only_ms']:.3f} "
                 f"ms (bare {r['delta_backend_ms']:.3f}); speedup {r['speedup']:.1f}x, cache/delta "

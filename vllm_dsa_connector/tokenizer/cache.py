@@ -4,8 +4,11 @@ Exactness: a cached prompt keeps, besides its ids, a sparse list of *cuts* (char
 exact by :mod:`.analysis` (added-token anchors and line starts). For a new text the cache finds the cached text
 with the longest common prefix ``L``, takes the last cut ``p`` whose deciding characters lie inside the common
 prefix (``p + width <= L``), and returns ``cached_ids[:k] + encode(text[p:])``. Both texts agree on every
-character the proof looks at, so the cut is exact in both; no cut, no reuse (full encode). Each cut recorded
-from a fresh encode is also checked against that encode's offsets (a failed check only drops the cut).
+character the proof looks at, so the cut is exact in both; no cut, no reuse (full encode). A new text that
+extends the cached one with an anchor (a prompt that ended inside a turn, then the turn's end) is cut where
+the cached text ends: the cached ids are those of exactly the text left of that anchor
+(:attr:`~.analysis.CutRules.closing`). Each cut recorded from a fresh encode is also checked against that
+encode's offsets (a failed check only drops the cut).
 
 Lookup (:mod:`.prefix_index`): O(log chunks) dict probes on sampled prefix keys, whatever the number of
 entries; the winner is verified by string comparison (keys only propose).
@@ -17,7 +20,9 @@ the result: an entry's ids are a shared ``head`` plus a short ``rest``, so the r
 through the tail encoding's offsets for the few candidates kept, not by converting all of them. A tail whose
 last cut is an anchor (a chat prompt ending in its generation prompt) is encoded without offsets
 (``encode_batch_fast``) when the analysis proves anchor ids countable: the k-th occurrence of an anchor is its
-k-th id (:func:`_pair`, counts and order checked); only line cuts between that tail's anchors go unrecorded.
+k-th id (:func:`~.idlists.pair_anchors`, counts and order checked); only line cuts between that tail's anchors
+go unrecorded. An entry's head holds one int object per id value, shared by the conversation's entries
+(:func:`~.idlists.interned`): a result's reference counts touch a few thousand objects, not one per token.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from vllm.logger import init_logger
 
-from .analysis import CutRules, analyze, last_line_cut
+from .analysis import LINE_CUT_RE, CutRules, analyze, last_line_cut
+from .idlists import interned, pair_anchors
 from .options import CacheOptions
 from .prefix_index import Match, PrefixIndex
 
@@ -126,7 +132,8 @@ class PrefixTokenCache:
         _, rules = _shared_state(self.tokenizer, need_clone=False)
         anchors = {a: i for a, i in rules.anchors.items() if len(a) <= _MAX_WIDTH} if self.options.anchors else {}
         self.rules = CutRules(anchors=anchors, line_cuts=rules.line_cuts and self.options.line_cuts,
-                              usable=rules.usable, reasons=rules.reasons, counted=rules.counted)
+                              usable=rules.usable, reasons=rules.reasons, counted=rules.counted,
+                              closing=rules.closing and bool(anchors))
         # all anchors in one alternation, longest first (a match only proposes: each is checked per encoding)
         self._anchor_re = re.compile("|".join(re.escape(a) for a in sorted(anchors, key=len, reverse=True))
                                      ) if anchors else None
@@ -228,44 +235,54 @@ class PrefixTokenCache:
         if common == len(text) == len(entry.text):
             self._count(hits=1, reused_tokens=entry.n_ids, **looked)
             return entry.ids()
-        # The last cut whose deciding characters lie in the common prefix.
         cuts = entry.cuts
-        j = bisect_right(cuts, ((common - 1) << _POS) | _LOW) - 1
-        while j >= 0 and (cuts[j] >> _POS) + (cuts[j] & 0xFF) > common:
-            j -= 1
-        if j < 0:
-            return self._encode_whole(text, backend, match, generation, fallbacks=1, **looked)
-
-        p, k = cuts[j] >> _POS, (cuts[j] & _LOW) >> 8
+        at_end = None
+        if common == len(entry.text) and self.rules.closing and self._anchor_re is not None:
+            at_end = self._anchor_re.match(text, common)
+        if at_end is not None:  # an anchor starts where the cached text ends: cut there (all its ids kept)
+            j, p, k = len(cuts) - 1, common, entry.n_ids
+            first = [(p << _POS) | (k << 8) | len(at_end.group())]
+        else:  # the last cut whose deciding characters lie in the common prefix
+            j = bisect_right(cuts, ((common - 1) << _POS) | _LOW) - 1
+            while j >= 0 and (cuts[j] >> _POS) + (cuts[j] & 0xFF) > common:
+                j -= 1
+            if j < 0:
+                return self._encode_whole(text, backend, match, generation, fallbacks=1, **looked)
+            p, k = cuts[j] >> _POS, (cuts[j] & _LOW) >> 8
+            first = []
         tail_text = text[p:]
         located = None
-        found = self._fast_plan(tail_text)
+        found = self._fast_plan(tail_text, closing=at_end is not None)
         if found is not None:  # ids only; anchor cuts paired by occurrence
             tail = backend.encode_batch_fast([tail_text], add_special_tokens=False)[0].ids
-            located = _pair(found, tail, self.rules.anchors)
+            located = pair_anchors(found, tail, self.rules.anchors)
             if located is None:  # cannot happen (analysis: counted anchors); kept as a check
                 self._count(fast_rejects=1)
         if located is None:
             enc = backend.encode(tail_text, add_special_tokens=False)
             tail = enc.ids
         head = entry.head
-        if k >= len(head):
-            rest = entry.rest[: k - len(head)] + tail if k > len(head) else tail
+        if k > len(head):
+            rest = entry.rest[: k - len(head)]
+            rest += tail
+        elif k == len(head):
+            rest = tail
         else:  # the cut lies in the shared head (a rewritten turn, a branch): one more copy
             head, rest = head[:k], tail
         if len(rest) > max(_REST_MIN, len(head) >> 4):  # fold rest into a new head, keeping its last ids
             keep = min(_REST_KEEP, len(rest))
-            head, rest = head + rest[: len(rest) - keep], rest[len(rest) - keep :]
+            folded = interned(rest[: len(rest) - keep], entry.ints, fresh=False)
+            head, rest = head + folded, rest[len(rest) - keep :]
         out = head + rest
         if located is None:
-            new_cuts = cuts[: j + 1] + self._cuts_of(tail_text, enc, tail, p, k)
+            new_cuts = cuts[: j + 1] + first + self._cuts_of(tail_text, enc, tail, p, k)
         else:
-            new_cuts = cuts[: j + 1] + self._keep(tail_text, located, None, p, k)
+            new_cuts = cuts[: j + 1] + first + self._keep(tail_text, located, None, p, k)
         if len(text) <= self.options.max_chars and generation == self._generation:
             probe, content = self._index.keys_for(text, match)
             replace = entry if common == len(entry.text) else None
             self._index.insert(text, head, rest, new_cuts, probe, content, replace, self.options.max_entries,
-                               self.options.max_chars)
+                               self.options.max_chars, entry.ints)
         n_hits = self._count(hits=1, reused_tokens=k, tail_tokens=len(tail), fast_tails=int(located is not None),
                              **looked)
         every = self.options.verify_every
@@ -276,12 +293,13 @@ class PrefixTokenCache:
     def _encode_whole(self, text: str, backend: Any, match: Match, generation: int, **counts: int) -> list[int]:
         """Full encode of ``text``, cached as a new entry (keeps the keys it shares with ``match``)."""
         enc = backend.encode(text, add_special_tokens=False)
-        ids = enc.ids
+        ints: dict[int, int] = {}
+        ids = interned(enc.ids, ints)
         if len(text) <= self.options.max_chars and generation == self._generation:
             cuts = self._cuts_of(text, enc, ids, 0, 0)
             probe, content = self._index.keys_for(text, match)
             self._index.insert(text, ids, [], cuts, probe, content, None, self.options.max_entries,
-                               self.options.max_chars)
+                               self.options.max_chars, ints)
         self._count(**counts)
         return ids[:]
 
@@ -354,19 +372,23 @@ class PrefixTokenCache:
         out.reverse()
         return out
 
-    def _fast_plan(self, text: str) -> list[tuple[int, str]] | None:
+    def _fast_plan(self, text: str, closing: bool) -> list[tuple[int, str]] | None:
         """The anchor matches of a tail ``text`` when its ids alone are enough to place its cuts, else None.
 
         That takes counted anchors (:attr:`CutRules.counted`), a tail of at most ``_FAST_MAX_CHARS`` and no
         line cut after its last anchor: then the last cut, the one the next extending request uses, is the
         same as with offsets, and only line cuts between the tail's anchors are not recorded (a later request
-        that diverges inside one re-encodes from the anchor before, at most this tail)."""
+        that diverges inside one re-encodes from the anchor before, at most this tail). With ``closing`` (this
+        request closed the cached prompt with an anchor: its client sends prompts that end inside a turn) a
+        line cut after the last anchor is not needed either: the next request most likely closes this text
+        too, which cuts where it ends; one that extends the open turn instead re-encodes from the tail's last
+        anchor, and its own tail keeps its line cuts."""
         if not self._counted or len(text) > _FAST_MAX_CHARS:
             return None
         found = [(m.start(), m.group()) for m in self._anchor_re.finditer(text)]  # type: ignore[union-attr]
         if not found or found[-1][0] == 0:
             return None
-        if self.rules.line_cuts and last_line_cut(text, len(text)) > found[-1][0]:
+        if not closing and self.rules.line_cuts and LINE_CUT_RE.search(text, found[-1][0]) is not None:
             return None
         return found
 
@@ -380,36 +402,6 @@ class PrefixTokenCache:
             logger.error("prefix token cache: cached ids differ from a full encode (%d chars); cache disabled",
                          len(text))
             got[:] = full
-
-
-def _pair(found: list[tuple[int, str]], ids: list[int], anchor_of: dict[str, int]) -> list[tuple[int, int, int]] | None:
-    """(pos, width, token index) of each anchor match in ``found`` (ascending): the k-th occurrence of an
-    anchor is its k-th id in ``ids`` (analysis, counted anchors). None when the counts or the order disagree."""
-    where: dict[str, list[int]] = {}
-    for _, a in found:
-        where.setdefault(a, [])
-    for a, idx in where.items():
-        aid, i = anchor_of[a], -1
-        try:
-            while True:
-                i = ids.index(aid, i + 1)
-                idx.append(i)
-        except ValueError:
-            pass
-    seen = dict.fromkeys(where, 0)
-    out: list[tuple[int, int, int]] = []
-    last = -1
-    for p, a in found:
-        n = seen[a]
-        idx = where[a]
-        if n >= len(idx) or idx[n] <= last:
-            return None
-        last = idx[n]
-        seen[a] = n + 1
-        out.append((p, len(a), last))
-    if any(len(where[a]) != n for a, n in seen.items()):
-        return None
-    return out
 
 
 __all__ = ["PrefixTokenCache", "CacheOptions"]

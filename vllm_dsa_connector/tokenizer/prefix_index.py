@@ -29,13 +29,14 @@ class Entry:
 
     The ids are ``head + rest``: ``head`` is shared between the entries of one conversation (never mutated),
     ``rest`` is short, so the result list of a request is built by one ``head + rest`` concatenation.
-    ``cuts`` are exact restart points packed as ``pos << 32 | token_index << 8 | width`` (sorted by ``pos``).
+    ``cuts`` are exact restart points packed as ``pos << 40 | token_index << 8 | width`` (sorted by ``pos``).
+    ``ints`` holds the int objects the heads of one conversation's entries share (one per id value).
     """
 
-    __slots__ = ("text", "head", "rest", "cuts", "probe", "content", "uid")
+    __slots__ = ("text", "head", "rest", "cuts", "probe", "content", "uid", "ints")
 
     def __init__(self, text: str, head: list[int], rest: list[int], cuts: list[int], probe: list[int],
-                 content: list[int], uid: int) -> None:
+                 content: list[int], uid: int, ints: dict[int, int] | None = None) -> None:
         self.text = text
         self.head = head
         self.rest = rest
@@ -43,6 +44,7 @@ class Entry:
         self.probe = probe
         self.content = content
         self.uid = uid
+        self.ints = ints if ints is not None else {}
 
     @property
     def n_ids(self) -> int:
@@ -172,7 +174,8 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ updates
     def insert(self, text: str, head: list[int], rest: list[int], cuts: list[int], probe: list[int],
-               content: list[int], replace: Entry | None, max_entries: int, max_chars: int) -> Entry:
+               content: list[int], replace: Entry | None, max_entries: int, max_chars: int,
+               ints: dict[int, int] | None = None) -> Entry:
         """Add an entry; with ``replace`` (an entry whose text ``text`` extends) take its place and its keys."""
         with self._lock:
             if replace is not None and self.entries.get(replace.uid) is replace:
@@ -181,7 +184,7 @@ class PrefixIndex:
             else:
                 self._uid += 1
                 uid, have = self._uid, 0
-            entry = Entry(text, head, rest, cuts, probe, content, uid)
+            entry = Entry(text, head, rest, cuts, probe, content, uid, ints)
             self.entries[uid] = entry
             self.entries.move_to_end(uid)
             self.chars += len(text)

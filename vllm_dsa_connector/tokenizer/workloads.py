@@ -1,4 +1,4 @@
-"""Deterministic multi-turn prompts for the tokenizer benches and tests: chat-shaped and prose-shaped.
+"""Deterministic multi-turn prompts for the tokenizer benches and tests: chat-, prose- and code-shaped.
 
 Text is real and varied: Python standard-library sources and docstrings, in sorted module order.
 
@@ -8,6 +8,11 @@ Text is real and varied: Python standard-library sources and docstrings, in sort
 - *prose*: running prose with few newlines (docstring paragraphs joined into single lines, a paragraph break
   now and then, and decomposed accents that NFC composes: ``cafe\\u0301``); user turns of 1,200-3,500
   characters and replies of ~300, the same shape all the way up.
+- *code*: user turns of 1,200-3,500 characters of Python source (standard-library modules, whole lines: many
+  short lines, indentation, operators, string literals spanning lines), replies of ~300 characters of prose
+  (:class:`ProseSource`), the same shape all the way up.
+- *code-open*: the *code* conversation, each prompt ending inside the user's code (no end token, no
+  generation prompt: a completion-style client); the next prompt closes that turn and adds a reply and a turn.
 
 Prompts use the Qwen chat format (``<|im_start|>role\\n...<|im_end|>\\n``, generation prompt at the end), so
 each request extends the previous one; ``Request.delta`` is the text added since the previous request.
@@ -22,14 +27,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("chat", "prose")
+WORKLOADS = ("chat", "prose", "code", "code-open")
 # Decomposed (NFD) spellings that an NFC normalizer composes, and one non-canonical mark order.
 NFC_WORDS = ("cafe\u0301", "nai\u0308ve", "re\u0301sume\u0301", "fac\u0327ade", "A\u030angstro\u0308m",
              "jalapen\u0303o", "e\u0301le\u0300ve", "x\u0323\u0301", "Zu\u0308rich", "pin\u0303ata")
 
 
-def corpus() -> Iterator[str]:
-    """Standard-library module docstrings and sources, in a fixed order (skips unreadable modules)."""
+def corpus(docstrings: bool = True) -> Iterator[str]:
+    """Standard-library module docstrings (unless ``docstrings`` is false) and sources, in a fixed order (skips
+    unreadable modules)."""
     import importlib.util
 
     for name in sorted(sys.stdlib_module_names):
@@ -47,7 +53,7 @@ def corpus() -> Iterator[str]:
         except (OSError, UnicodeDecodeError):
             continue
         doc = inspect.cleandoc(source.split('"""')[1]) if source.count('"""') >= 2 else ""
-        if doc:
+        if doc and docstrings:
             yield doc
         yield source
 
@@ -58,10 +64,12 @@ def _cycle(factory: Callable[[], Iterator[str]]) -> Iterator[str]:
 
 
 class TextSource:
-    """Deterministic chunks of real text (sources and docstrings), cut at line ends."""
+    """Deterministic chunks of real text (sources and docstrings; with ``code``, sources only), cut at line
+    ends."""
 
-    def __init__(self, skip: int = 0) -> None:
-        self._lines: Iterator[str] = (line for text in _cycle(corpus) for line in text.splitlines(True))
+    def __init__(self, skip: int = 0, code: bool = False) -> None:
+        factory: Callable[[], Iterator[str]] = (lambda: corpus(docstrings=False)) if code else corpus
+        self._lines: Iterator[str] = (line for text in _cycle(factory) for line in text.splitlines(True))
         for _ in range(skip):
             self.take(500)
 
@@ -146,39 +154,51 @@ def requests(kind: str, target_tokens: int, turns: int, count: Callable[[str], i
     requests that straddle the target."""
     if kind not in WORKLOADS:
         raise ValueError(f"workload {kind!r} is not one of {', '.join(WORKLOADS)}")
-    prose = kind == "prose"
-    src = ProseSource(seed) if prose else TextSource(seed)
+    code = kind.startswith("code")
+    same_shape = code or kind == "prose"  # ordinary turns all the way up (chat grows with pasted files)
+    prose = ProseSource(seed) if same_shape else None
+    src = TextSource(seed, code=True) if code else prose if kind == "prose" else TextSource(seed)
+    close = len("<|im_end|>\n<|im_start|>assistant\n") if kind == "code-open" else 0
+
+    def prompt(messages: list[tuple[str, str]]) -> str:
+        text = render(messages)
+        return text[: len(text) - close]
+    replies = prose if prose is not None else src
+    assert src is not None and replies is not None
 
     def size(i: int) -> tuple[int, int]:  # (user, assistant) characters of ordinary turn i
-        if prose:
+        if same_shape:
             return 1200 + (i * 1531) % 2301, 260 + (i * 37) % 80
         return 150 + (i * 577) % 1350, 200 + (i * 911) % 1600
 
-    if prose:
+    if kind == "prose":
         system = "You are a thoughtful editor. Answer in plain prose.\n" + src.take(1500)
+    elif code:
+        system = "You are a careful assistant for Python code review. Answer in plain prose.\n" + replies.take(1500)
     else:
         system = "You are a careful assistant for Python code review.\n" + src.take(3000)
     messages: list[tuple[str, str]] = [("system", system)]
-    window = int(sum(sum(size(i)) for i in range(turns)) / (4.4 if prose else 4.0))
+    per_token = 4.6 if code else 4.4 if kind == "prose" else 4.0  # characters per token, roughly
+    window = int(sum(sum(size(i)) for i in range(turns)) / per_token)
     build_to = max(0, target_tokens - window // 2)
-    previous = render(messages)
+    previous = prompt(messages)
     n = count(previous)
     i = 0
     while n < build_to:
-        if prose:  # the same shape all the way up
+        if same_shape:  # the same shape all the way up
             user, reply = size(turns + i)
             messages.append(("user", src.take(user)))
         else:  # pasted files
             reply = 600
             messages.append(("user", "Please review this file:\n" + src.take(6000)))
-        previous = render(messages)
+        previous = prompt(messages)
         n = count(previous)
-        messages.append(("assistant", src.take(reply)))
+        messages.append(("assistant", replies.take(reply)))
         i += 1
     for t in range(turns):
         user, reply = size(t)
         messages.append(("user", src.take(user)))
-        text = render(messages)
+        text = prompt(messages)
         yield Request(text, text[len(previous):] if text.startswith(previous) else text)
         previous = text
-        messages.append(("assistant", src.take(reply)))
+        messages.append(("assistant", replies.take(reply)))
