@@ -253,10 +253,17 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Nothing per layer: P writes after the request finished (indexer pages have no hook anyway)."""
+        """P with ``layer_push``: this layer's pages (MLA latent and, for an owning layer, the indexer K page,
+        written before the layer's attention) are final; the step's layer-by-layer jobs post them now.
+        Otherwise nothing: P writes after the request finished."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: WRITEs complete asynchronously and are reported by get_transfer_results."""
+        """Close this step's layer-by-layer posts; other WRITEs complete asynchronously and are reported by
+        get_transfer_results."""
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:

@@ -108,6 +108,12 @@ class ConnectorOptions:
         "never: NIXL only. Read on D, which exports its pools and chooses the route; opt-in until a GPU "
         "engine pair has proven it byte for byte",
     )
+    layer_push: bool = option(
+        "layer_push", parse_bool, False,
+        doc="P: when D registered before P's prefill finished (the proxy's early registration), post each "
+        "layer's pages from save_kv_layer as the final prefill step computes them, instead of the whole "
+        "request after the step; off until the measurements say on (docs/benchmarks.md)",
+    )
     bounce: BounceSettings | None = group(BounceSettings)
 
     @property

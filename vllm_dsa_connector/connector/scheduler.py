@@ -50,7 +50,15 @@ from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.handoff.consumer import Consumer
 from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
-from vllm_dsa_connector.handoff.messages import Authenticator, Origin, Reply, Request, new_epoch
+from vllm_dsa_connector.handoff.messages import (
+    Authenticator,
+    Origin,
+    Reply,
+    Request,
+    check_transfer_id,
+    new_epoch,
+    prompt_digest,
+)
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
 from vllm_dsa_connector.handoff.settings import HandoffSettings
@@ -180,6 +188,11 @@ class DSAConnectorScheduler:
         self._sources_sent: dict[str, int] = {}  # P engine id -> the epoch whose PeerInfo the workers have
         self._new_sources: list[PeerInfo] = []
         self.routes = RoutePlanner(options.bounce, lambda: self.local_payloads, ipc=options.ipc_mode != "never")
+        # P, early registration: requests whose prefill runs under an early lease -> (request, its blocks now)
+        self._early: dict[str, tuple[VllmRequest, list[int]]] = {}
+        # finished_sending of early requests vLLM has not finished yet, held back until request_finished
+        self._early_sent: set[str] = set()
+        self._early_release: set[str] = set()  # ... and now to report (their request finished)
 
     # ---------------------------------------------------------------- handshake data
 
@@ -278,8 +291,12 @@ class DSAConnectorScheduler:
         return 0, False
 
     def update_state_after_alloc(self, request: VllmRequest, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """D: pair blocks by position, expect the transfer and register our blocks with P."""
+        """D: pair blocks by position, expect the transfer and register our blocks with P. P: a prefill whose
+        ``kv_transfer_params`` carry the proxy's ``transfer_id`` opens its early lease (D may register first)."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and "transfer_id" in params:
+            self._open_early(request, blocks)
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # once
@@ -308,16 +325,23 @@ class DSAConnectorScheduler:
             return
         rp = parse_remote_params(params)
         try:
-            if any(b >= peer.max_block for b in rp.remote_block_ids):
-                raise PairingError(f"remote_block_ids outside P's pools (0..{peer.max_block - 1})")
             prompt_tokens = len(request.prompt_token_ids or ())
+            src_block_size = peer.plan.src_block_size if peer.plan is not None else self.block_size
+            remote_blocks, remote_tokens = rp.remote_block_ids, rp.remote_num_tokens
+            if rp.early:
+                # P has not said which blocks hold the prompt (it is still prefilling): P takes its own blocks of
+                # the span; these stand in for them (the planner sizes bounce slots by bytes, not block ids)
+                remote_tokens = prompt_tokens
+                remote_blocks = list(range(min(-(-prompt_tokens // src_block_size), peer.max_block)))
+            if any(b >= peer.max_block for b in remote_blocks):
+                raise PairingError(f"remote_block_ids outside P's pools (0..{peer.max_block - 1})")
             # vLLM updates request.num_computed_tokens after this call: D's local hits are the rest
             pairing = pair_blocks_by_position(
-                src_block_size=peer.plan.src_block_size if peer.plan is not None else self.block_size,
+                src_block_size=src_block_size,
                 dst_block_size=self.block_size, prompt_tokens=prompt_tokens,
                 local_computed_tokens=prompt_tokens - num_external_tokens,
                 local_new_blocks=list(blocks.get_unhashed_block_ids_all_groups()[0]),
-                remote_block_ids=rp.remote_block_ids, remote_num_tokens=rp.remote_num_tokens)
+                remote_block_ids=remote_blocks, remote_num_tokens=remote_tokens)
         except PairingError as e:
             logger.error("DSAConnector: request %s: cannot pair blocks with P's: %s", req_id, e)
             self._fail[req_id] = f"block pairing: {e}"
@@ -336,8 +360,56 @@ class DSAConnectorScheduler:
         if self._sources_sent.get(load.engine) != epoch:  # new to the workers, or a new start of that P
             self._sources_sent[load.engine] = epoch
             self._new_sources.append(PeerInfo(load.engine, list(peer.payloads), as_source=True, epoch=epoch))
-        self._pending_recv.append(self.consumer.register(req_id, rp, peer, pairing.first_token,
-                                                         pairing.num_tokens, src, dst, routes, held))
+        self._pending_recv.append(self.consumer.register(
+            req_id, rp, peer, pairing.first_token, pairing.num_tokens, src, dst, routes, held,
+            prompt_tokens=prompt_tokens, prompt_digest=prompt_digest(request.prompt_token_ids)))
+
+    # ---------------------------------------------------------------- P side, early registration
+
+    def _open_early(self, request: VllmRequest, blocks: KVCacheBlocks) -> None:
+        """P: the proxy sent this prefill to D too (``transfer_id``): open its lease now, so D's registration
+        (which may come first) is attached and dispatched once the blocks are final. An unusable transfer id
+        is logged and dropped: the request then hands out its params after the prefill as usual."""
+        params = request.kv_transfer_params
+        assert params is not None
+        try:
+            tid = check_transfer_id(params.get("transfer_id"))
+        except ValueError as e:
+            logger.error("DSAConnector: request %s: %s; its KV is leased after the prefill instead (a D that "
+                         "registered by it fails its load)", request.request_id, e)
+            params.pop("transfer_id", None)
+            return
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        self.producer.add_early(request.request_id, tid, ids, prompt_tokens=request.num_prompt_tokens,
+                                digest=prompt_digest(request.prompt_token_ids))
+        self._early[request.request_id] = (request, ids)
+
+    def _track_early(self, scheduler_output: SchedulerOutput, meta: DSAConnectorMetadata) -> None:
+        """P: follow the blocks of the early requests this step schedules; with ``layer_push``, the step that
+        finishes a registered one's prefill carries its job, posted layer by layer by the workers."""
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            if new.req_id in self._early and new.block_ids:
+                self._early[new.req_id] = (self._early[new.req_id][0], list(new.block_ids[0]))
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(getattr(cached, "req_ids", None) or ()):
+            if rid not in self._early:
+                continue
+            added = cached.new_block_ids[i]
+            if added is not None:
+                request, ids = self._early[rid]
+                ids = list(added[0]) if rid in resumed else ids + list(added[0])
+                self._early[rid] = (request, ids)
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for rid, (request, ids) in self._early.items():
+            n = scheduled.get(rid)
+            if n is None:
+                continue
+            self.producer.update_blocks(rid, ids)
+            if self.opts.layer_push and request.num_computed_tokens + n >= request.num_prompt_tokens:
+                d = self.producer.dispatch_layered(rid, ids)
+                meta.peers.extend(d.peers)
+                meta.push.extend(d.push)
 
     # ---------------------------------------------------------------- P side and aborts
 
@@ -359,13 +431,31 @@ class DSAConnectorScheduler:
             return True, None
         if params.get("do_remote_prefill") or not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         blocks = list(block_ids[0]) if block_ids else []
+        if self._early.pop(request.request_id, None) is not None:
+            if request.request_id in self._early_sent:  # its workers are done already: report it now
+                self._early_sent.discard(request.request_id)
+                self._early_release.add(request.request_id)
+                keep = True
+            else:
+                keep = self.producer.finish_early(request.request_id, blocks, ok, why=request.status.name)
+            if not keep or not ok:
+                return keep, None
+            lease = self.producer.lease(request.request_id)
+            return True, self._params_out(request, blocks, lease.token if lease is not None else "")
+        if not ok:
+            return False, None
         if not blocks:
             return False, None
-        token = self.producer.add_lease(request.request_id, blocks)
-        return True, {
+        token = self.producer.add_lease(request.request_id, blocks, prompt_tokens=request.num_prompt_tokens,
+                                        digest=prompt_digest(request.prompt_token_ids))
+        return True, self._params_out(request, blocks, token)
+
+    def _params_out(self, request: VllmRequest, blocks: list[int], token: str) -> dict[str, Any]:
+        """The ``kv_transfer_params`` P hands out for D (after an early registration they only tell the
+        proxy where P's side channel is now)."""
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -397,6 +487,8 @@ class DSAConnectorScheduler:
         meta.fail_recv, self._fail = self._fail, {}
         meta.fail_quiet, self._fail_quiet = self._fail_quiet & meta.fail_recv.keys(), set()
         self.routes.step(self.clock())
+        if self._early:
+            self._track_early(scheduler_output, meta)
         for engine in self.consumer.forget_idle():
             if self._sources_sent.pop(engine, None) is not None:  # the workers know its plan: they drop it
                 meta.forget_sources.append(engine)
@@ -417,8 +509,17 @@ class DSAConnectorScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Forget finished transfers (P: leases; D: loads and their staging slots: a failed load's slots
         come back once no WRITE can land in them, :meth:`Consumer.writes_over_at`)."""
-        if output.finished_sending:
-            self.producer.finished_sending(set(output.finished_sending))
+        sending = set(output.finished_sending or ())
+        early = {r for r in sending if r in self._early}
+        if early or self._early_release:
+            # an early request's workers may be done before vLLM finished the request (it frees the blocks of
+            # finished_sending at once): report those once request_finished kept the blocks
+            self._early_sent |= early
+            sending = (sending - early) | self._early_release
+            self._early_release = set()
+            output.finished_sending = sending
+        if sending:
+            self.producer.finished_sending(sending)
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
             load = self.consumer.finished(req_id)

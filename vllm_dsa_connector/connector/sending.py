@@ -17,6 +17,14 @@ post and, inside the transport, before every WRITE (after any staging wait). ``f
 reported once, when every WRITE of the request completed, failed or was aborted; a failure notice goes
 only when no part of that destination's post is in flight any more.
 
+Layer by layer (``PushJob.layered``, the step that finishes P's prefill): :meth:`SendSide.push` opens one
+post per destination rank (``RoutedTransport.open``, nothing written yet), :meth:`SendSide.layer` adds one
+global layer's pages to each (``RoutedTransport.add``) as vLLM's ``save_kv_layer`` reports that layer
+computed, and closes a post once its last layer is in; :meth:`SendSide.finish_layers` (``wait_for_save``, and
+again before every poll) adds whatever no ``save_kv_layer`` reported (the forward is over: every page is
+final) and closes the rest. D gets the same single notice per writer as for a whole-request post. A job
+with ``error`` writes nothing: each destination rank it feeds gets that reason as its failure notice.
+
 Retired agents: the NIXL remote agents of a destination's replaced start (or of a forgotten one) are
 removed only once no post of this side uses them any more (:meth:`SendSide.remove_retired`; removing one
 earlier would abort that WRITE).
@@ -29,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
@@ -40,9 +49,10 @@ from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
 from vllm_dsa_connector.transport.transports import Post, PostState
 
+from vllm_dsa_connector.matching import PeerPlan
+
 if TYPE_CHECKING:
     from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
-    from vllm_dsa_connector.matching import PeerPlan
     from vllm_dsa_connector.transport.engine import NixlEngine, Region
     from vllm_dsa_connector.transport.staging import StagingArena
 
@@ -86,6 +96,27 @@ class _Group:
 
 
 @dataclass
+class _Layers:
+    """An open layer-by-layer post of one request to one destination rank: the layers still to add."""
+
+    group: _Group
+    job: PushJob
+    plan: PeerPlan
+    src_rank: int
+    dst_rank: int
+    parts: list[tuple[int, int, Runs]]  # the whole request's, in the post's part order
+    todo: set[int]  # global layers not added yet
+    notice: Notice
+
+    def index(self, sp: int, dp: int) -> int:
+        """The post's part index of pools (``sp``, ``dp``)."""
+        for i, (a, b, _) in enumerate(self.parts):
+            if (a, b) == (sp, dp):
+                return i
+        raise ValueError(f"layer runs between pools {sp} -> {dp}, which the whole request does not use")
+
+
+@dataclass
 class _Send:
     """One request's push: its posts, one per destination rank, until every one is over."""
 
@@ -120,6 +151,8 @@ class SendSide:
         self.transfer_timeout_s = transfer_timeout_s
         self.transport = RoutedTransport(nixl, transfer_timeout_s)  # replaced by attach_arena at register
         self._sends: dict[str, _Send] = {}
+        self._layers: list[_Layers] = []  # open layer-by-layer posts of this step
+        self._layered_step = False  # this step opened layer-by-layer posts (wait_for_save drives them)
         self._done: set[str] = set()  # finished_sending since the last take_done
         self.retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
 
@@ -183,6 +216,15 @@ class SendSide:
         plan = remote.plan
         me = self._payload()
         assert me is not None, "register_kv_caches first"
+        if job.error:
+            # P will never write this registration: tell every destination rank this rank feeds, so D fails the
+            # load now instead of at its timeout
+            send.failed = True
+            for dst in remote.payloads:
+                if plan.for_pair(me.rank, dst.rank) and dst.rank in remote.agents:
+                    self._notify_failure(remote.agents[dst.rank], job.dst_req_id, job.error)
+            logger.warning("DSAConnector: not writing %s: %s", job.req_id, job.error)
+            return
         for dst in remote.payloads:
             if dst.rank not in remote.agents:  # never silently "sent": D would wait for bytes that never come
                 logger.error("DSAConnector: cannot push %s to %s rank %d: no NIXL agent of that rank is loaded",
@@ -202,27 +244,34 @@ class SendSide:
                 parts = plan.runs(me.rank, dst.rank, job.src_blocks, job.dst_blocks, first_token=job.first_token,
                                   num_tokens=job.num_tokens)
                 if parts:
-                    self._write(job, send, dst, agent, parts)
+                    self._write(job, send, dst, agent, parts, plan)
             except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
                 logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
                              dst.rank, e)
                 send.failed = True
                 self._notify_failure(agent, job.dst_req_id, str(e))
 
-    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str,
-               parts: list[tuple[int, int, Runs]]) -> None:
-        """Post one writer's parts (one per (source pool, destination pool)) along the route D chose for the
-        pair (direct when it named none); D gets the notice either way."""
-        me = self._rank()
+    def _checks(self, parts: list[tuple[int, int, Runs]]) -> list[tuple[int, int, int, int]]:
+        """``verify_transfers``: a CRC32 of every run (destination pool, offset, length, crc)."""
         regions = self._regions()
         checks: list[tuple[int, int, int, int]] = []
+        for sp, dp, runs in parts:
+            crcs = crc_runs(regions[sp].tensor, runs.src_offsets, runs.lengths)
+            checks.extend((dp, int(o), int(n), crc) for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs,
+                                                                          strict=True))
+        return checks
+
+    def _write(self, job: PushJob, send: _Send, dst: RankPayload, agent: str,
+               parts: list[tuple[int, int, Runs]], plan: PeerPlan) -> None:
+        """Post one writer's parts (one per (source pool, destination pool)) along the route D chose for the
+        pair (direct when it named none); D gets the notice either way. A layered job's post is opened here
+        and fed by :meth:`layer`."""
+        me = self._rank()
+        regions = self._regions()
         nbytes = sum(r.total_bytes for _, _, r in parts)
         nruns = sum(r.num_runs for _, _, r in parts)
-        if job.verify:
-            for sp, dp, runs in parts:
-                crcs = crc_runs(regions[sp].tensor, runs.src_offsets, runs.lengths)
-                checks.extend((dp, int(o), int(n), crc)
-                              for o, n, crc in zip(runs.dst_offsets, runs.lengths, crcs, strict=True))
+        # a layered post's pages are not computed yet: its checksums are taken when it closes
+        checks = self._checks(parts) if job.verify and not job.layered else []
         notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
         route = route_of(job.routes, dst.rank, me)
         path = route.path if route is not None else "direct"
@@ -231,13 +280,19 @@ class SendSide:
             slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
         if path == "ipc":
             self._map(agent, dst)
-        post = self.transport.post(agent, [(regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts],
-                                   writer=me, tag=encode(notice), path=path, slot=slot,
-                                   pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
+        send_parts = [(regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts]
+        how = self.transport.open if job.layered else self.transport.post
+        post = how(agent, send_parts, writer=me, tag=encode(notice), path=path, slot=slot,
+                   pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
+        if job.layered and post.state is not PostState.FAILED:
+            self._layered_step = True
+            self._layers.append(_Layers(_Group(agent, dst.rank, post), job, plan, me, dst.rank, parts,
+                                        set(plan.layers_of(me, dst.rank)), notice))
         if post.state is not PostState.FAILED:
             if path != "direct":
                 self.stats.add(f"{path}_bytes", nbytes)
-        send.groups.append(_Group(agent, dst.rank, post))
+        send.groups.append(self._layers[-1].group if job.layered and post.state is not PostState.FAILED
+                           else _Group(agent, dst.rank, post))
         self.stats.add("send_bytes", nbytes)
         self.stats.add_pair_bytes("send", me, dst.rank, nbytes)
         self.stats.add("send_runs", nruns)
@@ -254,6 +309,54 @@ class SendSide:
         except Exception as e:  # noqa: BLE001 - the post fails with this reason
             logger.error("DSAConnector %s: cannot map the KV pools of %s rank %d through CUDA IPC: %s",
                          self.engine_id, dst.engine_id, dst.rank, e)
+
+    def layer(self, global_layer: int) -> None:
+        """vLLM computed ``global_layer`` of this step: add its pages to every open layer-by-layer post that
+        still needs them (closing a post once its last layer is in), then drive the posts once."""
+        if not self._layers:
+            return
+        for entry in list(self._layers):
+            if global_layer in entry.todo:
+                self._add(entry, {global_layer})
+        self.poll_layers()
+
+    def finish_layers(self) -> bool:
+        """The step's forward is over: add every layer no ``save_kv_layer`` reported and close every open
+        layer-by-layer post (the pages are all final now). Whether this step had any."""
+        had = bool(self._layers) or self._layered_step
+        self._layered_step = False
+        for entry in list(self._layers):
+            self._add(entry, set(entry.todo))
+        return had
+
+    def poll_layers(self) -> None:
+        """Drive the posts of the open layer-by-layer jobs once (WRITEs waiting on CUDA events, bounce
+        prefixes)."""
+        for entry in self._layers:
+            self.transport.progress(entry.group.post)
+
+    def _add(self, entry: _Layers, layers: set[int]) -> None:
+        """Add ``layers`` of ``entry`` to its post; close it when none is left (a failure fails the post: its
+        failure notice goes from :meth:`poll` once nothing of it is in flight)."""
+        post, job = entry.group.post, entry.job
+        try:
+            if layers and post.state is PostState.IN_FLIGHT:
+                runs = entry.plan.runs(entry.src_rank, entry.dst_rank, job.src_blocks, job.dst_blocks,
+                                       first_token=job.first_token, num_tokens=job.num_tokens, layers=layers)
+                items = [(entry.index(sp, dp), r) for sp, dp, r in runs]
+                if items:
+                    self.transport.add(post, items, deadline=job.post_deadline)
+        except Exception as e:  # noqa: BLE001 - a failed layer fails the post, never the forward pass
+            logger.error("DSAConnector: layer push of %s to rank %d failed: %s", job.req_id, entry.dst_rank, e)
+            post.error = post.error or f"layer push failed: {e}"
+            entry.todo.clear()
+        entry.todo -= layers
+        if entry.todo:
+            return
+        self._layers.remove(entry)
+        if job.verify and not post.error:
+            post.tag = encode(msgspec.structs.replace(entry.notice, checks=self._checks(entry.parts)))
+        self.transport.close(post)
 
     def progress(self) -> None:
         """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread

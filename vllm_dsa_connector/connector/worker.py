@@ -128,6 +128,8 @@ class DSAConnectorWorker:
         on CUDA this rank's GPU, the GPUs its kernels reach and (D, ``ipc_mode`` auto) its pools' CUDA IPC
         exports, so a P on the same host can be routed through them."""
         self.table = table
+        # vLLM's save_kv_layer names the attention layer: its global layer carries every role's page of it
+        self.layer_ids = {e.name: e.global_layer for v in table.views for e in v.entries}
         self.regions = [self.nixl.register(pool_tensor(kv_caches, p.base_ptr, p.nbytes)) for p in table.pools]
         staging = None
         send_arena = recv_arena = None
@@ -279,9 +281,27 @@ class DSAConnectorWorker:
             log("DSAConnector: load of %s failed: %s", req_id, reason)
         self.send.release(meta.release)
 
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM computed this attention layer in the current step: post its pages of the step's layer-by-layer
+        jobs (its MLA latent and, for a layer owning one, its indexer K page are final now)."""
+        layer = self.layer_ids.get(layer_name)
+        if layer is None:
+            return
+        with self._lock:
+            self.send.layer(layer)
+
+    def wait_for_save(self) -> None:
+        """The step's forward is over: close its layer-by-layer posts (adding the layers no save_kv_layer
+        reported) and drive the WRITEs for a moment, so the completion notice goes out without waiting for
+        the next step."""
+        with self._lock:
+            if self.send.finish_layers():
+                self.send.progress()
+
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         with self._lock:
+            self.send.finish_layers()
             self.send.poll()
             self.recv.poll()
         done_recving, failed_recving = self.recv.take_results()

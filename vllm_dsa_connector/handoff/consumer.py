@@ -179,10 +179,11 @@ class Consumer:
 
     def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
                  src_blocks: list[int], dst_blocks: list[int], routes: Routes,
-                 held_slots: Held) -> RecvJob:
+                 held_slots: Held, *, prompt_tokens: int = 0, prompt_digest: str = "") -> RecvJob:
         """Blocks are allocated and paired (``matching.BlockPairing``: tokens ``[first_token, +num_tokens)``
         in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
-        workers."""
+        workers. ``prompt_tokens``/``prompt_digest`` (D's prompt) let P refuse a registration for another
+        prompt (required by an early registration, whose P has not said how many tokens it holds)."""
         assert peer.meta is not None
         now = self.clock()
         load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref, req_id=req_id))
@@ -193,7 +194,8 @@ class Consumer:
         load.slots = held_slots
         reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_token, num_tokens,
                      dst_blocks, peer.meta.clock.to_peer_before(load.give_up_at, now),
-                     self.settings.verify_transfers, routes)
+                     self.settings.verify_transfers, routes, prompt_tokens=prompt_tokens,
+                     prompt_digest=prompt_digest)
         load.reg_body = reg
         load.reg = self._notifying(self._regs.submit(self._register, peer, reg))
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,

@@ -38,7 +38,14 @@ from typing import Any
 
 import msgspec
 
-from vllm_dsa_connector.handoff.messages import MAX_ID_CHARS, CancelState, RegReq, ReqRef
+from vllm_dsa_connector.handoff.messages import (
+    MAX_ID_CHARS,
+    TRANSFER_REF_PREFIX,
+    CancelState,
+    RegReq,
+    ReqRef,
+    check_transfer_id,
+)
 from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import TRANSFER_MODE
@@ -59,14 +66,47 @@ class RemoteParams(msgspec.Struct, frozen=True):
     remote_token: str
     transfer_mode: str = TRANSFER_MODE
     remote_epoch: int = 0  # the P start holding the lease (0: not named)
+    transfer_id: str = ""  # early registration: the proxy's id of this P/D pair (P has not finished yet)
 
     @property
     def ref(self) -> ReqRef:
         return ReqRef(self.remote_request_id, self.remote_token)
 
+    @property
+    def early(self) -> bool:
+        """Sent to D together with P's leg (early registration): P's blocks and token count are not known
+        yet, P takes its own blocks of the span when they exist."""
+        return bool(self.transfer_id)
+
+
+class EarlyParams(msgspec.Struct, frozen=True):
+    """The ``kv_transfer_params`` of an early registration: the proxy sends them to D together with P's leg
+    (P's side channel as learnt from an earlier answer of P, and the pair's ``transfer_id``)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    transfer_id: str
+    transfer_mode: str = TRANSFER_MODE
+    remote_epoch: int = 0
+
 
 def parse_remote_params(params: dict[str, Any]) -> RemoteParams:
-    """Typed params; ``ValueError`` naming the problem."""
+    """Typed params; ``ValueError`` naming the problem. Params with a ``transfer_id`` and no
+    ``remote_request_id`` are an early registration's (:class:`EarlyParams`): P's request is then named by
+    the transfer id (:func:`~.messages.transfer_ref`), its blocks are P's to find."""
+    if "transfer_id" in params and "remote_request_id" not in params:
+        fields = {k: params[k] for k in EarlyParams.__struct_fields__ if k in params}
+        try:
+            early = msgspec.convert(fields, EarlyParams)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"malformed kv_transfer_params: {e}") from None
+        try:
+            tid = check_transfer_id(early.transfer_id)
+        except ValueError as e:
+            raise ValueError(f"malformed kv_transfer_params: {e}") from None
+        params = {**fields, "remote_request_id": TRANSFER_REF_PREFIX + tid, "remote_token": tid,
+                  "remote_block_ids": [], "remote_num_tokens": 0}
     fields = {k: params[k] for k in RemoteParams.__struct_fields__ if k in params}
     try:
         rp = msgspec.convert(fields, RemoteParams)

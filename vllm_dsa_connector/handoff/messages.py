@@ -36,6 +36,7 @@ write into or release its KV.
 from __future__ import annotations
 
 import hashlib
+from array import array
 import heapq
 import hmac
 import math
@@ -74,6 +75,43 @@ MAC_BYTES = 32  # HMAC-SHA256
 MAX_SEEN_NONCES = 1 << 20
 
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+#: Hex characters of a :func:`prompt_digest`
+DIGEST_CHARS = 32
+#: ``ReqRef.p_req`` of an early registration: this prefix and the proxy's transfer id (P's own request id is
+#: not known to D before P finishes)
+TRANSFER_REF_PREFIX = "transfer:"
+#: Bounds of a transfer id (the proxy's random capability shared by both legs of one request)
+TRANSFER_ID_CHARS = (16, 96)
+_TRANSFER_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def check_transfer_id(value: object) -> str:
+    """``value`` when it is a usable transfer id (a string of 16..96 letters, digits, ``_`` or ``-``: the
+    proxy makes it random, and it is the capability both legs share); ``ValueError`` naming the problem."""
+    lo, hi = TRANSFER_ID_CHARS
+    if not isinstance(value, str):
+        raise ValueError(f"transfer_id must be a string, got {type(value).__name__}")
+    if not lo <= len(value) <= hi or not set(value) <= _TRANSFER_ID_ALPHABET:
+        raise ValueError(f"transfer_id must be {lo}..{hi} characters of [A-Za-z0-9_-], got {len(value)} "
+                         f"characters{'' if set(value) <= _TRANSFER_ID_ALPHABET else ' with others'}")
+    return value
+
+
+def transfer_ref(transfer_id: str) -> ReqRef:
+    """How D names an early registration's P request in registrations, heartbeats and cancels: the transfer id
+    stands for P's request id (with :data:`TRANSFER_REF_PREFIX`) and for its token."""
+    return ReqRef(TRANSFER_REF_PREFIX + transfer_id, transfer_id)
+
+
+def prompt_digest(token_ids: object) -> str:
+    """A 128-bit digest of a prompt's token ids (``""`` for none): P and D compare theirs, so KV computed for
+    one prompt never feeds another of the same length."""
+    if token_ids is None:
+        return ""
+    ids = array("q", token_ids)  # type: ignore[call-overload]
+    if not ids:
+        return ""
+    return hashlib.blake2b(ids.tobytes(), digest_size=DIGEST_CHARS // 2).hexdigest()
 
 
 class MessageError(ValueError):
@@ -132,6 +170,8 @@ class RegReq(msgspec.Struct, frozen=True, tag="reg"):
     routes: Routes = {}  # D's choice of path per (D rank, P rank) pair (absent: direct)
     d_payloads: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]],
                           msgspec.Meta(max_length=MAX_WORKERS)] | None = None
+    prompt_tokens: int = 0  # D's prompt length (0: not stated); P refuses a registration of another length
+    prompt_digest: Annotated[str, msgspec.Meta(max_length=DIGEST_CHARS)] = ""  # :func:`prompt_digest` of D's prompt
 
 
 class HeartbeatReq(msgspec.Struct, frozen=True, tag="hb"):

@@ -41,6 +41,20 @@ payloads or dropped, never written with the other's agent or layout.
 
 A D engine no lease has named for ``peer_idle_s`` is forgotten (its record here, its remote agents in the
 workers: :attr:`Dispatch.forget`); its next registration is answered ``need_payloads`` and re-sends them.
+
+Early registration. A router may send the request to D at the same time as to P, both legs carrying one
+``transfer_id`` it made (random: it is the capability the two legs share). P opens the lease when its
+scheduler first allocates the request's blocks (:meth:`Producer.add_early`, state HELD, not yet *final*);
+D registers by the transfer id (``p_req`` = :data:`~.messages.TRANSFER_REF_PREFIX` + id, ``token`` = id),
+naming its prompt's length and digest. A registration that arrives before P has seen the request is held
+(peer checks done, at most :data:`_EARLY_HELD`, until its post deadline) and attached when the lease opens.
+A registered early lease is dispatched once its blocks are final: layer by layer in the step that finishes
+the prefill (:meth:`Producer.dispatch_layered`), else on the step after the prefill finished
+(:meth:`Producer.finish_early`). Every check of a normal registration applies (token, one D request,
+deadline, peer epoch), and P also refuses a prompt of another length or digest. A registration P can no
+longer serve after it accepted it (the prefill was aborted, the prompt differs) becomes a failure job
+(``PushJob.error``): the workers send each destination rank a failure notice, so D fails the load at once
+instead of waiting for its timeout; nothing is written.
 """
 
 from __future__ import annotations
@@ -57,6 +71,7 @@ from enum import Enum
 
 from vllm_dsa_connector.handoff.messages import (
     NOT_READY,
+    TRANSFER_REF_PREFIX,
     CancelReq,
     CancelState,
     HeartbeatReq,
@@ -75,6 +90,8 @@ from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload, m
 logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 65536
+#: Early registrations P holds for requests it has not seen yet (beyond it a new one is refused)
+_EARLY_HELD = 4096
 
 
 class LeaseState(Enum):
@@ -109,6 +126,11 @@ class Lease:
     state: LeaseState = LeaseState.HELD
     reg: RegReq | None = None
     reg_epoch: int = 0  # the epoch of the D engine start that sent ``reg``
+    final: bool = True  # the blocks hold the whole prefill (an early lease: once P's prefill finished)
+    transfer_id: str = ""  # an early lease's: D registers by it
+    prompt_tokens: int = 0  # P's prompt length (0: not known)
+    digest: str = ""  # :func:`~.messages.prompt_digest` of P's prompt ("" : not known)
+    fail: str = ""  # a registration P accepted and can no longer serve: dispatched as a failure job
 
     def to(self, new: LeaseState) -> None:
         """The one place a lease changes state (:class:`~.states.IllegalTransition` if ``new`` is not
@@ -157,22 +179,115 @@ class Producer:
         self._peers: dict[str, DPeer] = {}  # D engine id -> the start P knows (one record per id)
         self._peers_sent: dict[str, int] = {}  # D engine id -> the epoch whose PeerInfo the workers have
         self._peer_seen: dict[str, float] = {}  # D engine -> the last step a lease named it
+        self._by_transfer: dict[str, str] = {}  # transfer id -> P request id (early leases)
+        # early registrations for requests P has not seen yet: transfer id -> (registration, sender's epoch)
+        self._held: OrderedDict[str, tuple[RegReq, int]] = OrderedDict()
 
     # ------------------------------------------------------------ engine thread
 
-    def add_lease(self, req_id: str, blocks: list[int]) -> str:
-        """Keep ``blocks`` of a finished prefill for ``lease_s``; returns the request's token."""
+    def add_lease(self, req_id: str, blocks: list[int], *, prompt_tokens: int = 0, digest: str = "") -> str:
+        """Keep ``blocks`` of a finished prefill for ``lease_s``; returns the request's token. ``prompt_tokens``
+        and ``digest`` (P's prompt) are checked against what D's registration states."""
         token = secrets.token_hex(16)
         with self._lock:
-            self._leases[req_id] = Lease(req_id, list(blocks), token, self.clock() + self.settings.lease_s)
+            self._leases[req_id] = Lease(req_id, list(blocks), token, self.clock() + self.settings.lease_s,
+                                         prompt_tokens=prompt_tokens, digest=digest)
         return token
+
+    def add_early(self, req_id: str, transfer_id: str, blocks: list[int], *, prompt_tokens: int,
+                  digest: str) -> None:
+        """Open the lease of a prefill that has started, for D to register by ``transfer_id`` (early
+        registration); a registration held for it is attached now. Again for the same request (its blocks
+        allocated again after a preemption): the blocks are updated while nothing was dispatched."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is not None:
+                if lease.state in (LeaseState.HELD, LeaseState.REGISTERED):
+                    lease.blocks = list(blocks)
+                return
+            lease = Lease(req_id, list(blocks), transfer_id, self.clock() + self.settings.lease_s, final=False,
+                          transfer_id=transfer_id, prompt_tokens=prompt_tokens, digest=digest)
+            self._leases[req_id] = lease
+            self._by_transfer[transfer_id] = req_id
+            held = self._held.pop(transfer_id, None)
+            if held is None:
+                return
+            reg, epoch = held
+            peer = self._peers.get(reg.d_engine)
+            if peer is None or peer.epoch != epoch:
+                return  # the D start that sent it was replaced meanwhile: its registration is void
+            try:
+                self._check_reg(reg, lease, peer)
+            except MessageError as e:
+                lease.fail = f"early registration of {reg.d_req!r} does not fit P's request {req_id}: {e}"
+                logger.error("DSAConnector %s: %s", self.engine_id, lease.fail)
+            lease.reg, lease.reg_epoch = reg, epoch
+            lease.to(LeaseState.REGISTERED)
+            lease.deadline = max(lease.deadline, reg.post_deadline)
+
+    def update_blocks(self, req_id: str, blocks: list[int]) -> None:
+        """The blocks an early lease's request holds now (the scheduler allocated more for its next chunk)."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is not None and not lease.final and lease.state in (LeaseState.HELD, LeaseState.REGISTERED):
+                lease.blocks = list(blocks)
+
+    def finish_early(self, req_id: str, blocks: list[int], ok: bool, why: str = "") -> bool:
+        """P's request of an early lease finished: ``ok`` with its prefill (the blocks are final, the
+        registration is dispatched on the next step, or kept for D's for ``lease_s``), else (aborted, failed)
+        nothing will be written: a registered lease becomes a failure job, an unregistered one is released.
+        Returns whether the lease still holds the blocks (the caller keeps them until finished_sending)."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                return False
+            if lease.state in (LeaseState.HELD, LeaseState.REGISTERED):
+                lease.blocks = list(blocks)
+            lease.final = True
+            if ok:
+                if lease.state is LeaseState.HELD:
+                    lease.deadline = max(lease.deadline, self.clock() + self.settings.lease_s)
+                return True
+            if lease.state is LeaseState.HELD:
+                del self._leases[req_id]
+                self._ended_early(lease)
+                return False
+            if lease.state is LeaseState.REGISTERED and not lease.fail:
+                lease.fail = f"P's request {req_id} ended without its prefill ({why or 'aborted'})"
+            return True
+
+    def dispatch_layered(self, req_id: str, blocks: list[int]) -> Dispatch:
+        """The step that finishes the prefill of early lease ``req_id`` is scheduled with ``blocks``: hand the
+        workers its registration as a layer-by-layer job (empty when it is not registered, or cannot be)."""
+        out = Dispatch()
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None or lease.state is not LeaseState.REGISTERED or lease.reg is None or lease.fail:
+                return out
+            peer = self._peers.get(lease.reg.d_engine)
+            first, end = self._block_range(lease.reg)
+            if (peer is None or peer.epoch != lease.reg_epoch or end > len(blocks)
+                    or self.clock() >= lease.reg.post_deadline):
+                return out  # step() handles it as any registration once the prefill finished
+            lease.blocks = list(blocks)
+            self._dispatch(out, lease, lease.reg, layered=True)
+        return out
 
     def step(self) -> Dispatch:
         """Dispatch registrations (before their post deadline) and release ended leases."""
         now = self.clock()
         out = Dispatch()
         with self._lock:
+            for tid in [t for t, (reg, _) in self._held.items() if now >= reg.post_deadline]:
+                self._held.pop(tid)
+                self._tombstone(TRANSFER_REF_PREFIX + tid, False)
+                logger.warning("DSAConnector %s: early registration of transfer %s expired before P saw the "
+                               "request", self.engine_id, tid)
             for req_id, lease in self._leases.items():
+                if not lease.final and not (lease.state is LeaseState.REGISTERED and lease.fail):
+                    # an early lease whose prefill runs: dispatched (or released) once its blocks are final; a
+                    # registration it cannot serve goes out as a failure job at once (nothing is written)
+                    continue
                 if lease.state is LeaseState.REGISTERED and lease.reg is not None:
                     peer = self._peers.get(lease.reg.d_engine)
                     if peer is None or peer.epoch != lease.reg_epoch:  # _replace_peer drops these; never write
@@ -212,15 +327,21 @@ class Producer:
         lease.to(LeaseState.RELEASED)
         out.release.append(lease.req_id)
 
-    def _dispatch(self, out: Dispatch, lease: Lease, reg: RegReq) -> None:
+    def _dispatch(self, out: Dispatch, lease: Lease, reg: RegReq, layered: bool = False) -> None:
         peer = self._peers[reg.d_engine]
         if self._peers_sent.get(reg.d_engine) != peer.epoch:  # new to the workers, or a new start of it
             out.peers.append(PeerInfo(reg.d_engine, list(peer.payloads), epoch=peer.epoch))
             self._peers_sent[reg.d_engine] = peer.epoch
         first, end = self._block_range(reg)
-        out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, lease.blocks[first:end], list(reg.d_blocks),
+        error = lease.fail
+        if not error and end > len(lease.blocks):
+            error = (f"P's request {lease.req_id} holds {len(lease.blocks)} blocks of {self.block_size} tokens, "
+                     f"the registration asks tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1}")
+        src = [] if error else lease.blocks[first:end]
+        out.push.append(PushJob(lease.req_id, reg.d_engine, reg.d_req, src, list(reg.d_blocks),
                                 reg.verify, reg.routes, post_deadline=reg.post_deadline,
-                                first_token=reg.first_token, num_tokens=reg.num_tokens, dst_epoch=peer.epoch))
+                                first_token=reg.first_token, num_tokens=reg.num_tokens, dst_epoch=peer.epoch,
+                                layered=layered and not error, error=error))
         lease.to(LeaseState.DISPATCHED)
         # the workers report finished_sending within post deadline + write timeout; keep the lease as long
         lease.deadline = max(lease.deadline, reg.post_deadline + self.settings.transfer_timeout_s)
@@ -232,6 +353,13 @@ class Producer:
                 lease = self._leases.pop(req_id, None)
                 if lease is not None:
                     self._tombstone(req_id, lease.state is LeaseState.DISPATCHED)
+                    self._ended_early(lease, lease.state is LeaseState.DISPATCHED)
+
+    def _ended_early(self, lease: Lease, posted: bool = False) -> None:
+        """An early lease ended: its transfer id is tombstoned too (caller holds the lock)."""
+        if lease.transfer_id and self._by_transfer.get(lease.transfer_id) == lease.req_id:
+            del self._by_transfer[lease.transfer_id]
+            self._tombstone(TRANSFER_REF_PREFIX + lease.transfer_id, posted)
 
     def pending(self) -> bool:
         """Whether any lease still holds blocks."""
@@ -269,8 +397,15 @@ class Producer:
             return self.handle_heartbeat(req)
         return self.handle_cancel(req)
 
+    def _lease_named(self, p_req: str) -> Lease | None:
+        """The lease ``p_req`` names: P's request id, or an early registration's transfer reference."""
+        if p_req.startswith(TRANSFER_REF_PREFIX):
+            req_id = self._by_transfer.get(p_req[len(TRANSFER_REF_PREFIX):])
+            return self._leases.get(req_id) if req_id is not None else None
+        return self._leases.get(p_req)
+
     def _owned(self, ref: ReqRef | RegReq) -> Lease | None:
-        lease = self._leases.get(ref.p_req)
+        lease = self._lease_named(ref.p_req)
         if lease is None or not hmac.compare_digest(lease.token.encode(), ref.token.encode()):
             return None
         return lease
@@ -291,6 +426,8 @@ class Producer:
                 "a registration names only its sender's engine"))
         with self._lock:
             lease = self._owned(reg)
+            if lease is None and reg.p_req.startswith(TRANSFER_REF_PREFIX) and reg.p_req not in self._ended:
+                return self._hold(reg, sender, now)
             if lease is None:
                 why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
@@ -315,10 +452,7 @@ class Producer:
             known = self._peers.get(reg.d_engine)
             if known is None or known.epoch != sender.epoch:
                 if not reg.d_payloads:
-                    why = ("unknown decode engine" if known is None else
-                           f"decode engine {reg.d_engine!r} is known at epoch {known.epoch:016x}, this "
-                           f"registration comes from epoch {sender.epoch:016x} (restarted?): send its payloads")
-                    return Reply(False, need_payloads=True, error=why, clock=now)
+                    return self._known_sender(reg, sender)  # the reply asking for its payloads
                 peer = self._peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
                 self._check_reg(reg, lease, peer)
                 self._replace_peer(reg.d_engine, peer, known)
@@ -328,6 +462,51 @@ class Producer:
             lease.reg_epoch = sender.epoch
             lease.to(LeaseState.REGISTERED)
             lease.deadline = max(lease.deadline, reg.post_deadline)
+        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+
+    def _known_sender(self, reg: RegReq, sender: Origin) -> DPeer | Reply:
+        """The record of the registration's sender start (learnt or replaced from its payloads), or the reply
+        asking for them (caller holds the lock)."""
+        known = self._peers.get(reg.d_engine)
+        if known is not None and known.epoch == sender.epoch:
+            return known
+        if not reg.d_payloads:
+            why = ("unknown decode engine" if known is None else
+                   f"decode engine {reg.d_engine!r} is known at epoch {known.epoch:016x}, this "
+                   f"registration comes from epoch {sender.epoch:016x} (restarted?): send its payloads")
+            return Reply(False, need_payloads=True, error=why, clock=self.clock())
+        peer = self._peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
+        self._replace_peer(reg.d_engine, peer, known)
+        return peer
+
+    def _hold(self, reg: RegReq, sender: Origin, now: float) -> Reply:
+        """An early registration for a request P has not seen yet: keep it until the lease opens
+        (:meth:`add_early`) or its post deadline passes (caller holds the lock)."""
+        tid = reg.p_req[len(TRANSFER_REF_PREFIX):]
+        if reg.token != tid:
+            return Reply(False, clock=now, error=f"early registration {reg.p_req}: token is not its transfer id")
+        prev = self._held.get(tid)
+        if prev is not None:
+            if (prev[0].d_engine, prev[1], prev[0].d_req) == (reg.d_engine, sender.epoch, reg.d_req):
+                self._held[tid] = (reg, sender.epoch)  # D retried: the latest body
+                return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+            return Reply(False, clock=now, error=(
+                f"transfer {tid} is already registered by D request {prev[0].d_req!r} of engine "
+                f"{prev[0].d_engine!r}; refusing D request {reg.d_req!r} of engine {sender} (one P request feeds "
+                "one D request)"))
+        if len(self._held) >= _EARLY_HELD:
+            return Reply(False, clock=now, error=f"P holds {_EARLY_HELD} early registrations of requests it has "
+                                                 "not seen yet; refusing more")
+        if now >= reg.post_deadline:
+            return Reply(False, error=f"registration of {reg.p_req} arrived after its post deadline", clock=now)
+        if not reg.prompt_digest or reg.prompt_tokens <= 0:
+            return Reply(False, clock=now, error=f"early registration {reg.p_req} states no prompt length and "
+                                                 "digest (P cannot check it is the same prompt)")
+        peer = self._known_sender(reg, sender)
+        if isinstance(peer, Reply):
+            return peer
+        self._check_routes(reg, peer)
+        self._held[tid] = (reg, sender.epoch)
         return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
 
     @staticmethod
@@ -358,6 +537,24 @@ class Producer:
         self._peer_seen[d_engine] = self.clock()
 
     def _check_reg(self, reg: RegReq, lease: Lease, peer: DPeer) -> None:
+        self._check_routes(reg, peer)
+        if lease.prompt_tokens and reg.prompt_tokens and lease.prompt_tokens != reg.prompt_tokens:
+            raise MessageError(f"D's prompt has {reg.prompt_tokens} tokens, P's request {lease.req_id} "
+                               f"{lease.prompt_tokens}: not the same prompt")
+        if lease.digest and reg.prompt_digest and lease.digest != reg.prompt_digest:
+            raise MessageError(f"D's prompt ({reg.prompt_tokens} tokens, digest {reg.prompt_digest}) is not P's "
+                               f"request {lease.req_id} ({lease.prompt_tokens} tokens, digest {lease.digest})")
+        if lease.transfer_id and not (reg.prompt_digest and reg.prompt_tokens):
+            raise MessageError(f"early registration of {lease.req_id} states no prompt length and digest")
+        if not lease.final:  # an early lease: P's blocks of the span exist once its prefill has run
+            if reg.first_token + reg.num_tokens > lease.prompt_tokens:
+                raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked, P's "
+                                   f"request {lease.req_id} has {lease.prompt_tokens} prompt tokens")
+            return
+        self._check_span(reg, lease, peer)
+
+    @staticmethod
+    def _check_routes(reg: RegReq, peer: DPeer) -> None:
         limit = peer.num_blocks
         bad = [b for b in reg.d_blocks if not 0 <= b < limit]
         if bad:
@@ -370,16 +567,18 @@ class Producer:
                 if route.path == "bounce" and route.offset + route.size > staging.get(rank, 0):
                     raise MessageError(f"bounce route [{route.offset}, +{route.size}) outside D rank {rank}'s "
                                        f"staging arena ({staging.get(rank, 0)} B)")
-        first, end = self._block_range(reg)
-        if end > len(lease.blocks):
-            raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked (blocks "
-                               f"{first}..{end - 1} of {self.block_size} tokens), request {reg.p_req} has "
-                               f"{len(lease.blocks)}")
         bd = peer.block_size
         need = -(-(reg.first_token + reg.num_tokens) // bd) - reg.first_token // bd if bd else 0
         if len(reg.d_blocks) < need:
             raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} need {need} of "
                                f"D's {bd}-token blocks, the registration names {len(reg.d_blocks)}")
+
+    def _check_span(self, reg: RegReq, lease: Lease, peer: DPeer) -> None:
+        first, end = self._block_range(reg)
+        if end > len(lease.blocks):
+            raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked (blocks "
+                               f"{first}..{end - 1} of {self.block_size} tokens), request {reg.p_req} has "
+                               f"{len(lease.blocks)}")
 
     def _block_range(self, reg: RegReq) -> tuple[int, int]:
         """``[first, end)``: the indexes into the lease's blocks holding the registration's token span."""
@@ -402,7 +601,10 @@ class Producer:
         states: dict[str, str] = {}
         with self._lock:
             for ref in cancel.reqs:
-                lease = self._leases.get(ref.p_req)
+                lease = self._lease_named(ref.p_req)
+                tid = ref.p_req[len(TRANSFER_REF_PREFIX):] if ref.p_req.startswith(TRANSFER_REF_PREFIX) else ""
+                if lease is None and tid in self._held and self._held[tid][0].token == ref.token:
+                    del self._held[tid]  # held, never written
                 if lease is None:
                     # unknown or ended: remember it, so a registration arriving late is refused
                     posted = self._ended.get(ref.p_req, False)

@@ -267,6 +267,11 @@ class PushJob(msgspec.Struct, frozen=True):
     first_token: int = 0
     num_tokens: int | None = None  # None: every token both block lists cover
     dst_epoch: Epoch = 0  # the start of dst_engine that registered: a worker knowing another one never writes
+    # posted layer by layer from save_kv_layer during the step that finishes P's prefill (else all at once)
+    layered: bool = False
+    # not a WRITE: P will never write this registration (its request failed or does not match D's); the workers
+    # send this reason as each destination rank's failure notice
+    error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)] = ""
 
 
 class RecvJob(msgspec.Struct, frozen=True):
