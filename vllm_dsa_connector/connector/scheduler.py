@@ -35,7 +35,6 @@ same engine id), so the workers replace their record and NIXL remote agents of i
 
 from __future__ import annotations
 
-import reprlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,9 +43,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.compose import DSA_CONNECTOR
+from vllm_dsa_connector.connector.early import EarlyPrefills, is_early_prefill
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
+from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.handoff.consumer import Consumer
 from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
@@ -55,7 +56,6 @@ from vllm_dsa_connector.handoff.messages import (
     Origin,
     Reply,
     Request,
-    check_transfer_id,
     new_epoch,
     prompt_digest,
 )
@@ -64,7 +64,6 @@ from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
 from vllm_dsa_connector.handoff.wire import (
-    LEGACY_TRANSFER_MODE,
     TRANSFER_MODE,
     PeerInfo,
     RankPayload,
@@ -87,65 +86,6 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 #: recently seen forgotten first): each peer is logged once, and engine ids that change with every P start
 #: (vLLM's default) or a hostile proxy's made-up ids cannot grow the set without bound.
 _UNUSABLE_LOGGED = 1024
-#: kv_transfer_params keys whose value is never logged (a lease token lets its holder register for P's KV)
-_SECRET_KEYS = frozenset({"remote_token"})
-_SUMMARY_CHARS = 800  # the whole "received" part of the log line
-
-
-def _short_repr() -> reprlib.Repr:
-    r = reprlib.Repr()  # bounded work and length whatever the (untrusted) values are
-    r.maxstring, r.maxother, r.maxlong = 60, 60, 40
-    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 6
-    r.maxlevel = 2
-    return r
-
-
-_REPR = _short_repr()
-
-
-def params_summary(params: dict[str, Any]) -> str:
-    """The keys of ``params`` with a short repr of each value (truncated; a secret shown by its type and
-    length only), so the log line says what D received, whatever the params are."""
-    parts = []
-    for key in sorted(params, key=str)[:40]:
-        value = params[key]
-        shown = (f"<{type(value).__name__}, {len(value)} chars>" if key in _SECRET_KEYS and isinstance(value, str)
-                 else _REPR.repr(value))
-        parts.append(f"{_REPR.repr(key)}: {shown}")
-    out = "{" + ", ".join(parts) + (", ..." if len(params) > 40 else "") + "}"
-    return out if len(out) <= _SUMMARY_CHARS else out[:_SUMMARY_CHARS] + "...}"
-
-
-def peer_key(params: dict[str, Any]) -> str:
-    """Which peer handed out ``params`` (unusable ones are logged once per peer): its ``remote_engine_id``
-    when present, else ``remote_host:remote_port``, else ``"unknown"`` (short reprs: the params are untrusted)."""
-    engine = params.get("remote_engine_id")
-    if engine not in (None, ""):
-        return f"engine {_REPR.repr(engine)}"
-    host, port = params.get("remote_host"), params.get("remote_port")
-    if host not in (None, "") or port not in (None, ""):
-        return ":".join(v[:80] if isinstance(v, str) else _REPR.repr(v) for v in (host, port))
-    return "unknown"
-
-
-def other_connector(params: dict[str, Any]) -> str:
-    """Why ``params`` are another connector's (``""``: they may be DSAConnector's): a ``kv_connector`` naming
-    another connector, or a ``transfer_mode`` that is not DSAConnector's (e.g. NixlConnector's ``"pull"``, or
-    a bare ``"push"``: protocol 6's mode is taken only together with ``kv_connector`` ``"DSAConnector"``).
-    A value that is not a string names nothing: such params are malformed, not another connector's."""
-    name = params.get("kv_connector", DSA_CONNECTOR)
-    if isinstance(name, str) and name != DSA_CONNECTOR:
-        return f"kv_connector {_REPR.repr(name)} names another connector (DSAConnector's P hands out {DSA_CONNECTOR!r})"
-    mode = params.get("transfer_mode", TRANSFER_MODE)
-    if mode == LEGACY_TRANSFER_MODE and params.get("kv_connector") == DSA_CONNECTOR:
-        return ""  # an older DSAConnector P (protocol 6)
-    if isinstance(mode, str) and mode != TRANSFER_MODE:
-        bare = (f" without kv_connector {DSA_CONNECTOR!r}" if mode == LEGACY_TRANSFER_MODE else "")
-        return (f"transfer_mode {_REPR.repr(mode)}{bare} is another producer's (DSAConnector's P hands out "
-                f"{TRANSFER_MODE!r})")
-    return ""
-
-
 def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
     """The core's settings from the connector's options."""
     return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
@@ -188,11 +128,7 @@ class DSAConnectorScheduler:
         self._sources_sent: dict[str, int] = {}  # P engine id -> the epoch whose PeerInfo the workers have
         self._new_sources: list[PeerInfo] = []
         self.routes = RoutePlanner(options.bounce, lambda: self.local_payloads, ipc=options.ipc_mode != "never")
-        # P, early registration: requests whose prefill runs under an early lease -> (request, its blocks now)
-        self._early: dict[str, tuple[VllmRequest, list[int]]] = {}
-        # finished_sending of early requests vLLM has not finished yet, held back until request_finished
-        self._early_sent: set[str] = set()
-        self._early_release: set[str] = set()  # ... and now to report (their request finished)
+        self.early = EarlyPrefills(self.producer, options.layer_push)  # P: prefills D may register first
 
     # ---------------------------------------------------------------- handshake data
 
@@ -294,8 +230,8 @@ class DSAConnectorScheduler:
         """D: pair blocks by position, expect the transfer and register our blocks with P. P: a prefill whose
         ``kv_transfer_params`` carry the proxy's ``transfer_id`` opens its early lease (D may register first)."""
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and not params.get("do_remote_prefill") and "transfer_id" in params:
-            self._open_early(request, blocks)
+        if is_early_prefill(params):
+            self.early.open(request, blocks)
             return
         if not params or not params.get("do_remote_prefill"):
             return
@@ -364,53 +300,6 @@ class DSAConnectorScheduler:
             req_id, rp, peer, pairing.first_token, pairing.num_tokens, src, dst, routes, held,
             prompt_tokens=prompt_tokens, prompt_digest=prompt_digest(request.prompt_token_ids)))
 
-    # ---------------------------------------------------------------- P side, early registration
-
-    def _open_early(self, request: VllmRequest, blocks: KVCacheBlocks) -> None:
-        """P: the proxy sent this prefill to D too (``transfer_id``): open its lease now, so D's registration
-        (which may come first) is attached and dispatched once the blocks are final. An unusable transfer id
-        is logged and dropped: the request then hands out its params after the prefill as usual."""
-        params = request.kv_transfer_params
-        assert params is not None
-        try:
-            tid = check_transfer_id(params.get("transfer_id"))
-        except ValueError as e:
-            logger.error("DSAConnector: request %s: %s; its KV is leased after the prefill instead (a D that "
-                         "registered by it fails its load)", request.request_id, e)
-            params.pop("transfer_id", None)
-            return
-        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        self.producer.add_early(request.request_id, tid, ids, prompt_tokens=request.num_prompt_tokens,
-                                digest=prompt_digest(request.prompt_token_ids))
-        self._early[request.request_id] = (request, ids)
-
-    def _track_early(self, scheduler_output: SchedulerOutput, meta: DSAConnectorMetadata) -> None:
-        """P: follow the blocks of the early requests this step schedules; with ``layer_push``, the step that
-        finishes a registered one's prefill carries its job, posted layer by layer by the workers."""
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            if new.req_id in self._early and new.block_ids:
-                self._early[new.req_id] = (self._early[new.req_id][0], list(new.block_ids[0]))
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for i, rid in enumerate(getattr(cached, "req_ids", None) or ()):
-            if rid not in self._early:
-                continue
-            added = cached.new_block_ids[i]
-            if added is not None:
-                request, ids = self._early[rid]
-                ids = list(added[0]) if rid in resumed else ids + list(added[0])
-                self._early[rid] = (request, ids)
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        for rid, (request, ids) in self._early.items():
-            n = scheduled.get(rid)
-            if n is None:
-                continue
-            self.producer.update_blocks(rid, ids)
-            if self.opts.layer_push and request.num_computed_tokens + n >= request.num_prompt_tokens:
-                d = self.producer.dispatch_layered(rid, ids)
-                meta.peers.extend(d.peers)
-                meta.push.extend(d.push)
-
     # ---------------------------------------------------------------- P side and aborts
 
     def request_finished(self, request: VllmRequest, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -433,13 +322,8 @@ class DSAConnectorScheduler:
             return False, None
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         blocks = list(block_ids[0]) if block_ids else []
-        if self._early.pop(request.request_id, None) is not None:
-            if request.request_id in self._early_sent:  # its workers are done already: report it now
-                self._early_sent.discard(request.request_id)
-                self._early_release.add(request.request_id)
-                keep = True
-            else:
-                keep = self.producer.finish_early(request.request_id, blocks, ok, why=request.status.name)
+        if request.request_id in self.early:
+            keep = self.early.finished(request, blocks, ok)
             if not keep or not ok:
                 return keep, None
             lease = self.producer.lease(request.request_id)
@@ -487,8 +371,8 @@ class DSAConnectorScheduler:
         meta.fail_recv, self._fail = self._fail, {}
         meta.fail_quiet, self._fail_quiet = self._fail_quiet & meta.fail_recv.keys(), set()
         self.routes.step(self.clock())
-        if self._early:
-            self._track_early(scheduler_output, meta)
+        if self.early:
+            self.early.track(scheduler_output, meta)
         for engine in self.consumer.forget_idle():
             if self._sources_sent.pop(engine, None) is not None:  # the workers know its plan: they drop it
                 meta.forget_sources.append(engine)
@@ -510,13 +394,10 @@ class DSAConnectorScheduler:
         """Forget finished transfers (P: leases; D: loads and their staging slots: a failed load's slots
         come back once no WRITE can land in them, :meth:`Consumer.writes_over_at`)."""
         sending = set(output.finished_sending or ())
-        early = {r for r in sending if r in self._early}
-        if early or self._early_release:
-            # an early request's workers may be done before vLLM finished the request (it frees the blocks of
-            # finished_sending at once): report those once request_finished kept the blocks
-            self._early_sent |= early
-            sending = (sending - early) | self._early_release
-            self._early_release = set()
+        if self.early:
+            # an early prefill's workers may be done before vLLM finished the request (it frees the blocks of
+            # finished_sending at once): such reports wait until request_finished kept the blocks
+            sending = self.early.hold_back(sending)
             output.finished_sending = sending
         if sending:
             self.producer.finished_sending(sending)

@@ -43,13 +43,12 @@ from vllm.logger import init_logger
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.connector.receiving import ReportedIds
 from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
+from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
 from vllm_dsa_connector.transport.transports import Post, PostState
-
-from vllm_dsa_connector.matching import PeerPlan
 
 if TYPE_CHECKING:
     from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
