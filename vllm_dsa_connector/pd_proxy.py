@@ -48,6 +48,16 @@ for the next bytes, so a long stream that keeps sending is never cut) and per co
 (``--connect-timeout``), never a total. A decode stream failing mid-way is logged and ends with an SSE
 ``data: {"error": ...}`` event, no ``[DONE]``. One ``aiohttp.ClientSession`` serves the app's lifetime.
 
+Early registration (``--early-registration``, off by default): once the proxy has seen an answer of P (its
+``kv_transfer_params`` name P's engine id and side channel), it sends each request to D at the same time as
+to P, both legs carrying one fresh random ``transfer_id``: D allocates its blocks and registers them with P
+while P prefills, and P writes them as soon as its prefill is done (or layer by layer with P's
+``layer_push``). P's answer only refreshes what the proxy knows of P (a restarted P is re-learnt from it);
+``x-prefill-ms`` is then P's leg as measured alongside D's, ``x-kv-transfer`` is ``early``. A failed P leg
+is logged; D's load then fails on its own (P tells D when it can: an aborted prefill sends D a failure
+notice; a dead P costs D its ``transfer_timeout_s``), and vLLM's ``kv_load_failure_policy`` applies. The
+first request to each P, and requests P's answers never described, go the sequential way.
+
 Alone: ``python -m vllm_dsa_connector.pd_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``.
 """
 
@@ -58,6 +68,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -100,6 +111,18 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
+
+
+def early_params(prefill_params: dict[str, Any], transfer_id: str) -> dict[str, Any] | None:
+    """D's ``kv_transfer_params`` of an early registration: P's engine and side channel (from an earlier
+    answer of P, ``prefill_params``) and the pair's ``transfer_id``; ``None`` when those params do not
+    describe a DSAConnector P."""
+    keys = ("remote_engine_id", "remote_host", "remote_port")
+    if prefill_params.get("kv_connector") != "DSAConnector" or any(not prefill_params.get(k) for k in keys):
+        return None
+    return {"do_remote_prefill": True, "do_remote_decode": False, **{k: prefill_params[k] for k in keys},
+            "transfer_id": transfer_id, "transfer_mode": prefill_params.get("transfer_mode", "dsa-push"),
+            "kv_connector": "DSAConnector"}
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
@@ -251,11 +274,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 
 
 def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_TIMEOUT_S, *,
-             connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> FastAPI:
+             connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, early_registration: bool = False) -> FastAPI:
     """The proxy as a FastAPI app.
 
     ``timeout_s`` is the read timeout: the longest wait for the next bytes of an upstream answer (not
-    a total). ``connect_timeout_s`` bounds each connect. Both must be > 0.
+    a total). ``connect_timeout_s`` bounds each connect. Both must be > 0. ``early_registration``: send
+    D its leg together with P's (see the module docstring).
     """
     for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
@@ -274,12 +298,15 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
             await app.state.session.close()
 
     app = FastAPI(title="vllm-dsa P/D proxy", lifespan=lifespan)
+    known_p: dict[str, Any] = {}  # P's last kv_transfer_params (its engine id and side channel)
+    background: set[asyncio.Task[Any]] = set()  # early P legs still running after D answered
 
-    async def prefill(session: aiohttp.ClientSession, path: str, body: dict[str, Any],
-                      ids: dict[str, str]) -> tuple[dict[str, Any] | None, float]:
-        """The prefill leg: P's ``kv_transfer_params`` (``None`` when it returned none) and its time in ms."""
+    async def prefill(session: aiohttp.ClientSession, path: str, body: dict[str, Any], ids: dict[str, str],
+                      pbody: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, float]:
+        """The prefill leg (``pbody``: its body when already made, else :func:`prefill_body` of ``body``): P's
+        ``kv_transfer_params`` (``None`` when it returned none) and its time in ms."""
         t0 = time.perf_counter()
-        _, pre = await _post_json(session, "prefill", prefill_url + path, prefill_body(body), ids)
+        _, pre = await _post_json(session, "prefill", prefill_url + path, pbody or prefill_body(body), ids)
         prefill_ms = (time.perf_counter() - t0) * 1000
         params = pre.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
@@ -288,7 +315,36 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
         if not params:
             logger.warning_once("P/D proxy: the prefill server returned no kv_transfer_params "
                                 "(no KV connector on P?): D computes the prompt itself")
+        elif early_registration:
+            known_p.clear()
+            known_p.update(params)
         return params or None, prefill_ms
+
+    def early_leg(session: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                  ids: dict[str, str]) -> tuple[dict[str, Any], asyncio.Task[tuple[dict[str, Any] | None, float]]] | None:
+        """Early registration: start P's leg with a fresh transfer id now and return D's params for the same
+        id with P's running leg; ``None`` when the proxy knows no DSAConnector P yet (sequential then)."""
+        if not early_registration or not known_p:
+            return None
+        tid = secrets.token_hex(16)
+        dparams = early_params(known_p, tid)
+        if dparams is None:
+            return None
+        pbody = prefill_body(body)
+        pbody["kv_transfer_params"] = {**pbody["kv_transfer_params"], "transfer_id": tid}
+
+        async def leg() -> tuple[dict[str, Any] | None, float]:
+            try:
+                return await prefill(session, path, body, ids, pbody)
+            except ProxyError as e:
+                logger.warning("P/D proxy: early prefill leg failed (%s); D's load fails and vLLM's "
+                               "kv_load_failure_policy applies", e.message)
+                return None, 0.0
+
+        task = asyncio.ensure_future(leg())
+        background.add(task)
+        task.add_done_callback(background.discard)
+        return dparams, task
 
     async def split(session: aiohttp.ClientSession, path: str, body: dict[str, Any], prompts: list[Any],
                     auth: dict[str, str], echo: dict[str, str]) -> Response:
@@ -298,6 +354,9 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
         async def pair(i: int, prompt: Any) -> tuple[dict[str, Any], bool, float]:
             one = {**body, "prompt": prompt}
             ids = {**auth, "X-Request-Id": pair_request_id(prefill_url, decode_url)}
+            if (early := early_leg(session, path, one, ids)) is not None:
+                _, answer = await _post_json(session, "decode", decode_url + path, decode_body(one, early[0]), ids)
+                return answer, True, (await early[1])[1]
             params, prefill_ms = await prefill(session, path, one, ids)
             _, answer = await _post_json(session, "decode", decode_url + path, decode_body(one, params), ids)
             return answer, params is not None, prefill_ms
@@ -335,6 +394,8 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
                                          "hands KV to D per prompt): send one request per prompt, or "
                                          "stream=false", param="prompt")
                     return await split(session, path, body, prompts, auth, echo)
+                if (early := early_leg(session, path, body, ids)) is not None:
+                    return await early_forward(session, path, body, ids, early, echo)
                 params, prefill_ms = await prefill(session, path, body, ids)
             headers = {"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "1" if params else "0", **echo}
             dbody = decode_body(body, params)
@@ -344,6 +405,19 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
             return Response(data, headers=headers, media_type="application/json")
         except ProxyError as e:
             return JSONResponse(e.payload, status_code=e.status, headers=echo)
+
+    async def early_forward(session: aiohttp.ClientSession, path: str, body: dict[str, Any], ids: dict[str, str],
+                            early: tuple[dict[str, Any], asyncio.Task[tuple[dict[str, Any] | None, float]]],
+                            echo: dict[str, str]) -> Response:
+        """D's leg of an early registration, sent while P's leg runs."""
+        dparams, task = early
+        dbody = decode_body(body, dparams)
+        if body.get("stream"):
+            return await _stream(session, decode_url + path, dbody, {"x-kv-transfer": "early", **echo}, ids)
+        data, _ = await _post_json(session, "decode", decode_url + path, dbody, ids)
+        _, prefill_ms = await task
+        return Response(data, headers={"x-prefill-ms": f"{prefill_ms:.3f}", "x-kv-transfer": "early", **echo},
+                        media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -383,10 +457,14 @@ def main(argv: list[str] | None = None) -> None:
                         "stream chunks included; not a total (default: %(default)s)")
     p.add_argument("--connect-timeout", type=_seconds, default=DEFAULT_CONNECT_TIMEOUT_S,
                    help="longest wait in seconds to connect to an upstream (default: %(default)s)")
+    p.add_argument("--early-registration", action="store_true",
+                   help="send each request to D together with P (one transfer id on both legs), so D registers "
+                        "its blocks while P prefills; needs DSAConnector on both (default: off)")
     a = p.parse_args(argv)
     import uvicorn
 
-    uvicorn.run(make_app(a.prefill, a.decode, a.read_timeout, connect_timeout_s=a.connect_timeout),
+    uvicorn.run(make_app(a.prefill, a.decode, a.read_timeout, connect_timeout_s=a.connect_timeout,
+                         early_registration=a.early_registration),
                 host=a.host, port=a.port, log_level="warning")
 
 
