@@ -290,6 +290,8 @@ class SendSide:
         if post.state is not PostState.FAILED:
             if path != "direct":
                 self.stats.add(f"{path}_bytes", nbytes)
+            if job.layered:
+                self.stats.add("layered_bytes", nbytes)
         send.groups.append(self._layers[-1].group if job.layered and post.state is not PostState.FAILED
                            else _Group(agent, dst.rank, post))
         self.stats.add("send_bytes", nbytes)

@@ -10,6 +10,7 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
 - ``vllm:dsa_kv_runs_total{side}`` / ``vllm:dsa_kv_descriptors_total``: byte runs after merging / NIXL descriptors
 - ``vllm:dsa_kv_bounce_bytes_total``: bytes that went through the bounce staging path
 - ``vllm:dsa_kv_ipc_bytes_total``: bytes P copied into D's pools through CUDA IPC (same host)
+- ``vllm:dsa_kv_layered_bytes_total``: bytes P posted layer by layer while its prefill ran (``layer_push``)
 - ``vllm:dsa_kv_transfer_seconds``: histogram, NIXL post-to-completion per (request, destination rank)
 - ``vllm:dsa_kv_requests_total{side,outcome}``: requests sent/received ok, failed, timed out, expired
 - ``vllm:dsa_kv_checksum_mismatches_total``: verify_transfers mismatches (each is a load failure)
@@ -43,6 +44,7 @@ _COUNTERS = (
     "send_descriptors",
     "bounce_bytes",
     "ipc_bytes",
+    "layered_bytes",
     "recv_bytes",
     "recv_runs",
     "send_ok",
@@ -176,6 +178,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._descs, _ = counter("vllm:dsa_kv_descriptors", "NIXL descriptors posted")
         self._bounce, _ = counter("vllm:dsa_kv_bounce_bytes", "Bytes sent through the bounce path")
         self._ipc, _ = counter("vllm:dsa_kv_ipc_bytes", "Bytes copied into D's pools through CUDA IPC")
+        self._layered, _ = counter("vllm:dsa_kv_layered_bytes", "Bytes posted layer by layer during the prefill")
         self._reqs, _ = counter("vllm:dsa_kv_requests", "Requests by side and outcome", ("side", "outcome"))
         self._mismatch, _ = counter("vllm:dsa_kv_checksum_mismatches", "verify_transfers mismatches")
         self._checked, _ = counter("vllm:dsa_kv_checksummed_runs", "Runs verified by checksum")
@@ -208,6 +211,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._descs, engine_idx, d.get("send_descriptors", 0))
         self._inc(self._bounce, engine_idx, d.get("bounce_bytes", 0))
         self._inc(self._ipc, engine_idx, d.get("ipc_bytes", 0))
+        self._inc(self._layered, engine_idx, d.get("layered_bytes", 0))
         self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
         self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))

@@ -181,10 +181,11 @@ def connector_config(role: str, verify: bool, extra: dict[str, Any], side_port: 
     return {"kv_connector": "DSAConnector", "kv_role": role, "kv_connector_extra_config": {**extra_cfg, **extra}}
 
 
-def proxy_cmd(prefill_url: str, decode_url: str, port: int) -> list[str]:
-    """Command line of :mod:`vllm_dsa_connector.pd_proxy` in front of one prefill and one decode server."""
+def proxy_cmd(prefill_url: str, decode_url: str, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """Command line of :mod:`vllm_dsa_connector.pd_proxy` in front of one prefill and one decode server
+    (``extra``: more of its options, e.g. ``--early-registration``)."""
     return [sys.executable, "-m", "vllm_dsa_connector.pd_proxy", "--prefill", prefill_url,
-            "--decode", decode_url, "--port", str(port)]
+            "--decode", decode_url, "--port", str(port), *extra]
 
 
 #: The routers :func:`start_pair` can put in front of a pair: our embedded proxy, or vllm-router.
