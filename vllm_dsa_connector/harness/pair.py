@@ -34,7 +34,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_dsa_connector.harness.channel import Channel, Kind, Msg, ProtocolError, RemoteError, Role, run_two
+from vllm_dsa_connector.harness.channel import (
+    Channel,
+    Kind,
+    Msg,
+    ProtocolError,
+    RemoteError,
+    Role,
+    run_two,
+)
 
 logger = logging.getLogger(__name__)
 
