@@ -72,7 +72,6 @@ from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
 from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc  # noqa: E402
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
 from vllm_dsa_connector.transport.routed import RoutedTransport  # noqa: E402
-from vllm_dsa_connector.transport.runs import packed_offsets  # noqa: E402
 from vllm_dsa_connector.transport.slots import SlotAllocator  # noqa: E402
 from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot  # noqa: E402
 from vllm_dsa_connector.transport.transports import PostState  # noqa: E402
@@ -329,12 +328,9 @@ def _writer(side: Side, plan: Any, job: Any, w: int, agent: str) -> WriterSpec:
     route = route_of(job.routes, side.payload.rank, w)
     if route is None or route.path == "ipc":
         return WriterSpec(peer=agent, path=route.path if route else "direct")
-    merged = [(dp, runs.merged()) for _, dp, runs in plan.runs(w, side.payload.rank, job.src_blocks, job.blocks,
-                                                               first_token=job.first_token,
-                                                               num_tokens=job.num_tokens)]
-    offsets, _ = packed_offsets([r.total_bytes for _, r in merged])
-    return WriterSpec(peer=agent, slot=(route.offset, route.size), path="bounce",
-                      parts=tuple((side.tensors[dp], r, off) for (dp, r), off in zip(merged, offsets, strict=True)))
+    parts = plan.runs(w, side.payload.rank, job.src_blocks, job.blocks, first_token=job.first_token,
+                      num_tokens=job.num_tokens)
+    return WriterSpec.for_bounce(agent, (route.offset, route.size), [(side.tensors[dp], runs) for _, dp, runs in parts])
 
 
 def verify(side: Side, plan: Any, specs: list[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:

@@ -7,7 +7,9 @@ import os
 import socket
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +83,33 @@ def load_module_from_file(path: Path, name: str) -> types.ModuleType:
     finally:
         sys.modules.pop(spec.name, None)
     return module
+
+
+def check_conversation_exact(tok: Any, kind: str, options: dict[str, Any], seed: int,
+                             check: Callable[[Any], None]) -> None:
+    """A ``kind`` conversation of ``tokenizer.workloads.requests`` (12k-character turns, 6 of them) through one
+    ``PrefixTokenCache(tok, **options)``: every text it encodes (the workload's counts and each prompt) equals a
+    full encode, nearly all are hits, none a mismatch, and what is re-tokenized stays a small tail (from the
+    last anchor, not the start). ``check(req)``: the workload's own checks of each request."""
+    from vllm_dsa_connector.tokenizer import PrefixTokenCache
+    from vllm_dsa_connector.tokenizer.workloads import requests
+
+    cache = PrefixTokenCache(tok, **options)
+    checked = 0
+
+    def count(text: str) -> int:
+        nonlocal checked
+        got = cache.encode(text)
+        assert got == tok(text, add_special_tokens=False)["input_ids"]
+        checked += 1
+        return len(got)
+
+    for req in requests(kind, 12_000, 6, count, seed=seed):
+        assert count(req.text) > 0
+        check(req)
+    s = cache.stats()
+    assert checked > 10 and s["hits"] >= checked - 3 and s["mismatches"] == 0
+    assert s["tail_tokens"] < s["reused_tokens"] / 4  # re-tokenized from the last anchor, not the start
 
 
 _MODULE_SECONDS: dict[str, float] = {}

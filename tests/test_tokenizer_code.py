@@ -13,6 +13,7 @@ are exact on every request.
 from __future__ import annotations
 
 import pytest
+from conftest import check_conversation_exact
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -174,23 +175,11 @@ def test_single_word_tokens_keep_the_closing_splice_off():
 @pytest.mark.parametrize("kind", ["code", "code-open"])
 @pytest.mark.parametrize("options", [{}, {"chunk_chars": 64, "cut_spacing": 1, "min_chars": 0}])
 def test_code_conversation_every_request_exact(qwen, options, kind):
-    cache = PrefixTokenCache(qwen, **options)
-    checked = 0
-
-    def count(text: str) -> int:
-        nonlocal checked
-        got = cache.encode(text)
-        assert got == ref(qwen, text)
-        checked += 1
-        return len(got)
-
-    for req in requests(kind, 12_000, 6, count, seed=5):
-        assert count(req.text) > 0
+    def check(req) -> None:
         assert len(req.delta) > 1000 and req.delta.count("\n") > 15
         assert req.text.endswith("<|im_start|>assistant\n") == (kind == "code")
-    s = cache.stats()
-    assert checked > 10 and s["hits"] >= checked - 3 and s["mismatches"] == 0
-    assert s["tail_tokens"] < s["reused_tokens"] / 4  # re-tokenized from the last anchor, not the start
+
+    check_conversation_exact(qwen, kind, options, 5, check)
 
 
 def test_heads_share_one_int_object_per_id(qwen):

@@ -9,9 +9,10 @@ by dict-probe counts (never by time).
 from __future__ import annotations
 
 import pytest
+from conftest import check_conversation_exact
 
 from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
-from vllm_dsa_connector.tokenizer.workloads import NFC_WORDS, ProseSource, render, requests
+from vllm_dsa_connector.tokenizer.workloads import NFC_WORDS, ProseSource, render
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +32,10 @@ def test_prose_workload_is_prose():
 
 @pytest.mark.parametrize("options", [{}, {"chunk_chars": 64, "cut_spacing": 1, "min_chars": 0}])
 def test_prose_conversation_every_request_exact(qwen, options):
-    cache = PrefixTokenCache(qwen, **options)
-    checked = 0
-
-    def count(text: str) -> int:
-        nonlocal checked
-        got = cache.encode(text)
-        assert got == ref(qwen, text)
-        checked += 1
-        return len(got)
-
-    for req in requests("prose", 12_000, 6, count, seed=3):
-        assert count(req.text) > 0
+    def check(req) -> None:
         assert len(req.delta) > 1000 and req.delta.count("\n") < 12
-    s = cache.stats()
-    assert checked > 10 and s["hits"] >= checked - 3 and s["mismatches"] == 0
-    assert s["tail_tokens"] < s["reused_tokens"] / 4  # re-tokenized from the last anchor, not the start
+
+    check_conversation_exact(qwen, "prose", options, 3, check)
 
 
 def _window() -> tuple[str, int, int]:

@@ -3,8 +3,8 @@
 Two real NIXL agents in this process, each with two registered pools (a GPU engine's layout: the MLA latent
 and the indexer K cache in separate pools), and the one :class:`Receiver`:
 
-- a bounce route carries both parts of a writer in one slot (packed at ``packed_offsets``), one WRITE, and
-  the receiver scatters each part where it belongs;
+- a bounce route carries both parts of a writer in one slot (packed at ``packed_parts``' offsets, the layout
+  ``WriterSpec.for_bounce`` scatters from), one WRITE, and the receiver scatters each part where it belongs;
 - a direct route writes each part;
 - a notification of another kind than the writer's route fails that writer (``COMPLETES``);
 - a route the writer cannot follow (no local arena, a slot smaller than the parts, an ipc route without a
@@ -27,7 +27,7 @@ from vllm_dsa_connector.transport import (
     WriterSpec,
 )
 from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.runs import Runs, packed_offsets, runs_from_blocks
+from vllm_dsa_connector.transport.runs import Runs, packed_offsets, packed_parts, runs_from_blocks
 from vllm_dsa_connector.transport.staging import StagingSlot
 
 POOL = 1 << 20
@@ -65,8 +65,8 @@ def test_routes_are_followed_and_a_route_that_cannot_be_is_a_failed_post() -> No
         runs = [runs_from_blocks(rng.choice(900, 30, replace=False), rng.choice(900, 30, replace=False), 1000),
                 runs_from_blocks(rng.choice(200, 12, replace=False), rng.choice(200, 12, replace=False), 4096)]
         parts = [(rs[i], rd[i].desc(), runs[i]) for i in range(2)]
-        merged = [r.merged() for r in runs]
-        offsets, total = packed_offsets([r.total_bytes for r in merged])
+        merged, offsets, total = packed_parts(runs)
+        assert [r.num_runs for r in merged] == [r.merged().num_runs for r in runs]
         assert offsets[1] % 512 == 0 and total > sum(r.total_bytes for r in merged)
 
         def expect_pages() -> None:
@@ -78,8 +78,10 @@ def test_routes_are_followed_and_a_route_that_cannot_be_is_a_failed_post() -> No
         # bounce: one slot for both parts
         res = arena.reserve(total)
         assert res is not None
-        spec = WriterSpec(peer=a.name, slot=(res.offset, total), path="bounce",
-                          parts=tuple((dsts[i], merged[i], offsets[i]) for i in range(2)))
+        spec = WriterSpec.for_bounce(a.name, (res.offset, total), [(dsts[i], runs[i]) for i in range(2)])
+        assert not spec.error and [off for _, _, off in spec.parts] == offsets and spec.path == "bounce"
+        short = WriterSpec.for_bounce(a.name, (res.offset, total - 1), [(dsts[i], runs[i]) for i in range(2)])
+        assert short.error == f"its parts need {total} B, the slot holds {total - 1} B" and not short.parts
         rcv.arm(b"bounce", {3: spec}, reservation=res)
         post = transport.post(peer, parts, writer=3, tag=b"bounce", path="bounce",
                               slot=StagingSlot(rcv.region.desc(), res.offset, total))

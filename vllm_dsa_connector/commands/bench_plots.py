@@ -30,6 +30,23 @@ def _err(v: Any) -> float:
     return (v[1] - v[0]) / 2 if isinstance(v, list | tuple) else 0.0
 
 
+def _finish(ax: Any, **labels: Any) -> None:
+    """A line plot's scales, labels and title (``ax.set``), its grid and legend: the look they all share."""
+    ax.set(**labels)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    """Lay out ``fig``, write it as ``out / name`` and close it; the line :func:`plot_all` reports."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return f"wrote {name}"
+
+
 def plot_transfer(results: dict[str, dict[str, Any]], out: Path) -> str:
     """Transfer time vs request size per path (H200) and per connector (GPU P/D pair)."""
     import matplotlib.pyplot as plt
@@ -49,10 +66,8 @@ def plot_transfer(results: dict[str, dict[str, Any]], out: Path) -> str:
             left.errorbar([p[0] for p in pts], [_mid(p[1]) for p in pts], yerr=[_err(p[1]) for p in pts],
                           fmt=style, color=color, capsize=3,
                           label=f"{path}, {label} ({results[name]['meta']['date']})")
-    left.set(xscale="log", yscale="log", xlabel="request size (MB)", ylabel="transfer time (ms, median)",
-             title="Transport paths on H200 (GLM-5.2-shaped requests)")
-    left.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=8)
+    _finish(left, xscale="log", yscale="log", xlabel="request size (MB)", ylabel="transfer time (ms, median)",
+            title="Transport paths on H200 (GLM-5.2-shaped requests)")
     pd = results["gpu_pd_bounce_mtp"]
     for pair_name, pair in pd["pairs"].items():
         summary = pair.get("timing", {}).get("summary", {})
@@ -62,14 +77,9 @@ def plot_transfer(results: dict[str, dict[str, Any]], out: Path) -> str:
         label = f"{pair_name} ({'NixlConnector' if pair['connector'] == 'nixl' else 'DSAConnector'}"
         label += f", {pair['kv_cache_dtype']})" if pair["kv_cache_dtype"] != "auto" else ")"
         right.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
-    right.set(yscale="log", xlabel="KV bytes per request (MB)", ylabel="connector transfer time (ms, median)",
-              title=f"P/D pair on one H200, tiny GLM DSA, {pd['meta']['date']}")
-    right.grid(True, which="both", alpha=0.3)
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "transfer_vs_size.png", dpi=110)
-    plt.close(fig)
-    return "wrote transfer_vs_size.png"
+    _finish(right, yscale="log", xlabel="KV bytes per request (MB)", ylabel="connector transfer time (ms, median)",
+            title=f"P/D pair on one H200, tiny GLM DSA, {pd['meta']['date']}")
+    return _save(fig, out, "transfer_vs_size.png")
 
 
 def plot_tokenizer(results: dict[str, dict[str, Any]], out: Path) -> str:
@@ -87,14 +97,9 @@ def plot_tokenizer(results: dict[str, dict[str, Any]], out: Path) -> str:
         for key, label, color in (("full_ms", "full encode", "tab:red"), ("cache_ms", "prefix token cache", "tab:green"),
                                   ("delta_only_ms", "delta only (the new text alone)", "tab:gray")):
             ax.plot(x, [r[key] for r in rows], "-o", color=color, label=label)
-        ax.set(yscale="log", xlabel="prompt length (k tokens)", ylabel="time per request (ms, median)",
-               title=f"{kind}: Qwen3 tokenizer, {data['meta']['date']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "tokenizer_vs_length.png", dpi=110)
-    plt.close(fig)
-    return "wrote tokenizer_vs_length.png"
+        _finish(ax, yscale="log", xlabel="prompt length (k tokens)", ylabel="time per request (ms, median)",
+                title=f"{kind}: Qwen3 tokenizer, {data['meta']['date']}")
+    return _save(fig, out, "tokenizer_vs_length.png")
 
 
 def plot_gate(results: dict[str, dict[str, Any]], out: Path) -> str:
@@ -131,10 +136,7 @@ def plot_gate(results: dict[str, dict[str, Any]], out: Path) -> str:
            title="The gate's choice against the measured paths (1.0: the fastest; "
                  + ", ".join(f"{results[n]['meta']['date']} {n}" for n in names) + ")")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "gate_choice.png", dpi=110)
-    plt.close(fig)
-    return "wrote gate_choice.png"
+    return _save(fig, out, "gate_choice.png")
 
 
 def plot_all(results: dict[str, dict[str, Any]], out: Path) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from vllm.logger import init_logger
@@ -38,7 +39,6 @@ from vllm_dsa_connector.handoff.wire import (
     route_of,
 )
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
-from vllm_dsa_connector.transport.runs import packed_offsets
 
 if TYPE_CHECKING:
     from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
@@ -272,16 +272,9 @@ class ReceiveSide:
                                      num_tokens=job.num_tokens)
         except Exception as e:  # noqa: BLE001 - a bounced write then fails this writer
             return WriterSpec(peer=peer, slot=where, path="bounce", error=f"runs of rank {src_rank}: {e}")
-        merged = [runs.merged() for _, _, runs in parts]
-        offsets, total = packed_offsets([r.total_bytes for r in merged])
-        if not parts or total > where[1]:
-            return WriterSpec(peer=peer, slot=where, path="bounce",
-                              error=f"bounced write from rank {src_rank}: its parts need {total} B, the slot "
-                                    f"holds {where[1]} B")
         regions = self._regions()
-        return WriterSpec(peer=peer, slot=where, path="bounce",
-                          parts=tuple((regions[dp].tensor, r, off)
-                                      for (_, dp, _), r, off in zip(parts, merged, offsets, strict=True)))
+        spec = WriterSpec.for_bounce(peer, where, [(regions[dp].tensor, runs) for _, dp, runs in parts])
+        return replace(spec, error=f"bounced write from rank {src_rank}: {spec.error}") if spec.error else spec
 
     def expect(self, job: RecvJob) -> None:
         """Arm the receiver for ``job``: the writers this rank expects, each with its route."""

@@ -13,7 +13,9 @@ Two-process transfers
     :mod:`~vllm_dsa_connector.harness.pair` (no vLLM imports): ``run_pair(spec, driver, args)``: a
     producer (P) and a consumer (D) process with real NIXL agents, one control channel between them and
     one message protocol; D's loop is ``serve_consumer`` (the transport's BounceReceiver), P runs the
-    caller's driver. ``run_two(producer, consumer, ...)`` is the process part alone for other roles.
+    caller's driver. ``run_two(producer, consumer, ...)`` is the process part alone for other roles; it, the
+    ``Channel`` and the message kinds are in :mod:`~vllm_dsa_connector.harness.channel` (stdlib only, also
+    importable from ``pair``).
 
 Submodules are imported explicitly (this package imports nothing), so a transfer script does not pull
 in vLLM.

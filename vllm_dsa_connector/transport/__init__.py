@@ -12,17 +12,19 @@ A byte's way, in five modules (the connector's worker calls the first and the la
 2. :mod:`.local_copy`: every copy inside a process: :func:`gather`, :func:`scatter` (torch index ops on the
    widest view, :mod:`.widths`), :func:`copy_runs` (the Triton kernel of :mod:`.kernels`, its cached launch
    plans and CUDA-graph replays in :mod:`.launches`; ``VLLM_DSA_COPY_IMPL``).
-3. :mod:`.engine`: :class:`NixlEngine`, the one NIXL agent wrapper (``register``, ``add_peer``, ``write``,
-   prepared lists, ``wait``/``state``, notifications, reconnect after a lost connection and a bounded
-   backoff while a peer stays unreachable: ``reconnect_backoff_s`` doubling up to ``reconnect_backoff_max_s``,
-   posts in between fail at once naming the peer); its plain data
-   (:class:`Region`, :class:`RegionDesc`, :class:`Transfer`, :class:`TransferStats`, :class:`TransferError`)
-   in :mod:`.nixl_data`.
+3. :mod:`.engine`: :class:`NixlEngine`, the one NIXL agent wrapper: its transfers (``write``, prepared
+   lists, ``wait``/``state``) there, the agent it subclasses (:class:`NixlAgent` of :mod:`.agent`:
+   ``register``, ``add_peer``, notifications, reconnect after a lost connection and a bounded backoff while a
+   peer stays unreachable: ``reconnect_backoff_s`` doubling up to ``reconnect_backoff_max_s``, posts in
+   between fail at once naming the peer); its plain data (:class:`Region`, :class:`RegionDesc`,
+   :class:`Transfer`, :class:`TransferStats`, :class:`TransferError`) in :mod:`.nixl_data`.
 4. :mod:`.notices`: the ``dsa1:<path><writer>:<tag>`` notification codec (one per writer and request,
    whatever the path).
 5. :mod:`.receiver` (D): :class:`Receiver`, the one target side: ``arm(key, {writer: WriterSpec})``,
    ``pump()`` (notifications; scatters a bounced writer's parts), ``collect()`` -> :class:`RecvResult`;
-   :data:`COMPLETES` says which notification completes a writer of each route.
+   :data:`COMPLETES` says which notification completes a writer of each route; the specs, states,
+   results and hooks it names in :mod:`.receiver_data` (:meth:`WriterSpec.for_bounce`: a bounced writer's
+   slot layout, :func:`packed_parts`, the one the sender packs).
 
 Beside them: :mod:`.gate` (:class:`BounceGate`, the one cost model, bounce or direct; options
 :mod:`.gate_options`, profiles :mod:`.profiles`), :mod:`.slots` (:class:`SlotAllocator`, torch-free: D's
@@ -43,14 +45,16 @@ from vllm_dsa_connector.transport.runs import (
     merge_adjacent,
     merge_runs,
     packed_offsets,
+    packed_parts,
     plan_chunks,
     runs_from_blocks,
 )
 
 _LAZY = {
-    "DISCONNECT_ERRORS": "engine",
+    "DISCONNECT_ERRORS": "agent",
+    "NixlAgent": "agent",
     "NixlEngine": "engine",
-    "is_disconnect": "engine",
+    "is_disconnect": "agent",
     "PreparedList": "nixl_data",
     "Region": "nixl_data",
     "RegionDesc": "nixl_data",
@@ -78,15 +82,15 @@ _LAZY = {
     "encode_event_notif": "notices",
     "encode_notif": "notices",
     "parse_notif": "notices",
-    "COMPLETES": "receiver",
-    "PlainTags": "receiver",
-    "ReceiveHooks": "receiver",
+    "COMPLETES": "receiver_data",
+    "PlainTags": "receiver_data",
+    "ReceiveHooks": "receiver_data",
     "Receiver": "receiver",
-    "RecvResult": "receiver",
-    "RecvState": "receiver",
-    "Verdict": "receiver",
-    "WriterSpec": "receiver",
-    "WriterState": "receiver",
+    "RecvResult": "receiver_data",
+    "RecvState": "receiver_data",
+    "Verdict": "receiver_data",
+    "WriterSpec": "receiver_data",
+    "WriterState": "receiver_data",
     "DirectTransport": "transports",
     "Part": "transports",
     "Post": "transports",
@@ -117,6 +121,7 @@ __all__ = [
     "IpcDesc",
     "IpcUnavailable",
     "MAX_INDEX_ROWS",
+    "NixlAgent",
     "NixlEngine",
     "Notif",
     "PACK_ALIGN",
@@ -165,6 +170,7 @@ __all__ = [
     "merge_runs",
     "open_region",
     "packed_offsets",
+    "packed_parts",
     "parse_notif",
     "plan_chunks",
     "plan_pieces",

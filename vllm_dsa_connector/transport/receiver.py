@@ -22,6 +22,9 @@ connector's Notice), ``hooks.admit`` accepts, ignores or fails a writer's notifi
 ``hooks.landed`` checks the landed bytes. :class:`PlainTags` (the default) keys requests by the tag itself.
 A hook that raises never escapes :meth:`Receiver.handle` (an engine step): ``split`` raising makes the
 notification malformed (ignored), ``admit`` raising fails the writer, ``landed`` raising marks it CORRUPT.
+
+This module is the state machine; its plain data (the specs, states, results and hooks it names, importable
+from here too) is in :mod:`.receiver_data`.
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -41,6 +43,16 @@ from vllm_dsa_connector.transport.engine import NixlEngine, Region
 from vllm_dsa_connector.transport.ipc import PeerEvents
 from vllm_dsa_connector.transport.local_copy import scatter
 from vllm_dsa_connector.transport.notices import Notif, parse_notif
+from vllm_dsa_connector.transport.receiver_data import (
+    COMPLETES,
+    PlainTags,
+    ReceiveHooks,
+    RecvResult,
+    RecvState,
+    Verdict,
+    WriterSpec,
+    WriterState,
+)
 from vllm_dsa_connector.transport.runs import Chunk, Runs, plan_chunks
 from vllm_dsa_connector.transport.slots import Reservation
 from vllm_dsa_connector.transport.staging import StagingArena
@@ -50,107 +62,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["COMPLETES", "PlainTags", "ReceiveHooks", "Receiver", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
 
 
-class WriterState(Enum):
-    """Where one writer of a request stands on the receiver."""
-
-    EXPECTED = "expected"
-    PARTIAL = "partial"
-    LANDED = "landed"
-    FAILED = "failed"
-    CORRUPT = "corrupt"
-
-
+#: A writer in one of these is done (its later notifications are duplicates); a request settles once all are.
 _FINAL = frozenset({WriterState.LANDED, WriterState.FAILED, WriterState.CORRUPT})
-
-
-class RecvState(Enum):
-    """How a request ended on the receiver (``WAITING`` while armed)."""
-
-    WAITING = "waiting"
-    DONE = "done"
-    FAILED = "failed"
-    CORRUPT = "corrupt"
-    TIMED_OUT = "timed_out"
-    CANCELLED = "cancelled"
-
-
-class Verdict(Enum):
-    """What :meth:`ReceiveHooks.admit` makes of a writer's notification."""
-
-    ACCEPT = "accept"
-    IGNORE = "ignore"
-    FAIL = "fail"
-
-
-class ReceiveHooks(Protocol):
-    """What a caller tells the receiver about its tags (see the module docstring)."""
-
-    def split(self, tag: bytes) -> tuple[bytes, Any] | None:
-        """``(request key, payload)`` of a notification's tag; ``None`` when malformed (ignored)."""
-
-    def admit(self, context: Any, writer: int, payload: Any) -> tuple[Verdict, str]:
-        """Accept, ignore or fail a writer's notification (with the reason)."""
-
-    def landed(self, context: Any, writer: int, payload: Any) -> bool:
-        """Check a writer's landed bytes; ``False`` marks it CORRUPT."""
-
-
-class PlainTags:
-    """Default hooks: the tag is the key, no payload, every notification accepted, no check."""
-
-    def split(self, tag: bytes) -> tuple[bytes, Any] | None:
-        """The tag itself, no payload."""
-        return tag, None
-
-    def admit(self, context: Any, writer: int, payload: Any) -> tuple[Verdict, str]:
-        """Always accepted."""
-        return Verdict.ACCEPT, ""
-
-    def landed(self, context: Any, writer: int, payload: Any) -> bool:
-        """Always fine."""
-        return True
-
-
-@dataclass(frozen=True, eq=False)
-class WriterSpec:
-    """One writer of an armed request.
-
-    ``peer``: the only NIXL agent whose notifications count for this writer (``None``: any). A writer that
-    may bounce has its ``slot`` (offset, size) in the receiver's staging buffer, the ``dst`` tensor and the
-    ``runs`` to scatter into it (merged, the order the sender packed); ``error`` says why it cannot be
-    scattered when that is known at arming time (a bounced write then fails the writer). A bounced writer
-    of several parts (pool pairs) names them in ``parts`` instead: ``(dst tensor, runs, offset in the
-    slot)`` each, the layout of :func:`~.runs.packed_offsets`.
-    """
-
-    peer: str | None = None
-    dst: torch.Tensor | None = None
-    runs: Runs | None = None
-    slot: tuple[int, int] | None = None
-    error: str = ""
-    parts: tuple[tuple[torch.Tensor, Runs, int], ...] = ()
-    path: str | None = None  # the route the receiver chose ("direct"/"bounce"/"ipc"); None: any path
-
-
-#: The notification kinds that complete a writer of each route (:class:`WriterSpec` ``path``); any other kind
-#: fails the writer. A failure notice (the caller's ``admit`` says FAIL) counts whatever its kind.
-COMPLETES: dict[str, frozenset[str]] = {
-    "direct": frozenset({"direct"}),
-    "bounce": frozenset({"bounce", "pipelined"}),
-    "ipc": frozenset({"ipc"}),
-}
-
-
-@dataclass(frozen=True)
-class RecvResult:
-    """A settled request: its key, how it ended and why, what it was armed with."""
-
-    key: bytes
-    state: RecvState
-    reason: str
-    waited_s: float
-    missing: tuple[int, ...]  # writers not final (TIMED_OUT / CANCELLED)
-    context: Any = None
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PACK_ALIGN", "Chunk", "Runs", "merge_adjacent", "merge_runs", "packed_offsets", "plan_chunks", "runs_from_blocks"]
+__all__ = ["PACK_ALIGN", "Chunk", "Runs", "merge_adjacent", "merge_runs", "packed_offsets", "packed_parts", "plan_chunks", "runs_from_blocks"]
 
 
 def _as_i64(name: str, values: object) -> np.ndarray:
@@ -240,3 +240,15 @@ def packed_offsets(sizes: Sequence[int], align: int = PACK_ALIGN) -> tuple[list[
         offsets.append(pos)
         pos += int(n)
     return offsets, pos
+
+
+def packed_parts(parts: Sequence[Runs], align: int = PACK_ALIGN) -> tuple[list[Runs], list[int], int]:
+    """A bounced writer's slot layout: each part's runs merged (the order it is gathered and scattered in), where
+    each part starts in the slot (:func:`packed_offsets`) and the bytes the slot needs.
+
+    The one place the layout is computed: the sender packs a bounce at these offsets (``RoutedTransport``),
+    the receiver scatters from them (:meth:`~.receiver_data.WriterSpec.for_bounce`).
+    """
+    merged = [runs.merged() for runs in parts]
+    offsets, total = packed_offsets([r.total_bytes for r in merged], align)
+    return merged, offsets, total

@@ -1,0 +1,316 @@
+"""One NIXL agent and everything it holds: registered memory, peers and their connections, notifications.
+
+:class:`NixlAgent` owns the NIXL agent (UCX backend by default) and the lifetime of every handle made on it:
+memory is registered once (:meth:`~NixlAgent.register`, DRAM for CPU tensors, VRAM for CUDA tensors), peers
+are added from their metadata bytes, notifications are sent and drained here, and :meth:`~NixlAgent.close`
+releases the in-flight transfers' handles, forgets the peers and deregisters the memory. Posting and waiting
+for transfers is :class:`~.engine.NixlEngine`'s (the one class callers use, a subclass of this one): this
+module is the agent and connection half of it, that one the transfer half.
+
+Reconnects: once the connection to a peer is gone (:func:`is_disconnect`: ``NIXL_ERR_REMOTE_DISCONNECT``, e.g.
+the link was down long enough for UCX to fail the endpoint; NIXL then drops the remote agent itself, so a
+later prep names an unknown agent) the peer is marked disconnected. Its next post (``write``,
+``write_prepared``, ``send_notification``) first removes the remote agent and adds it again from the metadata
+:meth:`NixlAgent.add_peer` was given (:meth:`NixlAgent.reconnect`; the peer's prepared lists are prepared
+again), and a post that fails with a disconnect is retried once after such a reconnect. Without this a peer
+that became reachable again would never be written to again. ``on_reconnect(peer, reason)`` is called after
+each reconnect (the connector counts and logs them); :attr:`NixlAgent.reconnects` counts them too.
+
+A peer that stays unreachable backs off (:mod:`.backoff`): posts to it fail at once, naming the peer and
+when the next reconnect attempt is, until that attempt; :meth:`NixlAgent.backoff` reports it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any, Self
+
+from vllm_dsa_connector.transport.backoff import ReconnectBackoff
+from vllm_dsa_connector.transport.nixl_data import Region, Transfer, TransferError
+from vllm_dsa_connector.transport.prepared import PreparedLists
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DISCONNECT_ERRORS", "NixlAgent", "is_disconnect"]
+
+#: NIXL's exception class names and status names that mean the connection to the peer is gone (the peer
+#: process died, or the link was down long enough for UCX to fail the endpoint): only a new connection helps.
+DISCONNECT_ERRORS = ("nixlRemoteDisconnectError", "NIXL_ERR_REMOTE_DISCONNECT")
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by NIXL) says the connection to the remote agent is gone."""
+    text = f"{type(exc).__name__} {exc}"
+    return any(name in text for name in DISCONNECT_ERRORS)
+
+
+class NixlAgent:
+    """One NIXL agent: ``register`` / ``metadata`` / ``add_peer`` / ``reconnect`` / notifications / ``close``.
+
+    What :class:`~.engine.NixlEngine` builds its transfers on: ``_agent`` (the raw ``nixl_agent``),
+    ``_peers``, ``_conn`` (the connection count of each peer, tagging transfers), ``_backoff``, ``_lists``,
+    ``_ids`` / ``_inflight`` (transfer ids, the posted transfers :meth:`close` releases),
+    :meth:`_ensure_connected`, :meth:`_note_failure` and :meth:`_release`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backends: tuple[str, ...] = ("UCX",),
+        telemetry: bool = False,
+        progress_thread: bool = False,
+        on_reconnect: Callable[[str, str], None] | None = None,
+        reconnect_backoff_s: float = 0.5,
+        reconnect_backoff_max_s: float = 30.0,
+    ) -> None:
+        """``on_reconnect(peer, reason)``: called after each :meth:`reconnect` (under the caller's lock).
+        ``reconnect_backoff_s`` / ``reconnect_backoff_max_s``: the first and the longest wait between reconnect
+        attempts to a peer that stays unreachable (see the module docstring); ``ValueError`` unless
+        ``0 < reconnect_backoff_s <= reconnect_backoff_max_s`` (finite): a peer that is gone must cost little
+        per post, and one that comes back must be tried again within a bounded time."""
+        self._backoff = ReconnectBackoff(name, reconnect_backoff_s, reconnect_backoff_max_s)
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "NIXL is not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+            ) from e
+        self.name = name
+        self.telemetry = telemetry
+        self._agent = nixl_agent(
+            name,
+            nixl_agent_config(
+                backends=list(backends),
+                capture_telemetry=telemetry,
+                enable_prog_thread=progress_thread,
+            ),
+        )
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(
+                f"NIXL agent {name!r}: backend(s) {missing} unavailable "
+                f"(plugins: {self._agent.get_plugin_list()})"
+            )
+        self._regions: list[Region] = []
+        self._peers: set[str] = set()
+        self._meta: dict[str, bytes] = {}  # peer -> the metadata it was added from (for reconnects)
+        self._disconnected: dict[str, str] = {}  # peer -> why its connection is gone (reconnect before posting)
+        self._lists = PreparedLists(self._agent)  # lists prepared once (prepare_local/prepare_remote)
+        self._conn: dict[str, int] = {}  # peer -> how many times it was reconnected (tags transfers)
+        self.on_reconnect = on_reconnect
+        self.reconnects = 0  # remote agents removed and added again after a disconnect
+        self._ids = itertools.count()
+        self._inflight: dict[int, Transfer] = {}
+        self._backlog: list[tuple[str, bytes]] = []  # notifications drained by progress()
+        self._closed = False
+
+    # -- memory and peers -------------------------------------------------------------------------
+
+    def register(self, tensor: Any) -> Region:
+        """Register a contiguous torch tensor once (DRAM for CPU, VRAM for CUDA)."""
+        if not tensor.is_contiguous():
+            raise ValueError("register: tensor must be contiguous")
+        mem = "VRAM" if tensor.is_cuda else "DRAM"
+        dev = int(tensor.device.index or 0) if tensor.is_cuda else 0
+        size = tensor.numel() * tensor.element_size()
+        if size == 0:
+            raise ValueError("register: tensor is empty")
+        reg = self._agent.register_memory(tensor)
+        region = Region(tensor, int(tensor.data_ptr()), size, mem, dev, self.name, reg)
+        self._regions.append(region)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Deregister a region (no transfer may be using it)."""
+        if region in self._regions:
+            self._agent.deregister_memory(region._reg)
+            self._regions.remove(region)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (send it to peers out of band). Call after registering memory."""
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, meta: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name."""
+        peer = self._agent.add_remote_agent(meta)
+        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self._peers.add(peer)
+        self._meta[peer] = bytes(meta)
+        self._disconnected.pop(peer, None)
+        self._backoff.reset(peer, proven=True)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (its in-flight transfers should be waited for or abandoned first)."""
+        if peer in self._peers:
+            self._peers.discard(peer)
+            self._meta.pop(peer, None)
+            self._disconnected.pop(peer, None)
+            self._lists.forget(peer)
+            self._backoff.reset(peer, proven=False)
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception as e:  # NIXL raises if already gone; nothing to undo
+                logger.debug("remove_peer %s: %s", peer, e)
+
+    def disconnected(self, peer: str) -> str:
+        """Why the connection to ``peer`` is gone (its next post reconnects first), or ``""``."""
+        return self._disconnected.get(peer, "")
+
+    def backoff(self, peer: str) -> tuple[int, float]:
+        """``(failed reconnect attempts in a row, seconds until the next attempt may be made)`` for ``peer``;
+        ``(0, 0.0)`` when it is not backing off. Posts fail at once while the seconds are > 0."""
+        return self._backoff.state(peer)
+
+    def reconnect(self, peer: str, reason: str = "") -> None:
+        """Remove ``peer``'s remote agent and add it again from the metadata :meth:`add_peer` got: NIXL makes
+        a new connection on the next post. The peer's prepared lists are prepared again (their handles
+        belonged to the old connection). :class:`TransferError` naming the peer when its metadata is not
+        held or NIXL refuses it (the peer then stays marked disconnected)."""
+        meta = self._meta.get(peer)
+        if peer not in self._peers or meta is None:
+            raise TransferError(f"reconnect: unknown peer {peer!r} (no metadata held)", peer=peer)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:  # NIXL drops a disconnected remote agent itself: already gone
+            logger.debug("reconnect %s: remove_remote_agent: %s", peer, e)
+        try:
+            name = self._agent.add_remote_agent(meta)
+        except Exception as e:
+            self._disconnected[peer] = reason or self._disconnected.get(peer, "") or "reconnect failed"
+            delay = self._backoff.failed(peer, f"adding its metadata again: {e}")
+            raise TransferError(f"reconnect to peer {peer!r} failed: adding its metadata again: {e} (attempt "
+                                f"{self._backoff.attempts(peer)}; next attempt in {delay:.2f} s)", peer=peer) from e
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != peer:  # the metadata names its agent: this would be a bug of this class
+            raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
+        self._conn[peer] = self._conn.get(peer, 0) + 1
+        self._backoff.reconnected(peer)
+        self._lists.reprepare(peer)
+        why = self._disconnected.pop(peer, "") or reason
+        self.reconnects += 1
+        logger.info("NIXL agent %s: remote agent %s removed and added again (%s)", self.name, peer, why)
+        if self.on_reconnect is not None:
+            self.on_reconnect(peer, why)
+
+    def _note_failure(self, peer: str, exc: BaseException, conn: int | None = None) -> bool:
+        """Mark ``peer`` disconnected when ``exc`` says its connection is gone, or when NIXL no longer holds
+        the remote agent although this engine does (NIXL drops it after a disconnect). True when marked.
+        ``conn``: the connection a failed transfer was posted on; a failure on one already replaced by a
+        reconnect marks nothing (reconnecting again would drop the new, working connection)."""
+        if peer not in self._peers or (conn is not None and conn != self._conn.get(peer, 0)):
+            return False
+        if not is_disconnect(exc):
+            try:
+                known = bool(self._agent.check_remote_metadata(peer))
+            except Exception:  # noqa: BLE001 - cannot tell: not a disconnect
+                known = True
+            if known:
+                return False
+        self._disconnected[peer] = why = f"{type(exc).__name__}: {exc}"
+        self._backoff.lost(peer, why)  # a failed attempt when nothing completed on the new connection
+        return True
+
+    def _ensure_connected(self, peer: str) -> None:
+        if peer in self._disconnected:
+            refused = self._backoff.refusal(peer)
+            if refused:
+                raise TransferError(refused, peer=peer)
+            self.reconnect(peer, self._disconnected[peer])
+
+    @property
+    def peers(self) -> frozenset[str]:
+        """Names of known peers."""
+        return frozenset(self._peers)
+
+    # -- transfer handles -----------------------------------------------------------------------------
+
+    def _release(self, xfer: Transfer) -> None:
+        """Forget ``xfer`` and free its NIXL handles (never raises: a handle NIXL keeps is leaked)."""
+        for tid, t in list(self._inflight.items()):
+            if t is xfer:
+                del self._inflight[tid]
+        if xfer._xfer is not None:
+            try:
+                self._agent.release_xfer_handle(xfer._xfer)
+            except Exception as e:  # cannot cancel: NIXL keeps it; leak the handle, never hang
+                logger.warning("could not release %s: %s", xfer.name, e)
+            xfer._xfer = None
+        for h in xfer._dlists:
+            try:
+                self._agent.release_dlist_handle(h)
+            except Exception as e:
+                logger.debug("release dlist of %s: %s", xfer.name, e)
+        xfer._dlists = ()
+
+    # -- notifications ------------------------------------------------------------------------------
+
+    def send_notification(self, peer: str, msg: bytes) -> None:
+        """A notification not bound to a transfer.
+
+        NIXL does not track it: when UCX cannot send it at once (the first message to a peer waits
+        for the connection's wire-up, or the send queue is full) it leaves only while this agent
+        progresses. The sender must keep calling :meth:`progress` (or ``wait``/``state``/
+        :meth:`poll_notifications`) until the peer saw it; this call progresses once.
+        """
+        self._ensure_connected(peer)
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as e:
+            if not self._note_failure(peer, e):
+                raise TransferError(f"notification to peer {peer!r} failed: {e}", peer=peer) from e
+            refused = self._backoff.refusal(peer)
+            if refused:
+                raise TransferError(f"notification to peer {peer!r} failed: {e}; {refused}", peer=peer) from e
+            self.reconnect(peer, f"{type(e).__name__}: {e}")  # once: a second failure raises
+            try:
+                self._agent.send_notif(peer, msg)
+            except Exception as e2:
+                self._note_failure(peer, e2)
+                raise TransferError(f"notification to peer {peer!r} failed after a reconnect: {e2}",
+                                    peer=peer) from e2
+        self.progress()
+
+    def progress(self) -> None:
+        """Progress the agent (pending sends, connection wire-up) without losing notifications: the
+        ones that arrived meanwhile are kept for the next :meth:`poll_notifications`."""
+        self._backlog.extend(self._drain())
+
+    def _drain(self) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        for peer, msgs in self._agent.get_new_notifs().items():
+            p = peer.decode() if isinstance(peer, bytes) else str(peer)
+            out.extend((p, bytes(m)) for m in msgs)
+        return out
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        """New notifications as ``(peer, message)`` pairs, in arrival order per peer."""
+        out, self._backlog = self._backlog, []
+        out.extend(self._drain())
+        return out
+
+    # -- teardown -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release in-flight handles, forget peers, deregister memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for xfer in list(self._inflight.values()):
+            self._release(xfer)
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for region in list(self._regions):
+            try:
+                self.deregister(region)
+            except Exception as e:
+                logger.debug("deregister: %s", e)
+        self._regions.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
