@@ -25,7 +25,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dsa_connector.transport import NixlEngine, PostState, Receiver, RecvState, StagingArena, WriterSpec
+from vllm_dsa_connector.transport import (
+    NixlEngine,
+    PostState,
+    Receiver,
+    RecvState,
+    StagingArena,
+    WriterSpec,
+)
 from vllm_dsa_connector.transport.notices import encode_notif, parse_notif
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs, packed_offsets

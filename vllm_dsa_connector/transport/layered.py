@@ -412,4 +412,3 @@ def progress(host: LayerHost, post: LayeredPost) -> bool:
     logger.debug("layered %s post of writer %d to %r done (%d WRITEs/copies)", post.path, post.writer,
                  post.peer, len(post.stats))
     return _finish(host, post, PostState.DONE)
-

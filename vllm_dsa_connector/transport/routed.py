@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport import layered
+from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
 from vllm_dsa_connector.transport.local_copy import copy_runs, gather, sync
 from vllm_dsa_connector.transport.nixl_data import Transfer, TransferError, TransferStats
