@@ -93,17 +93,17 @@ def whole_runs(layout: str, sb: np.ndarray, db: np.ndarray) -> list[Runs]:
 
 
 @contextmanager
-def rig(layout: str) -> Iterator[Rig]:
+def rig(layout: str, device: str = "cpu") -> Iterator[Rig]:
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"layered-s-{stamp}"), NixlEngine(f"layered-r-{stamp}")
     try:
         gen = torch.Generator().manual_seed(5)
         sizes = [NUM_BLOCKS * len(pool_layers(p)) * PAGES[p] for p in (0, 1)]
-        srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
-        dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).to(device) for n in sizes]
+        dsts = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
         rs, rd = [a.register(t) for t in srcs], [b.register(t) for t in dsts]
-        transport = RoutedTransport(a, 20.0, arena=StagingArena(1 << 20))
-        rcv = Receiver(b, StagingArena(1 << 20))
+        transport = RoutedTransport(a, 20.0, arena=StagingArena(1 << 20, device=device))
+        rcv = Receiver(b, StagingArena(1 << 20, device=device))
         peer = a.add_peer(b.metadata())
         b.add_peer(a.metadata())
         transport._maps[peer] = dsts  # ipc: D's pools "mapped" here (CPU tensors; the copies accept them)
@@ -326,3 +326,28 @@ def test_misuse_is_refused_with_clear_errors() -> None:
         assert "unknown path" in post.error
         with pytest.raises(TypeError, match="not a layered post"):
             r.transport.add(r.transport.post(r.peer, parts, writer=WRITER, tag=b"x"), [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["direct", "bounce", "ipc"])
+def test_cuda_sources_are_posted_only_once_their_kernels_finished(path: str) -> None:
+    with rig("layer_outer", "cuda") as r:
+        sb, db = request(8)
+        runs = whole_runs(r.layout, sb, db)
+        slot = arm(r, b"cuda", path, runs)
+        post = r.transport.open(r.peer, parts_of(r, runs), writer=WRITER, tag=b"cuda", path=path, slot=slot,
+                                pools=[0, 1])
+        assert not post.error, post.error
+        torch.cuda._sleep(200_000_000)  # a long kernel on the current stream: the pages are not final yet
+        r.transport.add(post, layer_runs(r.layout, 0, sb, db))
+        if path != "ipc":
+            assert not post._inflight and post._pending, "a WRITE was posted before the kernels finished"
+        for layer in range(1, LAYERS):
+            r.transport.add(post, layer_runs(r.layout, layer, sb, db))
+        r.transport.close(post)
+        results, notices = drive(r, post)
+        assert post.state is PostState.DONE, post.error
+        assert [x.state for x in results] == [RecvState.DONE] and notices == [encode_notif(path, WRITER, b"cuda")]
+        torch.cuda.synchronize()
+        for got, want in zip(r.dsts, expected(r, runs), strict=True):
+            assert torch.equal(got, want)
