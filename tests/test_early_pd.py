@@ -152,7 +152,7 @@ def _early_params(eng: Engines, side_port: int, engine_id: str, tid: str) -> dic
 def test_multi_turn_through_the_early_proxy_decodes_ps_replies(eng: Engines) -> None:
     rng = random.Random(34)
     _post(eng.proxy, _body(eng.model, _ids(rng, 70)))  # the proxy learns P's side channel from this answer
-    ids = _ids(rng, 3 * 64 + 20)
+    ids = _ids(rng, 6 * 64 + 20)  # 7 chunks of 64 on P: D registers before the final one
     lines, layered, hits = [], 0.0, 0
     for turn in range(1, 4):
         want = complete(eng.p.url, eng.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
