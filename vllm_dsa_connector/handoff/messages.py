@@ -36,7 +36,6 @@ write into or release its KV.
 from __future__ import annotations
 
 import hashlib
-from array import array
 import heapq
 import hmac
 import math
@@ -45,6 +44,7 @@ import secrets
 import struct
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Annotated
 
