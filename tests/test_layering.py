@@ -28,7 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("layout",),                               # page tables (layout.build reads vLLM's specs)
     ("token_map", "pairing"),                  # the planner's token-position map (Bp != Bd); block pairing
                                                # by token position: both below matching (re-exported there)
-    ("matching",),                             # the planner: layout + transport's run merging
+    ("plan_segments",),                        # the plan over page tables: elected senders, segments,
+                                               # exactly once (re-exported by matching)
+    ("matching",),                             # the planner's per-request runs: layout + transport's run merging
     ("handoff",),                              # the vLLM-free core: protocol, producer/consumer state
     ("tiny_models",),
     ("tokenizer", "admission", "cpu_dsa", "kv_probe"),
