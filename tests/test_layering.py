@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("connector",),                            # vLLM's connector API -> the core
     ("fixes",),
     ("plugin",),
+    ("pd_bodies",),                            # the proxy's pure body/merge rules (re-exported by pd_proxy)
     ("pd_proxy",),                             # the P/D proxy app (the harness launches it by module name)
     ("harness",),                              # server and two-process launchers (benches, tests)
     ("commands",),
