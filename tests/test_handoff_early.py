@@ -152,7 +152,9 @@ def test_cancel_of_a_running_prefill_waits_for_it_and_held_ones_are_bounded(prod
     assert p.handle_reg(_reg(clock.t + 30, tid=tid2, d_req="d2")).ok
     assert p.handle_cancel(CancelReq([transfer_ref(tid2)])).states[transfer_ref(tid2).p_req] == CancelState.NOT_POSTED
     p.add_early("p2", tid2, [30], prompt_tokens=100, digest=DIGEST)
-    assert p.lease("p2").state is LeaseState.HELD
+    assert p.lease("p2").state is LeaseState.CANCELLED  # D gave up first: released once the prefill is done
+    assert not p.step().release
+    assert p.finish_early("p2", [30], ok=True) and p.step().release == ["p2"]
     # one transfer feeds one D request; a wrong token is refused; held ones expire and are bounded
     tid3 = "d" * 32
     assert p.handle_reg(_reg(clock.t + 2, tid=tid3, d_req="d3")).ok

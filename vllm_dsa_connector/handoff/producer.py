@@ -138,6 +138,9 @@ class Producer:
                           transfer_id=transfer_id, prompt_tokens=prompt_tokens, digest=digest)
             self._leases[req_id] = lease
             self._by_transfer[transfer_id] = req_id
+            if TRANSFER_REF_PREFIX + transfer_id in self._ended:
+                lease.to(LeaseState.CANCELLED)  # D gave up before P saw the request: released once final
+                return
             held = self._held.take(transfer_id)
             if held is None:
                 return
