@@ -244,8 +244,10 @@ def _run_group(names: list[str], model: Path, args: argparse.Namespace, workdir:
     with contextlib.ExitStack() as stack:
         clusters = {k: stack.enter_context(cluster(workdir / k)) for k in names}
         for k in names:
-            print(f"[bench pd] {CONNECTORS[k]['name'] if k in CONNECTORS else 'one engine without P/D'}: "
-                  f"starting (logs in {workdir / k})", flush=True)
+            print(f"[bench pd] {k} ({CONNECTORS[k]['name'] if k in CONNECTORS else 'one engine without P/D'}"
+                  f"{', ' + ' '.join(CONNECTORS[k]['proxy_args']) if CONNECTORS.get(k, {}).get('proxy_args') else ''}"
+                  f"{', layer_push' if CONNECTORS.get(k, {}).get('layer_push') else ''}): starting (logs in "
+                  f"{workdir / k})", flush=True)
         pool = ThreadPoolExecutor(len(names))
         try:  # never wait for the start threads on Ctrl-C: closing the clusters ends them
             futs = {k: pool.submit(_start, k, clusters[k], model, args, bases[k]) for k in names}
