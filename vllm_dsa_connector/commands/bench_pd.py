@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     summary["ratio_vs_best_nixl"] = (round(summary["dsa_transfer_ms"] / best, 3) if best and "dsa" in ok else None)
     summary["outputs_match"] = bool(match) and all(match) and not errors
     print("\ntransfer per request, median (p90): " + ", ".join(
-        f"{CONNECTORS[k]['name']} {summary[f'{k}_transfer_ms']} ({summary[f'{k}_transfer_p90_ms']}) ms" for k in ok)
+        f"{k} {summary[f'{k}_transfer_ms']} ({summary[f'{k}_transfer_p90_ms']}) ms" for k in ok)
         + f"; DSA / best NIXL {summary['ratio_vs_best_nixl']}; outputs match (every P/D run and one engine): "
         f"{summary['outputs_match']}")
     if SINGLE not in errors:
