@@ -27,7 +27,7 @@ Which of P's blocks go into which of D's blocks (by token position) is :mod:`vll
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -350,6 +350,9 @@ class PeerPlan:
     _dst: dict[int, PageTable] = field(init=False, repr=False)
     _pairs: dict[tuple[int, int], tuple[Segment, ...]] = field(init=False, repr=False)
     _maps: dict[tuple[int, int], TokenMap] = field(init=False, repr=False)
+    # (src rank, dst rank, layers) -> that pair's per-layer segments / token map (filled on first use)
+    _layer_segs: dict[tuple[int, int, frozenset[int]], tuple[Segment, ...]] = field(init=False, repr=False)
+    _layer_maps: dict[tuple[int, int, frozenset[int]], TokenMap] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_src", {t.rank: t for t in self.src_tables})
@@ -364,6 +367,8 @@ class PeerPlan:
             if src is not None and dst is not None and src.block_size != dst.block_size:
                 maps[(sr, dr)] = _token_map(segs, src, dst)
         object.__setattr__(self, "_maps", maps)
+        object.__setattr__(self, "_layer_segs", {})
+        object.__setattr__(self, "_layer_maps", {})
 
     @classmethod
     def build(cls, src_tables: Sequence[PageTable], dst_tables: Sequence[PageTable]) -> PeerPlan:
@@ -390,9 +395,51 @@ class PeerPlan:
         """Segments from one source rank to one destination rank."""
         return self._pairs.get((src_rank, dst_rank), ())
 
+    def layers_of(self, src_rank: int, dst_rank: int) -> tuple[int, ...]:
+        """The global layers (any role) source rank ``src_rank`` sends ``dst_rank``, sorted (empty: none)."""
+        return tuple(sorted({layer for s in self.for_pair(src_rank, dst_rank) for _, layer in s.layers}))
+
+    def _layer_segments(self, src_rank: int, dst_rank: int, layers: frozenset[int]) -> tuple[Segment, ...]:
+        """The pair's segments restricted to ``layers``: a segment merged across layers is split back into
+        its per-(role, layer) pages (the page tables' :class:`LayerEntry` offsets and sizes); cached."""
+        key = (src_rank, dst_rank, layers)
+        got = self._layer_segs.get(key)
+        if got is not None:
+            return got
+        src, dst = self._src[src_rank], self._dst[dst_rank]
+        out = []
+        for seg in self.for_pair(src_rank, dst_rank):
+            if all(layer in layers for _, layer in seg.layers):
+                out.append(seg)  # whole: keeps the page-for-page runs of the whole request
+                continue
+            for role, layer in seg.layers:
+                if layer not in layers:
+                    continue
+                sview, dview = src.view(role), dst.view(role)
+                sentry = sview.entry(layer) if sview is not None else None
+                dentry = dview.entry(layer) if dview is not None else None
+                if sentry is None or dentry is None:  # the plan was built from these tables
+                    raise PlanError(f"{role} layer {layer} of segment {seg} has no page on rank {src_rank} "
+                                    f"or {dst_rank}")
+                out.append(replace(seg, src_offset=sentry.offset, dst_offset=dentry.offset,
+                                   nbytes=dentry.nbytes, layers=((role, layer),)))
+        got = tuple(out)
+        self._layer_segs[key] = got
+        return got
+
+    def _layer_map(self, src_rank: int, dst_rank: int, layers: frozenset[int]) -> TokenMap:
+        """The token map of the pair's pages of ``layers`` only (block sizes differ); cached."""
+        key = (src_rank, dst_rank, layers)
+        tmap = self._layer_maps.get(key)
+        if tmap is None:
+            pages = [p for s in self.for_pair(src_rank, dst_rank) for p in s.layers if p[1] in layers]
+            tmap = build_token_map(pages, self._src[src_rank], self._dst[dst_rank])
+            self._layer_maps[key] = tmap
+        return tmap
+
     def runs(self, src_rank: int, dst_rank: int, src_blocks: Sequence[int] | np.ndarray,
              dst_blocks: Sequence[int] | np.ndarray, *, first_token: int = 0,
-             num_tokens: int | None = None) -> list[tuple[int, int, Runs]]:
+             num_tokens: int | None = None, layers: Collection[int] | None = None) -> list[tuple[int, int, Runs]]:
         """``[(src_pool, dst_pool, Runs)]`` source rank ``src_rank`` writes to ``dst_rank`` for a token span.
 
         ``src_blocks[i]`` holds P's tokens ``[(first_token // Bp + i) * Bp, +Bp)``, ``dst_blocks[j]`` D's
@@ -404,10 +451,16 @@ class PeerPlan:
         reverse) and layer-outermost layouts still collapse into long runs. Empty when the pair exchanges
         nothing. Raises :class:`PlanError` for an unknown rank, a block id out of range or a span the
         lists do not cover.
+
+        ``layers``: only the pages of these global layers (every role: MLA latent and indexer K), e.g. the
+        one layer whose pages a layer-by-layer push sends once its attention ran; parts with no runs are
+        left out. The runs of every layer of :meth:`layers_of` together are exactly the whole request's
+        bytes, each written once (the same (source byte, destination byte) pairs; runs merged per layer).
         """
         segs = self.for_pair(src_rank, dst_rank)
         if not segs:
             return []
+        wanted = None if layers is None else frozenset(int(x) for x in layers)
         src, dst = self._src.get(src_rank), self._dst.get(dst_rank)
         if src is None or dst is None:  # segments exist only between known ranks
             raise PlanError(f"no page table for sender rank {src_rank} or receiver rank {dst_rank}")
@@ -419,8 +472,14 @@ class PeerPlan:
         start, end = token_span(first_token, num_tokens, sb.size, db.size, src.block_size, dst.block_size)
         tmap = self._maps.get((src_rank, dst_rank))
         if tmap is not None:
-            return tmap.expand(sb, db, start, end)
+            if wanted is not None:
+                tmap = self._layer_map(src_rank, dst_rank, wanted)
+            return [(sp, dp, r) for sp, dp, r in tmap.expand(sb, db, start, end) if wanted is None or r.num_runs]
+        if wanted is not None:
+            segs = self._layer_segments(src_rank, dst_rank, wanted)
+            if not segs:
+                return []
         n = (end - start) // src.block_size  # one block size: the span is whole blocks on both sides
         pool_runs = expand_runs(segs, src, dst, sb[:n], db[:n])
         return [(pr.src_pool, pr.dst_pool, merge_runs(pr.src_offsets, pr.dst_offsets, pr.lengths))
-                for pr in pool_runs]
+                for pr in pool_runs if wanted is None or pr.num_runs]

@@ -452,7 +452,9 @@ class Producer:
             known = self._peers.get(reg.d_engine)
             if known is None or known.epoch != sender.epoch:
                 if not reg.d_payloads:
-                    return self._known_sender(reg, sender)  # the reply asking for its payloads
+                    asked = self._known_sender(reg, sender)  # the reply asking for its payloads
+                    assert isinstance(asked, Reply)
+                    return asked
                 peer = self._peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
                 self._check_reg(reg, lease, peer)
                 self._replace_peer(reg.d_engine, peer, known)

@@ -8,7 +8,11 @@ A byte's way, in five modules (the connector's worker calls the first and the la
    gathered into one reservation of the local :class:`StagingArena` at :func:`packed_offsets`, one WRITE
    into D's slot) or ``ipc`` (one copy per part into this process's CUDA IPC mapping of D's pools,
    :mod:`.ipc`). ``post(...) -> Post``; ``progress(post)`` from the engine's steps until DONE or FAILED;
-   never raises; a route it cannot follow is a FAILED post naming why.
+   never raises; a route it cannot follow is a FAILED post naming why. Layer by layer (:mod:`.layered`):
+   ``open(...)`` the whole request's parts, ``add(post, [(part, Runs)])`` each layer's runs as its attention
+   ran (direct: its WRITEs; bounce: gathered at the one-shot packed positions, each part's newly complete
+   prefix written into D's slot; ipc: its copies), ``close(post)``; the receiver sees the same one notice
+   and the same packed slot as from ``post``.
 2. :mod:`.local_copy`: every copy inside a process: :func:`gather`, :func:`scatter` (torch index ops on the
    widest view, :mod:`.widths`), :func:`copy_runs` (the Triton kernel of :mod:`.kernels`, its cached launch
    plans and CUDA-graph replays in :mod:`.launches`; ``VLLM_DSA_COPY_IMPL``).
@@ -98,6 +102,7 @@ _LAZY = {
     "Transport": "transports",
     "check_deadline": "transports",
     "RoutedTransport": "routed",
+    "LayeredPost": "layered",
     "IpcDesc": "ipc",
     "IpcUnavailable": "ipc",
     "device_uuid": "ipc",
@@ -120,6 +125,7 @@ __all__ = [
     "DirectTransport",
     "IpcDesc",
     "IpcUnavailable",
+    "LayeredPost",
     "MAX_INDEX_ROWS",
     "NixlAgent",
     "NixlEngine",

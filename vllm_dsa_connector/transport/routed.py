@@ -15,6 +15,10 @@ fails the post with the reason, and the caller's failure notice tells D):
   CUDA event behind the copies, and ``dsa1:i<writer>:<tag>`` once it fired (polled from
   :meth:`RoutedTransport.progress`, never waited on in a step).
 
+A writer may also push layer by layer (:mod:`.layered`): :meth:`RoutedTransport.open` the whole request's
+parts, :meth:`RoutedTransport.add` each layer's runs as its attention ran, :meth:`RoutedTransport.close`;
+the receiver sees the same notice and (bounce) the same packed slot as from one :meth:`RoutedTransport.post`.
+
 No vLLM imports: the caller passes the route as plain values (``path``, and the slot for a bounce).
 """
 
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_dsa_connector.transport import layered
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
 from vllm_dsa_connector.transport.local_copy import copy_runs, gather, sync
@@ -112,6 +117,10 @@ class RoutedTransport:
         """Whether the pools of ``peer`` are mapped here."""
         return peer in self._maps
 
+    def mapping(self, peer: str) -> list[torch.Tensor] | None:
+        """The pools of ``peer`` mapped here (pool order), ``None`` when not mapped."""
+        return self._maps.get(peer)
+
     # -- posting -------------------------------------------------------------------------------------
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, path: str = "direct",
@@ -187,12 +196,33 @@ class RoutedTransport:
             event.record(torch.cuda.current_stream(device))
         return _Copied(event, encode_notif("ipc", writer, tag), nruns, nbytes)
 
+    # -- layer by layer (:mod:`.layered`) ------------------------------------------------------------
+
+    def open(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, path: str,
+             slot: StagingSlot | None = None, pools: Sequence[int] = (),
+             deadline: float | None = None) -> Post:
+        """Open a layer-by-layer post of the WHOLE request's ``parts`` (as for :meth:`post`); nothing is
+        written yet (a bounce reserves its whole packed size now). Never raises: FAILED with the reason."""
+        return layered.open_post(self, peer, parts, writer=writer, tag=tag, path=path, slot=slot, pools=pools,
+                                 deadline=deadline)
+
+    def add(self, post: Post, layer_parts: Sequence[tuple[int, Runs]], *, deadline: float | None = None) -> None:
+        """Post one layer's runs, ``(part index of the open, Runs)`` each, no notice; ``ValueError`` for
+        runs outside the open's parts or an add after :meth:`close` (:func:`.layered.add_layer`)."""
+        layered.add_layer(self, post, layer_parts, deadline=deadline)  # type: ignore[arg-type]
+
+    def close(self, post: Post) -> None:
+        """No more layers: :meth:`progress` sends the route's one notice once everything is DONE."""
+        layered.close_post(self, post)  # type: ignore[arg-type]
+
     # -- progress ------------------------------------------------------------------------------------
 
     def progress(self, post: Post) -> bool:
         """Drive the post; ``True`` once it is over (``post.state`` DONE or FAILED). Never raises."""
         if post.state is not PostState.IN_FLIGHT:
             return True
+        if isinstance(post, layered.LayeredPost):
+            return layered.progress(self, post)
         if post.path == "direct":
             return self.direct.progress(post)
         remaining: list[Any] = []
