@@ -5,7 +5,9 @@ Runs on a host with vLLM's GPU build (see shared/gpu/README.md for the H200 payl
 or ``graphs`` (vLLM's default torch.compile + CUDA graphs; async scheduling is vLLM's default either way);
 a DSAConnector pair whose name has ``verify`` runs with ``verify_transfers``, ``bounce`` with
 ``bounce_mode=always`` (the staging arena on the device), ``ipc`` with ``ipc_mode=auto`` (on one GPU D
-routes every pair through CUDA IPC), ``mtp`` serves ``--mtp-model`` with MTP speculative decoding)
+routes every pair through CUDA IPC), ``mtp`` serves ``--mtp-model`` with MTP speculative decoding, ``early``
+times requests with early registration (both legs at once, one ``transfer_id``: D registers while P
+prefills) and ``layer_push`` on P, in 512-token prefill chunks)
 is a prefill and a decode engine with the KV probe worker extension; every engine starts at once
 (``--kv-cache-memory-bytes``, so concurrent starts on one GPU do not disturb each other's memory profile).
 Per pair:
@@ -25,7 +27,9 @@ Per pair:
   token), the connector's own transfer time from its metrics (DSAConnector: P's post-to-completion
   ``vllm:dsa_kv_transfer_seconds``; NixlConnector: D's ``vllm:nixl_xfer_time_seconds``), bytes and NIXL
   descriptors, and whether D's 8 greedy tokens equal P's own plain reply (bf16 with random weights can flip
-  a flat argmax: the pages are the exact check, the reply rate is reported).
+  a flat argmax: the pages are the exact check, the reply rate is reported). Every shape also times the same
+  prompt on P alone (``single_ttft_ms``: one engine without P/D), and ``--timing-blocks`` sets the shapes
+  (``128``: 8k-token prompts). An ``early`` pair's TTFT runs from sending both legs to D's first token.
 
     python bench/gpu_pd.py --model /tmp/models/tiny-glm-dsa-h32-k128 \\
         [--pairs dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla]
@@ -54,6 +58,7 @@ from vllm_dsa_connector.harness.client import complete, metric, post_json, probe
 from vllm_dsa_connector.harness.procs import Cluster, Proc, cluster, wait_healthy
 
 BLOCK = 64
+MAX_MODEL_LEN = 9000  # 8k-token prompts (--timing-blocks 128) and their replies
 PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
 CONNECTORS = ("dsa", "nixl")
 MODES = ("eager", "graphs")
@@ -82,6 +87,11 @@ class PairSpec:
         return cls(name, parts[0], parts[1], parts[2])
 
     @property
+    def early(self) -> bool:
+        """The pair's requests are timed with early registration and P's ``layer_push``."""
+        return "early" in self.name and self.connector == "dsa"
+
+    @property
     def mtp(self) -> bool:
         """The pair serves ``--mtp-model`` with MTP speculative decoding (one draft token)."""
         return "mtp" in self.name
@@ -96,17 +106,21 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
             extra["ipc_mode"] = "auto"
         if "bounce" in spec.name:
             extra["bounce_mode"] = "always"
+        if spec.early:
+            extra["layer_push"] = True
         cfg: dict[str, Any] = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-                               "kv_connector_extra_config": extra}
+                               "kv_connector_extra_config": extra, "engine_id": f"{spec.name}-{role}"}
     else:
         cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
-           "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+           "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
            "--seed", "0", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(kv_bytes),
            "--kv-cache-dtype", spec.kv_cache_dtype, "--kv-transfer-config", json.dumps(cfg), *PROBE]
     if spec.mode == "eager":
         cmd.append("--enforce-eager")
+    if spec.early and role == "kv_producer":
+        cmd += ["--max-num-batched-tokens", "512"]  # chunked: D registers before the final chunk
     if spec.mtp:
         cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
     return c.start(name, cmd, env), f"http://127.0.0.1:{port}"
@@ -242,6 +256,7 @@ def _counters(connector: str, p_url: str, d_url: str) -> dict[str, float]:
                 "descriptors": metric(mp, "vllm:dsa_kv_descriptors_total"),
                 "bounce_bytes": metric(mp, "vllm:dsa_kv_bounce_bytes_total"),
                 "ipc_bytes": metric(mp, "vllm:dsa_kv_ipc_bytes_total"),
+                "layered_bytes": metric(mp, "vllm:dsa_kv_layered_bytes_total"),
                 "recv_ok": metric(md, "vllm:dsa_kv_requests_total", side="recv", outcome="ok")}
     return {"xfer_s": metric(md, "vllm:nixl_xfer_time_seconds_sum"),
             "xfers": metric(md, "vllm:nixl_xfer_time_seconds_count"),
@@ -250,26 +265,57 @@ def _counters(connector: str, p_url: str, d_url: str) -> dict[str, float]:
             "failed": metric(md, "vllm:nixl_num_failed_transfers_total")}
 
 
-def _timing(connector: str, p_url: str, d_url: str, repeats: int) -> dict[str, Any]:
+def _early_legs(p_url: str, d_url: str, ids: list[int], p_side: dict[str, Any]) -> tuple[float, float, str]:
+    """Both legs at once with one transfer id (what ``pd_proxy --early-registration`` sends): (seconds to P's
+    answer, seconds to D's first token, D's text), both from sending."""
+    import secrets
+    from concurrent.futures import ThreadPoolExecutor
+
+    tid = secrets.token_hex(16)
+    dparams = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+               "transfer_mode": "dsa-push", "kv_connector": "DSAConnector",
+               **{k: p_side[k] for k in ("remote_engine_id", "remote_host", "remote_port")}}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(1) as pool:
+        p_leg = pool.submit(post_json, p_url + "/v1/completions", {
+            "model": "tiny", "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}})
+        first, text = _stream_d(d_url, ids, dparams, 8)
+        p_leg.result(120)
+        prefill = time.perf_counter() - t0
+    return prefill, first, text
+
+
+def _timing(connector: str, p_url: str, d_url: str, repeats: int, shapes_blocks: list[int],
+            early: bool = False) -> dict[str, Any]:
     rng = random.Random(11)
-    shapes = [16] + [16] * repeats + [30] * repeats
+    shapes = [shapes_blocks[0]] + [b for b in shapes_blocks for _ in range(repeats)]
     rows = []
+    p_side: dict[str, Any] = {}
     for k, blocks in enumerate(shapes):
         ids = _rng_ids(rng, blocks * BLOCK)
         row: dict[str, Any] = {"blocks": blocks, "warmup": k == 0}
         try:
+            single, _ = _stream_d(p_url, ids, None, 1)  # one engine without P/D (P's own prefix cache: a
+            ids = _rng_ids(rng, blocks * BLOCK)  # fresh prompt of the same shape for the P/D request)
             c0 = _counters(connector, p_url, d_url)
             t0 = time.perf_counter()
-            res = post_json(p_url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
-                                                        "kv_transfer_params": {"do_remote_decode": True}})
-            prefill = time.perf_counter() - t0
-            first, text = _stream_d(d_url, ids, res.get("kv_transfer_params"), 8)
+            if early and p_side:
+                prefill, first, text = _early_legs(p_url, d_url, ids, p_side)
+                ttft = first
+            else:
+                res = post_json(p_url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                            "kv_transfer_params": {"do_remote_decode": True}})
+                prefill = time.perf_counter() - t0
+                p_side = res.get("kv_transfer_params") or {}
+                first, text = _stream_d(d_url, ids, res.get("kv_transfer_params"), 8)
+                ttft = prefill + first
             plain = complete(p_url, "tiny", ids, 8)["choices"][0]["text"]
             time.sleep(1.0)
             c1 = _counters(connector, p_url, d_url)
             delta = {k2: c1[k2] - c0[k2] for k2 in c0}
-            row.update(ttft_ms=round((prefill + first) * 1e3, 2), p_prefill_ms=round(prefill * 1e3, 2),
-                       d_first_token_ms=round(first * 1e3, 2),
+            row.update(ttft_ms=round(ttft * 1e3, 2), single_ttft_ms=round(single * 1e3, 2),
+                       p_prefill_ms=round(prefill * 1e3, 2), d_first_token_ms=round(first * 1e3, 2),
                        transfer_ms=round(delta["xfer_s"] / delta["xfers"] * 1e3, 3) if delta["xfers"] else None,
                        reply_equal=text == plain, **{k2: v for k2, v in delta.items() if k2 != "xfer_s"})
         except Exception as e:  # noqa: BLE001 - reported per request
@@ -283,11 +329,14 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int) -> dict[str, A
             summary[str(blocks)] = {
                 "n": len(ok),
                 "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in ok), 2),
+                "single_ttft_ms_median": round(statistics.median(r["single_ttft_ms"] for r in ok), 2),
+                "ttft_ratio_vs_single": round(statistics.median(r["ttft_ms"] / r["single_ttft_ms"] for r in ok), 3),
                 "d_first_token_ms_median": round(statistics.median(r["d_first_token_ms"] for r in ok), 2),
                 "transfer_ms_median": (round(statistics.median(r["transfer_ms"] for r in ok if r["transfer_ms"]), 3)
                                        if any(r["transfer_ms"] for r in ok) else None),
                 "bytes": ok[0]["bytes"], "descriptors": ok[0]["descriptors"],
                 "bounce_bytes": ok[0].get("bounce_bytes"), "ipc_bytes": ok[0].get("ipc_bytes"),
+                "layered_bytes": ok[0].get("layered_bytes"),
                 "reply_equal": sum(r["reply_equal"] for r in ok)}
     return {"requests": rows, "summary": summary}
 
@@ -311,6 +360,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30)
     ap.add_argument("--startup-timeout", type=float, default=480.0)
     ap.add_argument("--repeats", type=int, default=4, help="timed requests per prompt shape (default 4)")
+    ap.add_argument("--timing-blocks", default="16,30",
+                    help="prompt shapes of the timing, in 64-token blocks (default 16,30; 128: 8k tokens)")
     args = ap.parse_args()
     specs = [PairSpec.parse(x) for x in args.pairs.split(",") if x]
     if any(s.mtp for s in specs) and not args.mtp_model:
@@ -345,7 +396,8 @@ def main() -> int:
                 if spec.connector == "dsa":
                     res["page_table"] = {"P": _table_check(pu, model_of[spec.name], spec.kv_cache_dtype),
                                          "D": _table_check(du, model_of[spec.name], spec.kv_cache_dtype)}
-                res["timing"] = _timing(spec.connector, pu, du, args.repeats)
+                res["timing"] = _timing(spec.connector, pu, du, args.repeats,
+                                        [int(b) for b in args.timing_blocks.split(",")], early=spec.early)
             except Exception as e:  # noqa: BLE001 - one pair failing does not hide the others
                 res["error"] = f"{type(e).__name__}: {e}"[:800]
             res["log"] = {proc.name: _key_lines(proc) for proc in (pp, dp)}

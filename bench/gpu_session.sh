@@ -7,6 +7,8 @@
 #
 # core: bench/core_pd.py on CUDA, the three routes D can choose (direct, bounce, ipc), every byte of D's pools
 #       checked, on the GLM-5.2-shaped table in vLLM's GPU layout (two pools).
+# early: bench/gpu_pd.py timing only what issue 34 asks: early registration + layer_push against the plain
+#       DSAConnector pair and one engine without P/D, on 1k- and 8k-token prompts (goal: P/D TTFT within 1.05x).
 # pd:   bench/gpu_pd.py, the tiny GLM DSA model (and one with an MTP layer) as P/D pairs of real vLLM GPU
 #       engines: ipc (ipc_mode=auto: one GPU, so D routes through CUDA IPC), bounce (bounce_mode=always), the
 #       plain DSAConnector (direct NIXL), vLLM's NixlConnector, and MTP speculative decoding.
@@ -15,7 +17,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$REPO:$REPO/.gpu/pylib PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 cd "$REPO"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(core pd)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(core early pd)
 t0=$(date +%s)
 stamp() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*"; }
 rc=0
@@ -51,7 +53,17 @@ EOF
       r=$?; stamp "gpu_pd rc=$r"; [ $r -eq 0 ] || rc=1
       grep -a "^\[gpu_pd\] turn" "$OUT/gpu_pd.log" | cut -c1-300 | tail -15
       ;;
-    *) echo "gpu_session: unknown step $step (core, pd)"; exit 2 ;;
+    early)
+      M=/tmp/models/tiny-glm-dsa-h32-k128
+      [ -f "$M/.complete" ] || python3 -m vllm_dsa_connector.cli make-model --kind dsa --index-n-heads 32 \
+        --index-topk 128 --out "$M" >"$OUT/make_model.log" 2>&1
+      mkdir -p "$OUT/early"; stamp "gpu_pd early"
+      OUT="$OUT/early" timeout 420 python3 bench/gpu_pd.py --model "$M" --timing-blocks 16,128 --repeats 4 \
+        --pairs early=dsa/graphs/auto,dsa=dsa/graphs/auto >"$OUT/gpu_pd_early.log" 2>&1
+      r=$?; stamp "gpu_pd early rc=$r"; [ $r -eq 0 ] || rc=1
+      grep -a "ttft_ratio_vs_single\|^\[gpu_pd\] early timing" "$OUT/gpu_pd_early.log" | cut -c1-300 | tail -12
+      ;;
+    *) echo "gpu_session: unknown step $step (core, early, pd)"; exit 2 ;;
   esac
 done
 exit $rc

@@ -96,6 +96,21 @@ def h_step(key: str, meta: Any) -> None:
     _STATE[key][0].start_load_kv(meta)
 
 
+def h_layers(key: str, seed: int) -> int:
+    """Play the forward of the step that finishes the prefill: ``save_kv_layer`` for every attention layer
+    but one, in a shuffled order, then ``wait_for_save`` (which adds the layer nobody reported); the number
+    of layers reported."""
+    import random
+
+    worker = _STATE[key][0]
+    names = sorted(n for n in worker.layer_ids if "indexer" not in n)  # vLLM names the attention layers
+    random.Random(seed).shuffle(names)
+    for name in names[1:]:
+        worker.save_layer(name)
+    worker.wait_for_save()
+    return len(names) - 1
+
+
 def h_poll(key: str, want: str, timeout_s: float) -> dict[str, Any]:
     """Drive ``get_transfer_results`` until ``want`` is reported (sent or received)."""
     worker = _STATE[key][0]
@@ -237,11 +252,14 @@ def _close(*sides: list) -> None:
             h.call("h_close", key)
 
 
-@pytest.mark.parametrize("tls,path", [("default", "direct"), ("tcp", "direct"), ("tcp", "bounce")])
+@pytest.mark.parametrize("tls,path", [("default", "direct"), ("tcp", "direct"), ("tcp", "bounce"),
+                                      ("default", "layered"), ("tcp", "layered-bounce")])
 @pytest.mark.parametrize("name", list(CASES))
 def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str, path: str) -> None:
     """``path="bounce"``: the gate is forced to bounce and D's slots are planned by the scheduler's
-    ``plan_routes``, so every write is gathered into P's staging arena, written once, scattered on D."""
+    ``plan_routes``, so every write is gathered into P's staging arena, written once, scattered on D.
+    ``layered``: the push job is posted layer by layer from the workers' ``save_layer`` (``layer_push``),
+    the bounce one into the same packed slot D scatters from once."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.handoff.routes import plan_routes
     from vllm_dsa_connector.handoff.side_channel import validate_peer
@@ -251,7 +269,8 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
 
     case = CASES[name]
     tag = f"{name}-{tls}-{path}"
-    P, D = _setup(hosts, case, tls, tag, bounce=path == "bounce")
+    bounce = path.endswith("bounce")
+    P, D = _setup(hosts, case, tls, tag, bounce=bounce)
     try:
         p_payloads = [p for _, _, p in P]
         d_payloads = [p for _, _, p in D]
@@ -259,7 +278,7 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         plan = validate_peer(src, dst)
         expected = {d.rank: list(plan.senders_for(d.rank)) for d in dst}
         routes: dict = {}
-        if path == "bounce":
+        if bounce:
             arenas = {d.rank: SlotAllocator(d.staging.size) for d in dst}  # bookkeeping only, no tensor
             gate = BounceGate(BounceSettings.from_config(BOUNCE, environ={}))
             routes, _ = plan_routes(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
@@ -269,11 +288,14 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         for h, key, _ in D:
             h.call("h_step", key, DSAConnectorMetadata(peers=[PeerInfo(f"P-{tag}", p_payloads, as_source=True)],
                                                        recv=[recv]))
-        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True, routes=routes)
+        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True, routes=routes,
+                       layered=path.startswith("layered"))
         meta = DSAConnectorMetadata(local=PeerInfo(f"P-{tag}", p_payloads),
                                     peers=[PeerInfo(f"D-{tag}", d_payloads)], push=[push])
-        for h, key, _ in P:
+        for i, (h, key, _) in enumerate(P):
             h.call("h_step", key, meta)
+            if push.layered:
+                assert h.call("h_layers", key, i) > 0
         for h, key, _ in P + D:
             h.send("h_poll", key, "p-req" if (h, key, _) in P else "d-req", 30.0)
         polls = {key: h.result() for h, key, _ in P + D}
@@ -285,7 +307,9 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
             assert r["stats"]["checksummed_runs"] > 0 and r["stats"]["checksum_mismatches"] == 0, r["stats"]
         sent = [polls[key]["stats"] for _, key, _ in P]
         bounced = sum(st["bounce_bytes"] for st in sent)
-        assert (bounced == sum(st["send_bytes"] for st in sent) > 0) if path == "bounce" else bounced == 0, sent
+        assert (bounced == sum(st["send_bytes"] for st in sent) > 0) if bounce else bounced == 0, sent
+        layered = sum(st.get("layered_bytes", 0) for st in sent)
+        assert layered == (sum(st["send_bytes"] for st in sent) if push.layered else 0), sent
         for h, key, _ in D:
             res = h.call("h_check", key, SRC_BLOCKS, DST_BLOCKS)
             assert not res["bad"], f"{key}: wrong bytes in {res['bad']}"

@@ -516,7 +516,7 @@ def test_a_restarted_d_is_served_with_its_own_payloads(pd, tiny_mla_dir: Path) -
     p, d, clock = pd
     _registered(p, d, clock, "before", [41, 42], [60, 61])
     (job,) = p.build_connector_meta(None).push
-    assert job.dst_epoch == d.epoch and p.producer._peers_sent["D"] == d.epoch
+    assert job.dst_epoch == d.epoch and p.producer._peers.sent_epoch("D") == d.epoch
     _registered(p, d, clock, "old", [43, 44], [62, 63])  # registered by the old start, not dispatched yet
     extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
     d2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D", ConnectorOptions.from_config(extra),

@@ -14,7 +14,7 @@ import textwrap
 CORE_PACKAGES = ("vllm_dsa_connector.handoff", "vllm_dsa_connector.transport")
 #: Single modules of the core (``layout.build`` reads vLLM's specs: it is the adapter's, not the core's).
 CORE_MODULES = ("vllm_dsa_connector.layout", "vllm_dsa_connector.layout.model", "vllm_dsa_connector.layout.rules",
-                "vllm_dsa_connector.matching")
+                "vllm_dsa_connector.matching", "vllm_dsa_connector.plan_segments")
 
 _PROBE = textwrap.dedent("""
     import importlib, importlib.abc, pkgutil, sys

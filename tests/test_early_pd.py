@@ -7,7 +7,9 @@ indexer K pages of the owning layers travel), all DSAConnector ``kv_both``, ``ve
   prompt here prefills over several steps and the registration D sent while P prefilled is posted layer by
   layer from ``save_kv_layer`` in the step that finishes the prefill;
 - P2: the same, in 16-token chunks (a long prefill), killed in the middle of one;
-- D: ``transfer_timeout_s`` 6 and ``kv_load_failure_policy`` recompute (a load that fails is computed on D);
+- D: ``transfer_timeout_s`` 6, ``kv_load_failure_policy`` recompute (a load that fails is computed on D) and
+  ``bounce_mode=always``: a sequential load bounces, an early one goes direct (D scatters a bounce by P's
+  block ids, which it does not know before P finished);
 - our proxy with ``--early-registration`` in front of P and D: once it has seen one answer of P it sends D
   its leg together with P's, one fresh ``transfer_id`` on both.
 
@@ -82,7 +84,7 @@ def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         sides = {name: free_port() for name in ("p", "p2", "d")}
         cfgs: dict[str, dict[str, Any]] = {}
         for name, extra in (("p", {"layer_push": True}), ("p2", {"layer_push": True, "transfer_timeout_s": 3}),
-                            ("d", {"transfer_timeout_s": 6})):
+                            ("d", {"transfer_timeout_s": 6, "bounce_mode": "always"})):
             cfgs[name] = connector_config("kv_both", True, {**LEAN, **extra}, sides[name])
             cfgs[name]["engine_id"] = f"early-{name}"
         cfgs["d"]["kv_load_failure_policy"] = "recompute"
@@ -123,6 +125,7 @@ def _counters(url: str) -> dict[str, float]:
     return {"recv_bytes": metric(m, "vllm:dsa_kv_bytes_total", side="recv"),
             "send_bytes": metric(m, "vllm:dsa_kv_bytes_total", side="send"),
             "layered": metric(m, "vllm:dsa_kv_layered_bytes_total"),
+            "bounce": metric(m, "vllm:dsa_kv_bounce_bytes_total"),
             "recv_ok": metric(m, "vllm:dsa_kv_requests_total", side="recv", outcome="ok"),
             "recv_bad": metric(m, "vllm:dsa_kv_requests_total", side="recv", outcome="failed")
             + metric(m, "vllm:dsa_kv_requests_total", side="recv", outcome="timeout"),
@@ -152,7 +155,7 @@ def _early_params(eng: Engines, side_port: int, engine_id: str, tid: str) -> dic
 def test_multi_turn_through_the_early_proxy_decodes_ps_replies(eng: Engines) -> None:
     rng = random.Random(34)
     _post(eng.proxy, _body(eng.model, _ids(rng, 70)))  # the proxy learns P's side channel from this answer
-    ids = _ids(rng, 3 * 64 + 20)
+    ids = _ids(rng, 6 * 64 + 20)  # 7 chunks of 64 on P: D registers before the final one
     lines, layered, hits = [], 0.0, 0
     for turn in range(1, 4):
         want = complete(eng.p.url, eng.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
@@ -166,6 +169,7 @@ def test_multi_turn_through_the_early_proxy_decodes_ps_replies(eng: Engines) -> 
         moved = int(d1["recv_bytes"] - d0["recv_bytes"])
         assert moved == int(p1["send_bytes"] - p0["send_bytes"]) > 0
         layered += p1["layered"] - p0["layered"]
+        assert p1["bounce"] == p0["bounce"], f"turn {turn}: an early registration bounced"
         full = -(-len(ids) // 64)
         per_block = 4 * 64 * 576 * 4 + 3 * 64 * (128 + 4)
         hits += moved < full * per_block
@@ -192,10 +196,13 @@ def test_the_sequential_way_still_works_on_the_same_engines(eng: Engines) -> Non
     rng = random.Random(36)
     ids = _ids(rng, 140)
     want = complete(eng.p.url, eng.model, ids, MAX_TOKENS)["choices"][0]["token_ids"]
+    p0 = _counters(eng.p.url)
     first = complete(eng.p.url, eng.model, ids, 1, {"do_remote_decode": True})
     params = first["kv_transfer_params"]
     assert "transfer_id" not in params and params["remote_block_ids"]
     assert complete(eng.d.url, eng.model, ids, MAX_TOKENS, params)["choices"][0]["token_ids"] == want
+    p1 = _wait(eng.p.url, "send_ok", p0["send_ok"] + 1, "P counted no send")
+    assert p1["bounce"] - p0["bounce"] == p1["send_bytes"] - p0["send_bytes"] > 0  # D's route: bounce, whole
 
 
 def test_d_giving_up_mid_prefill_leaves_p_releasing_without_a_write(eng: Engines) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff import producer as producer_mod
+from vllm_dsa_connector.handoff import leases as leases_mod
 from vllm_dsa_connector.handoff.loads import parse_remote_params
 from vllm_dsa_connector.handoff.messages import (
     CancelReq,
@@ -163,7 +163,7 @@ def test_cancel_of_a_running_prefill_waits_for_it_and_held_ones_are_bounded(prod
     clock.t += 3
     p.step()
     assert "ended" in p.handle_reg(_reg(clock.t + 30, tid=tid3, d_req="d3")).error
-    monkeypatch.setattr(producer_mod, "_EARLY_HELD", 1)
+    monkeypatch.setattr(leases_mod, "EARLY_HELD", 1)
     assert p.handle_reg(_reg(clock.t + 30, tid="a" * 32, d_req="d5")).ok
     assert "early registrations" in p.handle_reg(_reg(clock.t + 30, tid="b" * 32, d_req="d6")).error
 

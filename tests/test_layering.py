@@ -28,13 +28,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("layout",),                               # page tables (layout.build reads vLLM's specs)
     ("token_map", "pairing"),                  # the planner's token-position map (Bp != Bd); block pairing
                                                # by token position: both below matching (re-exported there)
-    ("matching",),                             # the planner: layout + transport's run merging
+    ("plan_segments",),                        # the plan over page tables: elected senders, segments,
+                                               # exactly once (re-exported by matching)
+    ("matching",),                             # the planner's per-request runs: layout + transport's run merging
     ("handoff",),                              # the vLLM-free core: protocol, producer/consumer state
     ("tiny_models",),
     ("tokenizer", "admission", "cpu_dsa", "kv_probe"),
     ("connector",),                            # vLLM's connector API -> the core
     ("fixes",),
     ("plugin",),
+    ("pd_bodies",),                            # the proxy's pure body/merge rules (re-exported by pd_proxy)
     ("pd_proxy",),                             # the P/D proxy app (the harness launches it by module name)
     ("harness",),                              # server and two-process launchers (benches, tests)
     ("commands",),

@@ -165,6 +165,8 @@ def layer_hook_store(cls: type, extra: Mapping[str, Any], environ: Mapping[str, 
         return None  # non-layerwise: stores every registered cache (indexer included) in wait_for_save
     if "LMCacheMPConnector" in names:
         return None  # stores whole blocks of every registered cache in wait_for_save
+    if is_dsa_connector(cls):
+        return None  # its layer push (layer_push) posts every role of a layer, the indexer K page included
     fn = getattr(cls, "save_kv_layer", None)
     if fn is None or _is_noop(fn):
         return None

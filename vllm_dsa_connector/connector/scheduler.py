@@ -288,8 +288,10 @@ class DSAConnectorScheduler:
         held: Held = []
         if peer.meta is not None and peer.plan is not None:
             try:
+                # an early registration's src blocks stand in for P's: D could not scatter a bounce by them
                 routes, held = self.routes.plan(peer.plan, peer.meta.payloads, src, dst,
-                                              first_token=pairing.first_token, num_tokens=pairing.num_tokens)
+                                              first_token=pairing.first_token, num_tokens=pairing.num_tokens,
+                                              bounce=not rp.early)
             except Exception as e:  # noqa: BLE001 - no route means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no routes planned for %s (every pair direct): %s", req_id, e)
         epoch = peer.meta.epoch if peer.meta is not None else 0

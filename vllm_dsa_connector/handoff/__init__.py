@@ -11,8 +11,9 @@ Together with :mod:`vllm_dsa_connector.layout` (page tables), :mod:`vllm_dsa_con
 Reading order:
 
 - :mod:`.wire`: handshake payloads, push/receive jobs, completion notices (msgspec structs).
-- :mod:`.messages`: side-channel requests and replies, the authenticated envelope, the peer clock
-  estimate that turns D's give-up time into a deadline in P's clock.
+- :mod:`.messages`: side-channel requests and replies, the authenticated envelope; beside it :mod:`.clock`
+  (the peer clock estimate that turns D's give-up time into a deadline in P's clock) and :mod:`.ids`
+  (transfer ids and prompt digests), both re-exported by :mod:`.messages`.
 - :mod:`.side_channel`: the ZMQ server and client, the handshake (``fetch_payloads``) and the
   compatibility check that builds the transfer plan (``validate_peer``).
 - :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and, for D, :mod:`.loads` (one load,

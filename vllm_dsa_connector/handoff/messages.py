@@ -1,4 +1,8 @@
-"""Side-channel messages: typed msgspec structs, an authenticated envelope, and peer clock estimates.
+"""Side-channel messages: typed msgspec structs and an authenticated envelope.
+
+The peer clock estimate (:class:`ClockEstimate`, :mod:`.clock`) and the request identifiers P, D and the
+proxy share (:func:`check_transfer_id`, :func:`prompt_digest`, :mod:`.ids`) live in their own modules and
+are re-exported here; :func:`transfer_ref` stays, as it makes a :class:`ReqRef`.
 
 Every message between two engines' schedulers is one :class:`Envelope` (msgpack) around one tagged
 request struct (:data:`Request`); every reply is an envelope around a :class:`Reply`. Peers are
@@ -36,7 +40,6 @@ write into or release its KV.
 from __future__ import annotations
 
 import hashlib
-from array import array
 import heapq
 import hmac
 import math
@@ -50,6 +53,14 @@ from typing import Annotated
 
 import msgspec
 
+from vllm_dsa_connector.handoff.clock import ClockEstimate as ClockEstimate
+from vllm_dsa_connector.handoff.ids import (
+    DIGEST_CHARS,
+    TRANSFER_REF_PREFIX,
+)
+from vllm_dsa_connector.handoff.ids import TRANSFER_ID_CHARS as TRANSFER_ID_CHARS
+from vllm_dsa_connector.handoff.ids import check_transfer_id as check_transfer_id
+from vllm_dsa_connector.handoff.ids import prompt_digest as prompt_digest
 from vllm_dsa_connector.handoff.wire import (
     MAX_ERROR_CHARS,
     MAX_ID_CHARS,
@@ -75,43 +86,10 @@ MAC_BYTES = 32  # HMAC-SHA256
 MAX_SEEN_NONCES = 1 << 20
 
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
-#: Hex characters of a :func:`prompt_digest`
-DIGEST_CHARS = 32
-#: ``ReqRef.p_req`` of an early registration: this prefix and the proxy's transfer id (P's own request id is
-#: not known to D before P finishes)
-TRANSFER_REF_PREFIX = "transfer:"
-#: Bounds of a transfer id (the proxy's random capability shared by both legs of one request)
-TRANSFER_ID_CHARS = (16, 96)
-_TRANSFER_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-
-
-def check_transfer_id(value: object) -> str:
-    """``value`` when it is a usable transfer id (a string of 16..96 letters, digits, ``_`` or ``-``: the
-    proxy makes it random, and it is the capability both legs share); ``ValueError`` naming the problem."""
-    lo, hi = TRANSFER_ID_CHARS
-    if not isinstance(value, str):
-        raise ValueError(f"transfer_id must be a string, got {type(value).__name__}")
-    if not lo <= len(value) <= hi or not set(value) <= _TRANSFER_ID_ALPHABET:
-        raise ValueError(f"transfer_id must be {lo}..{hi} characters of [A-Za-z0-9_-], got {len(value)} "
-                         f"characters{'' if set(value) <= _TRANSFER_ID_ALPHABET else ' with others'}")
-    return value
-
-
 def transfer_ref(transfer_id: str) -> ReqRef:
     """How D names an early registration's P request in registrations, heartbeats and cancels: the transfer id
     stands for P's request id (with :data:`TRANSFER_REF_PREFIX`) and for its token."""
     return ReqRef(TRANSFER_REF_PREFIX + transfer_id, transfer_id)
-
-
-def prompt_digest(token_ids: object) -> str:
-    """A 128-bit digest of a prompt's token ids (``""`` for none): P and D compare theirs, so KV computed for
-    one prompt never feeds another of the same length."""
-    if token_ids is None:
-        return ""
-    ids = array("q", token_ids)  # type: ignore[call-overload]
-    if not ids:
-        return ""
-    return hashlib.blake2b(ids.tobytes(), digest_size=DIGEST_CHARS // 2).hexdigest()
 
 
 class MessageError(ValueError):
@@ -427,31 +405,3 @@ def check_request(req: Request) -> None:
             for route in per.values():
                 if route.path == "bounce" and (route.offset < 0 or route.size <= 0):
                     raise MessageError(f"bounce route [{route.offset}, +{route.size}) is not [offset >= 0, size > 0]")
-
-
-@dataclass
-class ClockEstimate:
-    """P's monotonic clock as seen from D: ``p_time ~= d_time + offset``, within ``uncertainty`` (half the
-    round trip of the best sample) plus a drift allowance that grows with the sample's age."""
-
-    offset: float = 0.0
-    uncertainty: float = math.inf
-    taken_at: float = 0.0
-
-    DRIFT = 1e-4  # 100 ppm between two hosts' monotonic clocks, generously
-
-    def bound(self, now: float) -> float:
-        """Current uncertainty of the offset (s)."""
-        return self.uncertainty + self.DRIFT * max(now - self.taken_at, 0.0)
-
-    def add_sample(self, sent: float, received: float, peer_clock: float) -> None:
-        """One request/reply: D sent at ``sent``, got P's clock ``peer_clock`` back at ``received``."""
-        if peer_clock <= 0 or received < sent:
-            return
-        u = (received - sent) / 2
-        if u < self.bound(received):
-            self.offset, self.uncertainty, self.taken_at = peer_clock - (sent + received) / 2, u, received
-
-    def to_peer_before(self, d_time: float, now: float) -> float:
-        """A time in P's clock that is surely not later than ``d_time`` on D's clock."""
-        return d_time + self.offset - self.bound(now)

@@ -20,41 +20,19 @@ after which P's workers have completed or aborted the WRITE). Ended requests lea
 registration that arrives after its cancel is refused. A lease is registered by one D request: another
 D request registering it (kv_transfer_params handed to several) is refused, naming both.
 
-Peers and restarts (epochs). P keeps one record per D engine id (:class:`DPeer`: the epoch it was learnt
-from, that start's payloads, its pool and staging sizes), learnt from a registration's ``d_payloads``. A
-registration names only its sender's engine: ``d_engine`` must be the engine the (signed) envelope names,
-else it is refused naming both. The rule for a registration from engine E at epoch X:
+Peers and restarts (epochs): P keeps one record per D engine id (:class:`~.leases.DPeer`), replaced in one
+step when another start of that engine registers with fresh payloads (:meth:`Producer._replace_peer`); the
+rules are in :mod:`.leases`. A D engine no lease has named for ``peer_idle_s`` is forgotten (its record, and
+its remote agents in the workers: :attr:`Dispatch.forget`); its next registration re-sends its payloads.
 
-- P knows E at X: served with the payloads E@X sent.
-- P does not know E, or knows it at another epoch Y: a registration without payloads is answered
-  ``need_payloads`` (the error names both epochs); one with payloads makes E@X the record (a restart of E:
-  random epochs carry no order, so "newer" is "the one that sent fresh payloads"). The replacement is one
-  step (:meth:`Producer._replace_peer`): registrations of E@Y not yet handed to the workers are dropped
-  (released, never written: E@Y's blocks are not E@X's), and the next dispatch hands the workers the new
-  :class:`PeerInfo` (they remove E@Y's NIXL agents and add E@X's). Every job names the epoch it was
-  registered by (``PushJob.dst_epoch``): a worker that knows another start of E does not write it.
-- Heartbeats and cancels are per-request and token-checked: they never change a peer record.
-
-Two live D engines sharing one engine id (a misconfiguration) therefore take turns being the record: each
-replacement is a warning naming both epochs, and each side's registrations are served with its own
-payloads or dropped, never written with the other's agent or layout.
-
-A D engine no lease has named for ``peer_idle_s`` is forgotten (its record here, its remote agents in the
-workers: :attr:`Dispatch.forget`); its next registration is answered ``need_payloads`` and re-sends them.
-
-Early registration. A router may send the request to D at the same time as to P, both legs carrying one
-``transfer_id`` it made (random: it is the capability the two legs share). P opens the lease when its
-scheduler first allocates the request's blocks (:meth:`Producer.add_early`, state HELD, not yet *final*);
-D registers by the transfer id (``p_req`` = :data:`~.messages.TRANSFER_REF_PREFIX` + id, ``token`` = id),
-naming its prompt's length and digest. A registration that arrives before P has seen the request is held
-(peer checks done, at most :data:`_EARLY_HELD`, until its post deadline) and attached when the lease opens.
-A registered early lease is dispatched once its blocks are final: layer by layer in the step that finishes
-the prefill (:meth:`Producer.dispatch_layered`), else on the step after the prefill finished
-(:meth:`Producer.finish_early`). Every check of a normal registration applies (token, one D request,
-deadline, peer epoch), and P also refuses a prompt of another length or digest. A registration P can no
-longer serve after it accepted it (the prefill was aborted, the prompt differs) becomes a failure job
-(``PushJob.error``): the workers send each destination rank a failure notice, so D fails the load at once
-instead of waiting for its timeout; nothing is written.
+Early registration (the router sends D its leg together with P's, one ``transfer_id`` on both; see
+:mod:`.leases`): P opens the lease when its scheduler first allocates the request's blocks
+(:meth:`Producer.add_early`, HELD, not yet *final*) and attaches a registration held for it. A registered
+early lease is dispatched once its blocks are final: layer by layer in the step that finishes the prefill
+(:meth:`Producer.dispatch_layered`), else on the step after it (:meth:`Producer.finish_early`); it is never
+released while vLLM still prefills into its blocks. P refuses a prompt of another length or digest. A
+registration P accepted and can no longer serve (an aborted prefill, another prompt) becomes a failure job
+(``PushJob.error``): each destination rank gets a failure notice, nothing is written.
 """
 
 from __future__ import annotations
@@ -67,8 +45,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
+from vllm_dsa_connector.handoff.leases import (
+    TRANSITIONS,
+    DPeer,
+    DRecords,
+    HeldRegistrations,
+    Lease,
+    LeaseState,
+    block_range,
+    check_registration,
+    check_routes,
+    peer_record,
+)
 from vllm_dsa_connector.handoff.messages import (
     NOT_READY,
     TRANSFER_REF_PREFIX,
@@ -84,70 +73,13 @@ from vllm_dsa_connector.handoff.messages import (
     Request,
 )
 from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.states import Transitions
-from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload, max_block_id
+from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["TRANSITIONS", "DPeer", "Dispatch", "Lease", "LeaseState", "Producer"]
+
 _TOMBSTONES = 65536
-#: Early registrations P holds for requests it has not seen yet (beyond it a new one is refused)
-_EARLY_HELD = 4096
-
-
-class LeaseState(Enum):
-    """Where a finished prefill's KV stands on P."""
-
-    HELD = "held"  # waiting for D's registration (heartbeats extend the lease)
-    REGISTERED = "registered"  # D named its blocks; dispatched on the next step before the post deadline
-    DISPATCHED = "dispatched"  # handed to the workers: a WRITE may be in flight
-    CANCELLED = "cancelled"  # D gave up before dispatch; released on the next step
-    RELEASED = "released"  # the workers free the blocks (no WRITE was or will be posted)
-
-
-#: Every legal lease transition; anything else is a bug and raises :class:`~.states.IllegalTransition`.
-TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
-    LeaseState.HELD: frozenset({LeaseState.REGISTERED, LeaseState.CANCELLED, LeaseState.RELEASED}),
-    LeaseState.REGISTERED: frozenset({LeaseState.DISPATCHED, LeaseState.CANCELLED, LeaseState.RELEASED}),
-    LeaseState.CANCELLED: frozenset({LeaseState.RELEASED}),
-    LeaseState.DISPATCHED: frozenset(),
-    LeaseState.RELEASED: frozenset(),
-}
-_LEASES = Transitions("lease", TRANSITIONS)
-
-
-@dataclass
-class Lease:
-    """P's blocks of one finished prefill, kept for D."""
-
-    req_id: str
-    blocks: list[int]
-    token: str
-    deadline: float  # P releases the blocks after this without news from D
-    state: LeaseState = LeaseState.HELD
-    reg: RegReq | None = None
-    reg_epoch: int = 0  # the epoch of the D engine start that sent ``reg``
-    final: bool = True  # the blocks hold the whole prefill (an early lease: once P's prefill finished)
-    transfer_id: str = ""  # an early lease's: D registers by it
-    prompt_tokens: int = 0  # P's prompt length (0: not known)
-    digest: str = ""  # :func:`~.messages.prompt_digest` of P's prompt ("" : not known)
-    fail: str = ""  # a registration P accepted and can no longer serve: dispatched as a failure job
-
-    def to(self, new: LeaseState) -> None:
-        """The one place a lease changes state (:class:`~.states.IllegalTransition` if ``new`` is not
-        allowed)."""
-        self.state = _LEASES.step(self.req_id, self.state, new)
-
-
-@dataclass
-class DPeer:
-    """P's record of one D engine start: its epoch and what its payloads say (learnt from a registration)."""
-
-    epoch: int
-    payloads: list[bytes]  # encoded RankPayload, one per D worker
-    num_blocks: int  # blocks 0..num_blocks-1 exist in every pool of every D worker
-    block_size: int  # D's tokens per block (0: not published)
-    staging: dict[int, int]  # D rank -> staging arena bytes
-    ipc: frozenset[int] = frozenset()  # D ranks that exported their pools for the ipc path
 
 
 @dataclass
@@ -176,12 +108,9 @@ class Producer:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
-        self._peers: dict[str, DPeer] = {}  # D engine id -> the start P knows (one record per id)
-        self._peers_sent: dict[str, int] = {}  # D engine id -> the epoch whose PeerInfo the workers have
-        self._peer_seen: dict[str, float] = {}  # D engine -> the last step a lease named it
+        self._peers = DRecords()  # the D engine starts P knows (one record per engine id)
         self._by_transfer: dict[str, str] = {}  # transfer id -> P request id (early leases)
-        # early registrations for requests P has not seen yet: transfer id -> (registration, sender's epoch)
-        self._held: OrderedDict[str, tuple[RegReq, int]] = OrderedDict()
+        self._held = HeldRegistrations()  # early registrations for requests P has not seen yet
 
     # ------------------------------------------------------------ engine thread
 
@@ -209,7 +138,7 @@ class Producer:
                           transfer_id=transfer_id, prompt_tokens=prompt_tokens, digest=digest)
             self._leases[req_id] = lease
             self._by_transfer[transfer_id] = req_id
-            held = self._held.pop(transfer_id, None)
+            held = self._held.take(transfer_id)
             if held is None:
                 return
             reg, epoch = held
@@ -217,7 +146,7 @@ class Producer:
             if peer is None or peer.epoch != epoch:
                 return  # the D start that sent it was replaced meanwhile: its registration is void
             try:
-                self._check_reg(reg, lease, peer)
+                check_registration(reg, lease, peer, self.block_size)
             except MessageError as e:
                 lease.fail = f"early registration of {reg.d_req!r} does not fit P's request {req_id}: {e}"
                 logger.error("DSAConnector %s: %s", self.engine_id, lease.fail)
@@ -265,7 +194,7 @@ class Producer:
             if lease is None or lease.state is not LeaseState.REGISTERED or lease.reg is None or lease.fail:
                 return out
             peer = self._peers.get(lease.reg.d_engine)
-            first, end = self._block_range(lease.reg)
+            first, end = block_range(lease.reg, self.block_size)
             if (peer is None or peer.epoch != lease.reg_epoch or end > len(blocks)
                     or self.clock() >= lease.reg.post_deadline):
                 return out  # step() handles it as any registration once the prefill finished
@@ -278,8 +207,7 @@ class Producer:
         now = self.clock()
         out = Dispatch()
         with self._lock:
-            for tid in [t for t, (reg, _) in self._held.items() if now >= reg.post_deadline]:
-                self._held.pop(tid)
+            for tid in self._held.expire(now):
                 self._tombstone(TRANSFER_REF_PREFIX + tid, False)
                 logger.warning("DSAConnector %s: early registration of transfer %s expired before P saw the "
                                "request", self.engine_id, tid)
@@ -310,13 +238,9 @@ class Producer:
 
     def _forget_idle(self, out: Dispatch, now: float) -> None:
         """Drop the D engines no lease has named for ``peer_idle_s`` (caller holds the lock)."""
-        for lease in self._leases.values():
-            if lease.reg is not None:
-                self._peer_seen[lease.reg.d_engine] = now
-        for d_engine in [d for d in self._peers if now - self._peer_seen.get(d, now) >= self.settings.peer_idle_s]:
-            self._peers.pop(d_engine, None)
-            self._peer_seen.pop(d_engine, None)
-            if self._peers_sent.pop(d_engine, None) is not None:
+        named = {lease.reg.d_engine for lease in self._leases.values() if lease.reg is not None}
+        for d_engine, sent in self._peers.forget_idle(named, now, self.settings.peer_idle_s):
+            if sent:
                 out.forget.append(d_engine)
             logger.info("DSAConnector %s: decode engine %s idle for %.0f s: forgotten (its next registration "
                         "re-sends its payloads)", self.engine_id, d_engine, self.settings.peer_idle_s)
@@ -328,11 +252,10 @@ class Producer:
         out.release.append(lease.req_id)
 
     def _dispatch(self, out: Dispatch, lease: Lease, reg: RegReq, layered: bool = False) -> None:
-        peer = self._peers[reg.d_engine]
-        if self._peers_sent.get(reg.d_engine) != peer.epoch:  # new to the workers, or a new start of it
-            out.peers.append(PeerInfo(reg.d_engine, list(peer.payloads), epoch=peer.epoch))
-            self._peers_sent[reg.d_engine] = peer.epoch
-        first, end = self._block_range(reg)
+        peer = self._peers.by_engine[reg.d_engine]
+        if (info := self._peers.unsent(reg.d_engine)) is not None:  # new to the workers, or a new start of it
+            out.peers.append(info)
+        first, end = block_range(reg, self.block_size)
         error = lease.fail
         if not error and end > len(lease.blocks):
             error = (f"P's request {lease.req_id} holds {len(lease.blocks)} blocks of {self.block_size} tokens, "
@@ -455,11 +378,11 @@ class Producer:
                     asked = self._known_sender(reg, sender)  # the reply asking for its payloads
                     assert isinstance(asked, Reply)
                     return asked
-                peer = self._peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
-                self._check_reg(reg, lease, peer)
+                peer = peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
+                check_registration(reg, lease, peer, self.block_size)
                 self._replace_peer(reg.d_engine, peer, known)
             else:
-                self._check_reg(reg, lease, known)
+                check_registration(reg, lease, known, self.block_size)
             lease.reg = reg
             lease.reg_epoch = sender.epoch
             lease.to(LeaseState.REGISTERED)
@@ -477,7 +400,7 @@ class Producer:
                    f"decode engine {reg.d_engine!r} is known at epoch {known.epoch:016x}, this "
                    f"registration comes from epoch {sender.epoch:016x} (restarted?): send its payloads")
             return Reply(False, need_payloads=True, error=why, clock=self.clock())
-        peer = self._peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
+        peer = peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
         self._replace_peer(reg.d_engine, peer, known)
         return peer
 
@@ -487,18 +410,8 @@ class Producer:
         tid = reg.p_req[len(TRANSFER_REF_PREFIX):]
         if reg.token != tid:
             return Reply(False, clock=now, error=f"early registration {reg.p_req}: token is not its transfer id")
-        prev = self._held.get(tid)
-        if prev is not None:
-            if (prev[0].d_engine, prev[1], prev[0].d_req) == (reg.d_engine, sender.epoch, reg.d_req):
-                self._held[tid] = (reg, sender.epoch)  # D retried: the latest body
-                return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
-            return Reply(False, clock=now, error=(
-                f"transfer {tid} is already registered by D request {prev[0].d_req!r} of engine "
-                f"{prev[0].d_engine!r}; refusing D request {reg.d_req!r} of engine {sender} (one P request feeds "
-                "one D request)"))
-        if len(self._held) >= _EARLY_HELD:
-            return Reply(False, clock=now, error=f"P holds {_EARLY_HELD} early registrations of requests it has "
-                                                 "not seen yet; refusing more")
+        if why := self._held.refusal(tid, reg, sender.epoch, str(sender)):
+            return Reply(False, clock=now, error=why)
         if now >= reg.post_deadline:
             return Reply(False, error=f"registration of {reg.p_req} arrived after its post deadline", clock=now)
         if not reg.prompt_digest or reg.prompt_tokens <= 0:
@@ -507,23 +420,9 @@ class Producer:
         peer = self._known_sender(reg, sender)
         if isinstance(peer, Reply):
             return peer
-        self._check_routes(reg, peer)
-        self._held[tid] = (reg, sender.epoch)
+        check_routes(reg, peer)
+        self._held.put(tid, reg, sender.epoch)
         return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
-
-    @staticmethod
-    def _peer_record(d_engine: str, epoch: int, encoded: list[bytes]) -> DPeer:
-        """The record of D engine start ``d_engine``@``epoch`` from the payloads it sent; :class:`MessageError`
-        when they do not decode, are empty or name another engine."""
-        try:
-            payloads = [decode_payload(p) for p in encoded]
-        except ValueError as e:
-            raise MessageError(str(e)) from None
-        if not payloads or any(p.engine_id != d_engine for p in payloads):
-            raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
-        return DPeer(epoch, list(encoded), max_block_id(payloads), payloads[0].page_table.block_size,
-                     {p.rank: p.staging.size if p.staging else 0 for p in payloads},
-                     frozenset(p.rank for p in payloads if p.ipc))
 
     def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:
         """The one place a D record changes: ``peer`` becomes the record of ``d_engine``; registrations of the
@@ -535,57 +434,7 @@ class Producer:
             logger.warning("DSAConnector %s: decode engine %r restarted (epoch %016x replaces %016x): its new "
                            "payloads replace the old ones; %d registration(s) of the old start dropped, not written "
                            "(%s)", self.engine_id, d_engine, peer.epoch, old.epoch, len(dropped), dropped[:8])
-        self._peers[d_engine] = peer
-        self._peer_seen[d_engine] = self.clock()
-
-    def _check_reg(self, reg: RegReq, lease: Lease, peer: DPeer) -> None:
-        self._check_routes(reg, peer)
-        if lease.prompt_tokens and reg.prompt_tokens and lease.prompt_tokens != reg.prompt_tokens:
-            raise MessageError(f"D's prompt has {reg.prompt_tokens} tokens, P's request {lease.req_id} "
-                               f"{lease.prompt_tokens}: not the same prompt")
-        if lease.digest and reg.prompt_digest and lease.digest != reg.prompt_digest:
-            raise MessageError(f"D's prompt ({reg.prompt_tokens} tokens, digest {reg.prompt_digest}) is not P's "
-                               f"request {lease.req_id} ({lease.prompt_tokens} tokens, digest {lease.digest})")
-        if lease.transfer_id and not (reg.prompt_digest and reg.prompt_tokens):
-            raise MessageError(f"early registration of {lease.req_id} states no prompt length and digest")
-        if not lease.final:  # an early lease: P's blocks of the span exist once its prefill has run
-            if reg.first_token + reg.num_tokens > lease.prompt_tokens:
-                raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked, P's "
-                                   f"request {lease.req_id} has {lease.prompt_tokens} prompt tokens")
-            return
-        self._check_span(reg, lease, peer)
-
-    @staticmethod
-    def _check_routes(reg: RegReq, peer: DPeer) -> None:
-        limit = peer.num_blocks
-        bad = [b for b in reg.d_blocks if not 0 <= b < limit]
-        if bad:
-            raise MessageError(f"d_blocks {bad[:8]} outside D's pools (0..{limit - 1})")
-        staging = peer.staging
-        for rank, per in reg.routes.items():
-            for route in per.values():
-                if route.path == "ipc" and rank not in peer.ipc:
-                    raise MessageError(f"ipc route to D rank {rank}, which exported no pools for it")
-                if route.path == "bounce" and route.offset + route.size > staging.get(rank, 0):
-                    raise MessageError(f"bounce route [{route.offset}, +{route.size}) outside D rank {rank}'s "
-                                       f"staging arena ({staging.get(rank, 0)} B)")
-        bd = peer.block_size
-        need = -(-(reg.first_token + reg.num_tokens) // bd) - reg.first_token // bd if bd else 0
-        if len(reg.d_blocks) < need:
-            raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} need {need} of "
-                               f"D's {bd}-token blocks, the registration names {len(reg.d_blocks)}")
-
-    def _check_span(self, reg: RegReq, lease: Lease, peer: DPeer) -> None:
-        first, end = self._block_range(reg)
-        if end > len(lease.blocks):
-            raise MessageError(f"tokens {reg.first_token}..{reg.first_token + reg.num_tokens - 1} asked (blocks "
-                               f"{first}..{end - 1} of {self.block_size} tokens), request {reg.p_req} has "
-                               f"{len(lease.blocks)}")
-
-    def _block_range(self, reg: RegReq) -> tuple[int, int]:
-        """``[first, end)``: the indexes into the lease's blocks holding the registration's token span."""
-        b = self.block_size
-        return reg.first_token // b, -(-(reg.first_token + reg.num_tokens) // b)
+        self._peers.set(d_engine, peer, self.clock())
 
     def handle_heartbeat(self, hb: HeartbeatReq) -> Reply:
         """Extend the leases D still waits for."""
@@ -605,8 +454,8 @@ class Producer:
             for ref in cancel.reqs:
                 lease = self._lease_named(ref.p_req)
                 tid = ref.p_req[len(TRANSFER_REF_PREFIX):] if ref.p_req.startswith(TRANSFER_REF_PREFIX) else ""
-                if lease is None and tid in self._held and self._held[tid][0].token == ref.token:
-                    del self._held[tid]  # held, never written
+                if lease is None and tid:
+                    self._held.cancel(tid, ref.token)  # held, never written
                 if lease is None:
                     # unknown or ended: remember it, so a registration arriving late is refused
                     posted = self._ended.get(ref.p_req, False)

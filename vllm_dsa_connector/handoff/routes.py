@@ -113,10 +113,11 @@ class RoutePlanner:
         return bool(self._arenas)
 
     def plan(self, plan: PeerPlan, src: Sequence[RankPayload], src_blocks: Sequence[int],
-             dst_blocks: Sequence[int], *, first_token: int = 0,
-             num_tokens: int | None = None) -> tuple[Routes, Held]:
-        """The routes of one request from the peer ``src`` (none: every pair direct)."""
-        bouncing = self.bouncing
+             dst_blocks: Sequence[int], *, first_token: int = 0, num_tokens: int | None = None,
+             bounce: bool = True) -> tuple[Routes, Held]:
+        """The routes of one request from the peer ``src`` (none: every pair direct). ``bounce`` False: no pair
+        bounces (D scatters a bounce by the runs of P's blocks, which an early registration does not know)."""
+        bouncing = bounce and self.bouncing
         if not bouncing and not self.ipc:
             return {}, []
         return plan_routes(plan, src, self._local(), src_blocks, dst_blocks, self._gate if bouncing else None,
