@@ -327,7 +327,8 @@ def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, 
                dtype: str, startup_timeout: float, attention_backend: str = "auto",
                extra_env: dict[str, dict[str, str]] | None = None, label: str = "demo",
                p_layout: Layout | None = None, d_layout: Layout | None = None,
-               router: str = "pd-proxy", router_metrics_port: int | None = None) -> PairUrls:
+               router: str = "pd-proxy", router_metrics_port: int | None = None,
+               proxy_args: Sequence[str] = (), p_args: Sequence[str] = ()) -> PairUrls:
     """Start P (port ``base_port``, from core 0), D (``base_port + 1``, from core 1) and the router
     (``base_port + 2``); return their URLs once all are healthy and both engines run the expected attention
     backend.
@@ -336,10 +337,14 @@ def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, 
     the engines' TP/PP sizes (default one rank each). ``router`` (:data:`ROUTERS`): ``pd-proxy`` (our
     proxy, started next to the engines) or ``vllm-router`` (started once both engines are healthy, as it
     probes them at start-up; its own metrics exporter on ``router_metrics_port``, default ``base_port + 6``
-    as the demo's ports go; :class:`RouterMissing` when not installed).
+    as the demo's ports go; :class:`RouterMissing` when not installed). ``proxy_args``: more options of our
+    proxy (:func:`proxy_cmd`'s ``extra``, e.g. ``--early-registration``; refused with vllm-router);
+    ``p_args``: more ``api_server`` arguments of P only (e.g. ``--max-num-batched-tokens N``).
     """
     if router not in ROUTERS:
         raise ValueError(f"router {router!r}: one of {', '.join(ROUTERS)}")
+    if proxy_args and router != "pd-proxy":
+        raise ValueError(f"proxy_args {list(proxy_args)} are options of our proxy, not of {router}")
     binary = require_vllm_router() if router == "vllm-router" else None
     x_url = f"http://127.0.0.1:{base_port + 2}"
     ncpu = os.cpu_count() or 1
@@ -348,12 +353,13 @@ def start_pair(c: Cluster, model: Path, p_cfg: dict[str, Any], d_cfg: dict[str, 
     p_layout, d_layout = p_layout or Layout(), d_layout or Layout()
     ranks = p_layout.world + d_layout.world
     p = start_engine(c, "prefill", model, base_port, dtype, p_cfg, backend,
-                     {**p_layout.env(model, 0, ranks), **extra_env.get("prefill", {})}, extra=p_layout.args())
+                     {**p_layout.env(model, 0, ranks), **extra_env.get("prefill", {})},
+                     extra=[*p_layout.args(), *p_args])
     d = start_engine(c, "decode", model, base_port + 1, dtype, d_cfg, backend,
                      {**d_layout.env(model, min(1, ncpu - 1), ranks), **extra_env.get("decode", {})},
                      extra=d_layout.args())
     if binary is None:
-        x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2))
+        x = c.start("proxy", proxy_cmd(p.url, d.url, base_port + 2, extra=proxy_args))
         p.ready(startup_timeout, watch=[d.proc, x])
         d.ready(startup_timeout, watch=[p.proc, x])
     else:
