@@ -253,13 +253,16 @@ def _close(*sides: list) -> None:
 
 
 @pytest.mark.parametrize("tls,path", [("default", "direct"), ("tcp", "direct"), ("tcp", "bounce"),
-                                      ("default", "layered"), ("tcp", "layered-bounce")])
+                                      ("default", "layered"), ("tcp", "layered-bounce"),
+                                      ("default", "early-layered")])
 @pytest.mark.parametrize("name", list(CASES))
 def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str, path: str) -> None:
     """``path="bounce"``: the gate is forced to bounce and D's slots are planned by the scheduler's
     ``plan_routes``, so every write is gathered into P's staging arena, written once, scattered on D.
     ``layered``: the push job is posted layer by layer from the workers' ``save_layer`` (``layer_push``),
-    the bounce one into the same packed slot D scatters from once."""
+    the bounce one into the same packed slot D scatters from once. ``early-layered``: D's receive job is an early
+    registration's (stand-in source blocks 0..n-1, P's real ones are not contiguous): the checksums must
+    still be taken as the runs D expects."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.handoff.routes import plan_routes
     from vllm_dsa_connector.handoff.side_channel import validate_peer
@@ -283,13 +286,15 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
             gate = BounceGate(BounceSettings.from_config(BOUNCE, environ={}))
             routes, _ = plan_routes(plan, src, dst, SRC_BLOCKS, DST_BLOCKS, gate, arenas)
             assert sum(len(v) for v in routes.values()) == sum(len(v) for v in expected.values()), routes
-        recv = RecvJob("d-req", f"P-{tag}", DST_BLOCKS, expected, 30.0, verify=True, src_blocks=SRC_BLOCKS,
-                       routes=routes)
+        early = path.startswith("early")
+        src_blocks = SRC_BLOCKS[::-1] if early else SRC_BLOCKS  # P's blocks handed out in reverse
+        recv = RecvJob("d-req", f"P-{tag}", DST_BLOCKS, expected, 30.0, verify=True,
+                       src_blocks=list(range(len(SRC_BLOCKS))) if early else SRC_BLOCKS, routes=routes, early=early)
         for h, key, _ in D:
             h.call("h_step", key, DSAConnectorMetadata(peers=[PeerInfo(f"P-{tag}", p_payloads, as_source=True)],
                                                        recv=[recv]))
-        push = PushJob("p-req", f"D-{tag}", "d-req", SRC_BLOCKS, DST_BLOCKS, verify=True, routes=routes,
-                       layered=path.startswith("layered"))
+        push = PushJob("p-req", f"D-{tag}", "d-req", src_blocks, DST_BLOCKS, verify=True, routes=routes,
+                       layered="layered" in path)
         meta = DSAConnectorMetadata(local=PeerInfo(f"P-{tag}", p_payloads),
                                     peers=[PeerInfo(f"D-{tag}", d_payloads)], push=[push])
         for i, (h, key, _) in enumerate(P):
@@ -311,7 +316,7 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         layered = sum(st.get("layered_bytes", 0) for st in sent)
         assert layered == (sum(st["send_bytes"] for st in sent) if push.layered else 0), sent
         for h, key, _ in D:
-            res = h.call("h_check", key, SRC_BLOCKS, DST_BLOCKS)
+            res = h.call("h_check", key, src_blocks, DST_BLOCKS)
             assert not res["bad"], f"{key}: wrong bytes in {res['bad']}"
             assert res["roles"] == ["indexer_k", "mla"], res  # indexer pages moved too
             assert res["bytes"] > 0

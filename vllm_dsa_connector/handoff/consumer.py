@@ -201,7 +201,7 @@ class Consumer:
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
                        timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
                        src_blocks=src_blocks, routes=routes, first_token=first_token, num_tokens=num_tokens,
-                       src_epoch=peer.meta.epoch)
+                       src_epoch=peer.meta.epoch, early=rp.early)
 
     def epoch_error(self, req_id: str, rp: RemoteParams, peer: Peer) -> str:
         """Why the load of ``req_id`` cannot be served by ``peer``'s start (its lease is another start's), or

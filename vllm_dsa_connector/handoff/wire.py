@@ -290,6 +290,7 @@ class RecvJob(msgspec.Struct, frozen=True):
     first_token: int = 0  # the token span both block lists hold (as in PushJob)
     num_tokens: int | None = None
     src_epoch: Epoch = 0  # the start of src_engine this load was registered with
+    early: bool = False  # an early registration: ``src_blocks`` stand in for P's, which D does not know
 
 
 class Notice(msgspec.Struct, frozen=True):
