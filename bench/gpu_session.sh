@@ -9,6 +9,9 @@
 #       checked, on the GLM-5.2-shaped table in vLLM's GPU layout (two pools).
 # early: bench/gpu_pd.py timing only what issue 34 asks: early registration + layer_push against the plain
 #       DSAConnector pair and one engine without P/D, on 1k- and 8k-token prompts (goal: P/D TTFT within 1.05x).
+# transfer: bench/gpu_transfer.py (one GLM-5.2-shaped request through the transport's paths, every byte
+#       verified) on this tree and on the tree before the transport re-cut (.gpu_before/: `git archive 81dbd93
+#       vllm_dsa_connector bench`, carried), one run each, same arguments: the re-cut must be no slower.
 # pd:   bench/gpu_pd.py, the tiny GLM DSA model (and one with an MTP layer) as P/D pairs of real vLLM GPU
 #       engines: ipc (ipc_mode=auto: one GPU, so D routes through CUDA IPC), bounce (bounce_mode=always), the
 #       plain DSAConnector (direct NIXL), vLLM's NixlConnector, and MTP speculative decoding.
@@ -17,7 +20,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$REPO:$REPO/.gpu/pylib PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 cd "$REPO"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(core early pd)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(core transfer early pd)
 t0=$(date +%s)
 stamp() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*"; }
 rc=0
@@ -32,12 +35,24 @@ from vllm_dsa_connector.layout import build_offline
 open("/tmp/glm52_lbnhc.json", "w").write(json.dumps(t.to_dict()))
 print(len(t.pools), "pools", t.bytes_per_block, "B/block")
 EOF
-      for path in direct bounce ipc; do
+      for path in ipc bounce direct; do
         stamp "core_pd --path $path"
-        timeout 240 python3 bench/core_pd.py --device cuda --table /tmp/glm52_lbnhc.json --requests 594,300,64,8 \
+        timeout 150 python3 bench/core_pd.py --device cuda --table /tmp/glm52_lbnhc.json --requests 594,300,64,8 \
           --path "$path" --arena-bytes $((4 << 30)) --out "$OUT/core_pd_$path.json" >"$OUT/core_pd_$path.log" 2>&1
         r=$?; stamp "core_pd --path $path rc=$r"; [ $r -eq 0 ] || rc=1
         tail -c 600 "$OUT/core_pd_$path.log"
+      done
+      ;;
+    transfer)
+      TARGS=(--paths merged,bounce,ipc,auto --shapes 594,64,8 --reps 8)
+      for tree in before after; do
+        src=$REPO; [ $tree = before ] && src=$REPO/.gpu_before
+        [ -d "$src/vllm_dsa_connector" ] || { echo "gpu_session: $src has no tree (carry .gpu_before)"; rc=1; continue; }
+        stamp "gpu_transfer $tree"
+        (cd "$src" && PYTHONPATH=/tmp/site:$src:$REPO/.gpu/pylib timeout 200 python3 bench/gpu_transfer.py \
+          "${TARGS[@]}" --out "$OUT/transfer_$tree.json") >"$OUT/transfer_$tree.log" 2>&1
+        r=$?; stamp "gpu_transfer $tree rc=$r"; [ $r -eq 0 ] || rc=1
+        tail -c 800 "$OUT/transfer_$tree.log"
       done
       ;;
     pd)
@@ -63,7 +78,7 @@ EOF
       r=$?; stamp "gpu_pd early rc=$r"; [ $r -eq 0 ] || rc=1
       grep -a "ttft_ratio_vs_single\|^\[gpu_pd\] early timing" "$OUT/gpu_pd_early.log" | cut -c1-300 | tail -12
       ;;
-    *) echo "gpu_session: unknown step $step (core, early, pd)"; exit 2 ;;
+    *) echo "gpu_session: unknown step $step (core, transfer, early, pd)"; exit 2 ;;
   esac
 done
 exit $rc
