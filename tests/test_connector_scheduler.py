@@ -759,3 +759,99 @@ def test_unusable_params_log_memory_is_bounded(pd, monkeypatch: pytest.MonkeyPat
         "P-cap-0", "P-cap-1", "P-cap-2", "P-cap-3", "P-cap-4", "P-cap-5", "P-cap-0"]
     assert len(d._unusable_logged) == 4 and not any(r.startswith("d-cap-") for r in d._unusable)
     d.get_stats()
+
+
+def test_an_unanswered_cancel_is_sent_again_until_p_answers(pd, tiny_mla_dir: Path) -> None:
+    """D aborts a registered load while P's side channel is silent (closed, then bound again on its port: a
+    starved P): the cancel goes unanswered, D sends it again on a later step, P releases the lease without a
+    WRITE, and D hands its blocks back on P's answer instead of keeping them until the write bound."""
+    from vllm.v1.request import RequestStatus
+
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+    from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer
+
+    _, d, clock = pd
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    p2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-deaf",
+                               ConnectorOptions.from_config(extra), clock)
+    try:
+        p2.set_local_payloads([_payload("P-deaf")])
+        req = _registered(p2, d, clock, "deaf", [31, 32], [80, 81])
+        host, port = p2.server.host, p2.server.port
+        p2.server.close()
+        req.status = RequestStatus.FINISHED_ABORTED
+        assert d.request_finished(req, ([80, 81],)) == (True, None)
+        first = d.consumer.loads["d-deaf"].cancel
+        _wait(first)  # unanswered within D's handshake timeout (2 s)
+        assert isinstance(first.exception(), HandshakeError) and d.consumer.cancelling()
+        assert "d-deaf" not in d.build_connector_meta(None).fail_recv  # no word of P: the blocks stay
+        assert d.consumer.loads["d-deaf"].cancel is first  # not sent again sooner than the retry pause
+        p2.server = SideChannelServer(host, port, p2._handle, p2.auth, clock, origin=p2.server.origin)
+        clock.t += 1.0
+        assert "d-deaf" not in d.build_connector_meta(None).fail_recv
+        retry = d.consumer.loads["d-deaf"].cancel
+        assert retry is not first
+        _wait(retry)
+        assert "P confirmed nothing was written" in d.build_connector_meta(None).fail_recv["d-deaf"]
+        p_meta = p2.build_connector_meta(None)
+        assert "p-deaf" in p_meta.release and not p_meta.push
+        p2.update_connector_output(_output(sending={"p-deaf"}))
+        d.update_connector_output(_output(recving={"d-deaf"}, failed={"d-deaf"}))
+    finally:
+        p2.shutdown()
+
+
+def _until_state(p, req_id: str, state: LeaseState) -> None:
+    deadline = time.monotonic() + 10
+    while p.producer.lease(req_id).state is not state:
+        assert time.monotonic() < deadline, f"{req_id} stayed {p.producer.lease(req_id).state}"
+        time.sleep(0.01)
+
+
+def test_a_request_d_never_scheduled_cancels_p_s_lease(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM finished a D request before it ever asked the connector for it (aborted while it waited), so no
+    load was queued: D still cancels P's lease, which P releases at its next step (an early one once its
+    prefill is done) instead of keeping it for kv_lease_duration; never a lease another D request takes."""
+    from vllm.v1.request import RequestStatus
+
+    p, d, clock = pd
+    _know_p(p, d, clock)
+    # early registration: P's prefill runs when D's request is aborted
+    tid = "abortedbeforeschedule0123456789ab"
+    prefill = _request("p-early-gone", 3 * BLOCK, {"do_remote_decode": True, "transfer_id": tid})
+    p.update_state_after_alloc(prefill, _blocks(0, [36]), 0)
+    early = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": p.server.host,
+             "remote_port": p.server.port, "transfer_id": tid, "transfer_mode": "dsa-push"}
+    gone = _request("d-early-gone", 3 * BLOCK, dict(early), "FINISHED_ABORTED")
+    assert d.request_finished(gone, ([],)) == (False, None)
+    _until_state(p, "p-early-gone", LeaseState.CANCELLED)
+    assert not p.build_connector_meta(None).release  # vLLM still prefills into the blocks
+    prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    prefill.num_computed_tokens = 3 * BLOCK
+    assert p.request_finished(prefill, ([36, 37, 38],))[0]
+    meta = p.build_connector_meta(None)
+    assert "p-early-gone" in meta.release and not meta.push
+    p.update_connector_output(_output(sending={"p-early-gone"}))
+    # sequential: P's finished prefill
+    params = _prefill(p, "p-gone", BLOCK, [33])
+    assert d.request_finished(_request("d-gone", BLOCK, dict(params), "FINISHED_ABORTED"), ([],)) == (False, None)
+    _until_state(p, "p-gone", LeaseState.CANCELLED)
+    assert "p-gone" in p.build_connector_meta(None).release
+    p.update_connector_output(_output(sending={"p-gone"}))
+    # another D request takes the lease (n > 1 siblings share the params): its sibling cancels nothing
+    params = _prefill(p, "p-kept", BLOCK, [34])
+    taker = _request("d-kept", BLOCK, dict(params))
+    while d.get_num_new_matched_tokens(taker, 0)[0] is None:
+        time.sleep(0.02)
+    sent: list = []
+    with monkeypatch.context() as m:
+        m.setattr(d.consumer, "cancel", lambda *a, **k: sent.append(a))
+        sibling = _request("d-kept-sibling", BLOCK, dict(params), "FINISHED_ABORTED")
+        assert d.request_finished(sibling, ([],)) == (False, None)
+    assert not sent and p.producer.lease("p-kept").state is LeaseState.HELD
+    taker.status = RequestStatus.FINISHED_ABORTED
+    assert d.request_finished(taker, ([],)) == (False, None)  # queued: its give-up cancels
+    _until_state(p, "p-kept", LeaseState.CANCELLED)
+    assert "p-kept" in p.build_connector_meta(None).release
+    p.update_connector_output(_output(sending={"p-kept"}))

@@ -3,10 +3,11 @@
 One module-scoped set of engines on the tiny GLM-MoE-DSA model (``index_topk_freq=2``: MLA latent and the
 indexer K pages of the owning layers travel), all DSAConnector ``kv_both``, ``verify_transfers`` on:
 
-- P: ``layer_push`` on, chunked prefill in 64-token chunks (``--max-num-batched-tokens 64``), so every
-  prompt here prefills over several steps and the registration D sent while P prefilled is posted layer by
-  layer from ``save_kv_layer`` in the step that finishes the prefill;
-- P2: the same, in 16-token chunks (a long prefill), killed in the middle of one;
+- P: ``layer_push`` on, ``--max-num-batched-tokens 64``: where vLLM chunks the prefill (GPU, AMX CPUs) every
+  prompt here prefills over several steps; on a CPU without AMX vLLM turns chunked prefill off for MLA models
+  and prefills each prompt in one step. Either way a registration P holds when the step that finishes the
+  prefill is scheduled is posted layer by layer from ``save_kv_layer`` in that step;
+- P2: the same with ``--max-num-batched-tokens 16``, killed in the middle of a long prefill;
 - D: ``transfer_timeout_s`` 6, ``kv_load_failure_policy`` recompute (a load that fails is computed on D) and
   ``bounce_mode=always``: a sequential load bounces, an early one goes direct (D scatters a bounce by P's
   block ids, which it does not know before P finished);
@@ -17,7 +18,7 @@ Checked: a multi-turn conversation of token ids through the early proxy (turn k+
 tokens, so D serves the first blocks from its own prefix cache) decodes exactly P's own plain replies, the
 answers say ``x-kv-transfer: early``, D loads only what it lacks and P posted bytes layer by layer;
 concurrent early requests each get their own prompt's KV; the sequential way still works on the same
-engines; D giving up (its client gone) while P still prefills leaves P releasing the lease without a WRITE;
+engines; D giving up (its client gone) before P prefills leaves P releasing the lease without a WRITE;
 P killed in the middle of a prefill D registered for costs D its timeout, then D computes the prompt itself
 (the answer still right). No checksum mismatch anywhere.
 Run under the engine lock: ``flock /tmp/vllm-dsa-engine.lock pytest -m slow tests/test_early_pd.py``.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -223,18 +223,28 @@ def test_the_sequential_way_still_works_on_the_same_engines(eng: Engines) -> Non
     assert p1["bounce"] - p0["bounce"] == p1["send_bytes"] - p0["send_bytes"] > 0  # D's route: bounce, whole
 
 
-def test_d_giving_up_mid_prefill_leaves_p_releasing_without_a_write(eng: Engines) -> None:
+def test_d_giving_up_before_p_prefills_leaves_p_releasing_without_a_write(eng: Engines) -> None:
+    """D registers by the transfer id before P has seen the request (P holds the registration), then its
+    client goes away: D aborts the request and cancels, P drops the held registration and answers
+    ``not_posted`` (D fails the load at once). P's leg then opens its lease cancelled and releases it once the
+    prefill is done, writing nothing.
+
+    The order is forced: a registration P dispatched before D's cancel reached it is written, legitimately
+    (D keeps its blocks until the write bound). On a CPU without AMX P prefills the whole prompt in one step
+    and dispatches a registration it holds layer by layer at the start of that step, so a cancel sent "while
+    P prefills" raced that dispatch and P sometimes wrote. Every order of P opening the lease, D's
+    registration and cancel reaching P and P's prefill finishing is checked in tests/test_handoff_early.py."""
     rng = random.Random(37)
-    ids = _ids(rng, 1500)  # 24 chunks of 64 on P
+    _post(eng.proxy, _body(eng.model, _ids(rng, 70)))  # D knows P: its registration below goes out at once
+    ids = _ids(rng, 1500)
     tid = f"giveup{rng.getrandbits(96):024x}"
-    p0 = _counters(eng.p.url)
-    p_leg = threading.Thread(target=complete, args=(eng.p.url, eng.model, ids, 1,
-                                                    {"do_remote_decode": True, "transfer_id": tid}))
-    p_leg.start()
+    p0, d0 = _counters(eng.p.url), _counters(eng.d.url)
     with pytest.raises((TimeoutError, urllib.error.URLError)):  # D's client goes away: D aborts the request
         _post(eng.d.url, _body(eng.model, ids, params=_early_params(eng, eng.p_side, "early-p", tid)),
-              timeout_s=0.8)
-    p_leg.join(120)
+              timeout_s=3.0)
+    d1 = _wait(eng.d.url, "recv_bad", d0["recv_bad"] + 1, "D counted no failed load: P did not confirm the cancel")
+    assert d1["recv_ok"] == d0["recv_ok"]
+    complete(eng.p.url, eng.model, ids, 1, {"do_remote_decode": True, "transfer_id": tid})
     p1 = _wait(eng.p.url, "send_expired", p0["send_expired"] + 1, "P did not release the cancelled lease")
     assert p1["send_ok"] == p0["send_ok"], "P wrote for a D request that gave up"
     # D's blocks went back to its pool: the next requests are right

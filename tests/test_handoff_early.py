@@ -8,10 +8,16 @@ proxy's transfer id while P prefills (or before P has seen the request).
 - an aborted prefill fails a registered load (failure job) or refuses the later registration;
 - a lease whose prefill runs is never released by the clock or a cancel before vLLM finished the request;
 - held registrations are bounded, expire at their post deadline, can be cancelled, and one transfer feeds
-  one D request.
+  one D request;
+- D giving up: in every order of P opening the lease, D's registration and cancel reaching P and P's prefill
+  finishing, P writes only what it dispatched before the cancel and otherwise releases the lease in the step
+  after its prefill is done; a retried registration or cancel changes nothing; a lease D never named is kept
+  ``lease_s`` after the prefill.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 from conftest import fake_page_table
@@ -175,3 +181,124 @@ def test_a_held_registration_needs_payloads_from_an_unknown_d(prod) -> None:
     reply = p.handle_reg(_reg(clock.t + 30, payloads=False))
     assert reply.need_payloads and not reply.ok
     assert p.handle_reg(_reg(clock.t + 30)).ok
+
+
+# Every order of the four events of one early transfer D gives up on: P opens the lease ("A", add_early),
+# D's registration reaches P ("R": held when it comes before A), D's cancel reaches P ("C": D aborted or timed
+# out; its registration goes through D's registration threads, its cancel through the peer's control thread,
+# so either may come first) and P's prefill finishes ("F"); P's prefill opens before it finishes.
+_ORDERS = ["".join(o) for o in itertools.permutations("ARCF") if o.index("A") < o.index("F")]
+_FULL = [5, 6, 7, 8, 9, 10, 11]  # the prompt's 7 blocks once the prefill is done
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["step", "layer_push"])
+@pytest.mark.parametrize("order", _ORDERS)
+def test_every_order_of_open_register_cancel_finish_releases_once_the_prefill_is_done(order, layered) -> None:
+    """P's engine steps after each event. P writes only a registration it dispatched before the cancel
+    reached it (R and F before C: D had registered, the cancel answers ``posted`` and D keeps its blocks until
+    the write bound); in every other order the cancel answers ``not_posted``, nothing is ever dispatched, and
+    P releases the lease in the first step after both the cancel and the end of its prefill: never while vLLM
+    still prefills into the blocks, never later (not after ``lease_s``)."""
+    clock = Clock()
+    p = Producer("P", HandoffSettings(lease_s=10.0, transfer_timeout_s=5.0), clock, block_size=BLOCK)
+    ref = transfer_ref(TID)
+    pushed: list[str] = []
+    released_at: int | None = None
+    answers: dict[str, CancelState] = {}
+    seen = ""
+    for ev in order:
+        if ev == "A":
+            p.add_early("p1", TID, [5], prompt_tokens=100, digest=DIGEST)
+        elif ev == "R":
+            p.handle_reg(_reg(clock.t + 30))  # accepted, held or refused: the order decides
+        elif ev == "C":
+            answers = p.handle_cancel(CancelReq([ref])).states
+        else:
+            if layered:  # the step that finishes the prefill carries a registered lease's job
+                pushed += [j.dst_req_id for j in p.dispatch_layered("p1", _FULL).push]
+            assert p.finish_early("p1", _FULL, ok=True)  # the lease keeps the blocks until the workers say
+        seen += ev
+        d = p.step()
+        pushed += [j.dst_req_id for j in d.push]
+        if d.release:
+            assert d.release == ["p1"] and released_at is None
+            released_at = len(seen)
+        clock.t += 0.5
+    if order.index("C") > max(order.index("R"), order.index("F")):
+        assert pushed == ["d1"] and answers == {ref.p_req: CancelState.POSTED} and released_at is None
+        assert p.lease("p1").state is LeaseState.DISPATCHED
+    else:
+        assert not pushed and answers == {ref.p_req: CancelState.NOT_POSTED}
+        assert released_at == max(order.index("C"), order.index("F")) + 1, f"released after {seen[:released_at]}"
+        assert p.lease("p1").state is LeaseState.RELEASED
+    p.finished_sending({"p1"})
+    assert not p.pending() and p.in_flight() is False
+    assert "ended" in p.handle_reg(_reg(clock.t + 30)).error  # a registration arriving later is refused
+    assert p.handle_cancel(CancelReq([ref])).states == answers  # a retried cancel gets the same answer
+
+
+@pytest.mark.parametrize("order", ["R1 A C R2", "R1 C A R2", "A R1 C R2", "C R1 A R2"])
+def test_a_registration_cancelled_between_its_two_attempts_is_refused(prod, order) -> None:
+    """D's first registration to a P that does not know it yet is answered ``need_payloads`` (R1) and sent
+    again with them (R2); a cancel between the two leaves nothing to write, whether P opened the lease first."""
+    p, clock = prod
+    replies = {}
+    for ev in order.split():
+        if ev == "A":
+            p.add_early("p1", TID, [5], prompt_tokens=100, digest=DIGEST)
+        elif ev == "C":
+            p.handle_cancel(CancelReq([transfer_ref(TID)]))
+        else:
+            replies[ev] = p.handle_reg(_reg(clock.t + 30, payloads=ev == "R2"))
+        assert not p.step().push
+    assert not replies["R2"].ok  # R1: need_payloads, or refused at once when the cancel came first
+    assert replies["R1"].need_payloads or "ended" in replies["R1"].error
+    assert p.lease("p1").state is LeaseState.CANCELLED  # vLLM still prefills into its blocks
+    assert p.finish_early("p1", _FULL, ok=True)
+    d = p.step()
+    assert d.release == ["p1"] and not d.push
+
+
+def test_a_cancel_retried_after_the_lease_ended_gets_the_same_answer(prod) -> None:
+    """D sends an unanswered cancel again: P's answer to the retry is the one it gave (or would have given)
+    the first time, after the lease was released or its WRITE finished too."""
+    p, clock = prod
+    ref = transfer_ref(TID)
+    p.add_early("p1", TID, [5], prompt_tokens=100, digest=DIGEST)
+    assert p.handle_cancel(CancelReq([ref])).states == {ref.p_req: CancelState.NOT_POSTED}
+    assert p.handle_cancel(CancelReq([ref])).states == {ref.p_req: CancelState.NOT_POSTED}  # still prefilling
+    assert p.finish_early("p1", _FULL, ok=True) and p.step().release == ["p1"]
+    assert p.handle_cancel(CancelReq([ref])).states == {ref.p_req: CancelState.NOT_POSTED}  # released
+    p.finished_sending({"p1"})
+    assert p.handle_cancel(CancelReq([ref])).states == {ref.p_req: CancelState.NOT_POSTED}  # gone
+    tid2, ref2 = "b" * 32, transfer_ref("b" * 32)
+    p.add_early("p2", tid2, [5], prompt_tokens=100, digest=DIGEST)
+    assert p.handle_reg(_reg(clock.t + 30, tid=tid2, d_req="d2")).ok
+    assert p.finish_early("p2", _FULL, ok=True) and p.step().push
+    assert p.handle_cancel(CancelReq([ref2])).states == {ref2.p_req: CancelState.POSTED}
+    p.finished_sending({"p2"})
+    assert p.handle_cancel(CancelReq([ref2])).states == {ref2.p_req: CancelState.POSTED}  # a WRITE was posted
+
+
+def test_a_cancelled_lease_whose_prefill_is_aborted_is_released(prod) -> None:
+    p, _ = prod
+    p.add_early("p1", TID, [5], prompt_tokens=100, digest=DIGEST)
+    p.handle_cancel(CancelReq([transfer_ref(TID)]))
+    assert p.finish_early("p1", [5, 6], ok=False, why="FINISHED_ABORTED")  # released by the next step
+    d = p.step()
+    assert d.release == ["p1"] and not d.push
+
+
+def test_a_lease_d_never_named_is_kept_lease_s_after_the_prefill(prod) -> None:
+    """Neither D's registration nor its cancel reached P (D aborted before it said anything, and the cancel
+    it sends then was lost): P cannot tell a D that gave up from one still coming, so it keeps the blocks for
+    ``lease_s`` after its prefill, the documented bound of a lease nobody renews, then releases them."""
+    p, clock = prod
+    p.add_early("p1", TID, [5], prompt_tokens=100, digest=DIGEST)
+    clock.t += 30  # a long prefill: the clock never releases a lease whose prefill runs
+    assert not p.step().release
+    assert p.finish_early("p1", _FULL, ok=True)
+    clock.t += 9.9
+    assert not p.step().release
+    clock.t += 0.2
+    assert p.step().release == ["p1"]

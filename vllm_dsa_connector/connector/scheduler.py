@@ -306,11 +306,12 @@ class DSAConnectorScheduler:
 
     def request_finished(self, request: VllmRequest, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """P: keep the blocks under a lease and hand out the kv_transfer_params for D. D: an aborted load
-        keeps its blocks until no WRITE can land in them (reported later as finished_recving)."""
+        keeps its blocks until no WRITE can land in them (reported later as finished_recving); a request that
+        never queued its load cancels P's lease (:meth:`_cancel_unqueued`)."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        self._unusable.pop(request.request_id, None)  # claimed, never allocated: nothing was loading
+        unusable = self._unusable.pop(request.request_id, None)  # claimed, never allocated: nothing was loading
         if not params:
             return False, None
         load = self.consumer.load(request.request_id)
@@ -320,7 +321,11 @@ class DSAConnectorScheduler:
                 return False, None
             self.consumer.give_up(request.request_id, "aborted")
             return True, None
-        if params.get("do_remote_prefill") or not params.get("do_remote_decode"):
+        if params.get("do_remote_prefill"):
+            if unusable is None:
+                self._cancel_unqueued(request)
+            return False, None
+        if not params.get("do_remote_decode"):
             return False, None
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         blocks = list(block_ids[0]) if block_ids else []
@@ -337,6 +342,23 @@ class DSAConnectorScheduler:
         token = self.producer.add_lease(request.request_id, blocks, prompt_tokens=request.num_prompt_tokens,
                                         digest=prompt_digest(request.prompt_token_ids))
         return True, self._params_out(request, blocks, token)
+
+    def _cancel_unqueued(self, request: VllmRequest) -> None:
+        """D: a request that names P's KV finished before vLLM ever asked the connector for it (aborted while
+        it waited to be scheduled, so no load was queued): tell P to drop the lease now rather than keep it
+        for ``kv_lease_duration`` (an early registration's: for that long after P's prefill). Only to a P
+        D holds a record of (a cancel needs no handshake), and never for a lease another D request takes
+        (n > 1 siblings share the params)."""
+        params = request.kv_transfer_params
+        assert params is not None
+        if other_connector(params):
+            return
+        try:
+            rp = parse_remote_params(params)
+        except ValueError:
+            return
+        if self.consumer.taken_by(request.request_id, rp) is None:
+            self.consumer.cancel(rp.remote_engine_id, [rp.ref])
 
     def _params_out(self, request: VllmRequest, blocks: list[int], token: str) -> dict[str, Any]:
         """The ``kv_transfer_params`` P hands out for D (after an early registration they only tell the
@@ -416,8 +438,8 @@ class DSAConnectorScheduler:
 
     def has_pending_push_work(self) -> bool:
         """P keeps stepping while it holds leased blocks (their release needs steps); D while it waits to
-        hand back blocks of a give-up."""
-        return self.producer.pending() or self.consumer.giving_up()
+        hand back blocks of a give-up, or for P's answer to a cancel (an unanswered one is sent again)."""
+        return self.producer.pending() or self.consumer.giving_up() or self.consumer.cancelling()
 
     def shutdown(self) -> None:
         """Stop the side channel and the background threads."""
