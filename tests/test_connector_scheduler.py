@@ -855,3 +855,24 @@ def test_a_request_d_never_scheduled_cancels_p_s_lease(pd, monkeypatch: pytest.M
     _until_state(p, "p-kept", LeaseState.CANCELLED)
     assert "p-kept" in p.build_connector_meta(None).release
     p.update_connector_output(_output(sending={"p-kept"}))
+
+
+def test_a_finished_load_sends_p_no_cancel(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A D request whose load ran (and finished) ends without a cancel to P: its lease ended with the WRITE, so
+    a cancel would only cost P a side-channel round trip per request."""
+    from vllm.v1.request import RequestStatus
+
+    p, d, clock = pd
+    _know_p(p, d, clock)
+    params = _prefill(p, "p-done", BLOCK, [35])
+    req = _request("d-done", BLOCK, dict(params))
+    while d.get_num_new_matched_tokens(req, 0)[0] is None:
+        time.sleep(0.02)
+    assert d.consumer.finished("d-done") is not None  # the workers reported the load
+    sent: list = []
+    with monkeypatch.context() as m:
+        m.setattr(d.consumer, "cancel", lambda *a, **k: sent.append(a))
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert d.request_finished(req, ([],)) == (False, None)
+    assert not sent
+    p.producer.finished_sending({"p-done"})

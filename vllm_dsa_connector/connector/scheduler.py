@@ -347,8 +347,8 @@ class DSAConnectorScheduler:
         """D: a request that names P's KV finished before vLLM ever asked the connector for it (aborted while
         it waited to be scheduled, so no load was queued): tell P to drop the lease now rather than keep it
         for ``kv_lease_duration`` (an early registration's: for that long after P's prefill). Only to a P
-        D holds a record of (a cancel needs no handshake), and never for a lease another D request takes
-        (n > 1 siblings share the params)."""
+        D holds a record of (a cancel needs no handshake), and never for a lease a D request loads or loaded
+        (this one after a finished load, or n > 1 siblings sharing the params)."""
         params = request.kv_transfer_params
         assert params is not None
         if other_connector(params):
@@ -357,7 +357,7 @@ class DSAConnectorScheduler:
             rp = parse_remote_params(params)
         except ValueError:
             return
-        if self.consumer.taken_by(request.request_id, rp) is None:
+        if not self.consumer.claimed(rp):
             self.consumer.cancel(rp.remote_engine_id, [rp.ref])
 
     def _params_out(self, request: VllmRequest, blocks: list[int], token: str) -> dict[str, Any]:

@@ -10,16 +10,13 @@ meanwhile), sends the registration once blocks are paired, collects P's replies,
 abort (a cancel on the peer's control thread), and fails the loads of a P start that is gone
 (:meth:`Consumer._restarted`).
 
-A cancel P did not answer (its side channel starved past ``handshake_timeout_s`` on a loaded host, or a
-reply that was not P's word) may never have reached P, which would then keep the lease for its whole
-duration, or write a registration it still holds: D sends it again on its next steps, at most every
-:data:`_CANCEL_RETRY_S`, until P answers or ``lease_s`` passed since the first attempt (the bound of a
-lease D no longer renews). A cancel is idempotent on P; D keeps stepping while one is unanswered.
+A cancel P did not answer may never have reached P: D sends it again on its next steps until P answers or
+P's lease has run out anyway (:mod:`.cancels`); D keeps stepping while one is unanswered.
 
 Nothing grows without bound: idle peers are forgotten (:meth:`Consumer.forget_idle`), at most
 :data:`_TAKEN` P requests are remembered as taken (:meth:`Consumer.taken_by`), a peer's unanswered
-heartbeats queue at most :data:`_HB_PENDING` deep, and at most :data:`_CANCELS` unanswered cancels are
-retried.
+heartbeats queue at most :data:`_HB_PENDING` deep, and at most :data:`.cancels.MAX_PENDING` unanswered cancels
+are retried.
 """
 
 from __future__ import annotations
@@ -29,10 +26,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import msgspec
 
+from vllm_dsa_connector.handoff.cancels import PendingCancels
 from vllm_dsa_connector.handoff.loads import (
     SAFETY_MARGIN_S,
     TRANSITIONS,
@@ -56,7 +53,7 @@ from vllm_dsa_connector.handoff.messages import (
 from vllm_dsa_connector.handoff.peers import Peer, PeerCheck, Peers
 from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import HandshakeError, exchange, validate_peer
+from vllm_dsa_connector.handoff.side_channel import exchange, validate_peer
 from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Routes
 
 __all__ = [
@@ -77,25 +74,6 @@ _TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings 
 # Heartbeats of one peer still unanswered (its control thread is behind, P is slow or gone): beyond this no new
 # one is queued for it (each waits handshake_timeout_s; a queue growing every heartbeat_s would never drain).
 _HB_PENDING = 64
-# An unanswered cancel is sent again after this pause at the soonest (an exchange that times out already took
-# handshake_timeout_s; one refused as unread comes back at once and must not spin).
-_CANCEL_RETRY_S = 0.5
-_CANCELS = 4096  # unanswered cancels retried at once (beyond it the oldest are no longer retried)
-
-
-@dataclass
-class _Cancel:
-    """A cancel of ``refs`` sent to P ``engine`` and not answered yet (its latest attempt: ``future``, sent
-    at ``sent_at``); retried until ``until``. ``load``: the given-up load whose ``cancel`` is this one (it
-    follows the latest attempt, so P's answer to a retry releases D's blocks too)."""
-
-    engine: str
-    refs: list[ReqRef]
-    future: Future
-    sent_at: float
-    until: float
-    load: Loading | None = None
-    retried: bool = False
 
 
 class Consumer:
@@ -120,7 +98,7 @@ class Consumer:
         self._last_hb = 0.0
         self._heartbeats: list[tuple[str, list[ReqRef], Future]] = []  # (engine, refs, reply) in flight
         self._taken: OrderedDict[tuple[str, str], str] = OrderedDict()  # (P engine, P request) -> D request
-        self._cancels: list[_Cancel] = []  # cancels P has not answered yet (retried: _retry_cancels)
+        self._cancels = PendingCancels(self._send_cancel)  # cancels P has not answered yet
         self.heartbeats_refused = 0  # heartbeats P answered with a refusal (each an error, logged)
 
     @property
@@ -147,7 +125,7 @@ class Consumer:
         the ones the workers must drop (their plan). A later request to such an engine handshakes again;
         without this every P ever seen (each restart is a new engine) would keep a thread and its state."""
         busy = ({load.engine for load in self.loads.values()} | {engine for engine, _, _ in self._heartbeats}
-                | {c.engine for c in self._cancels})
+                | self._cancels.engines())
         return self.producers.forget_idle(busy)
 
     def patient(self, waiting_since: float | None) -> bool:
@@ -183,6 +161,11 @@ class Consumer:
         of them. The first D request to come takes the KV; the caller computes the others itself."""
         other = self._taken.get((rp.remote_engine_id, rp.remote_request_id))
         return other if other is not None and other != req_id else None
+
+    def claimed(self, rp: RemoteParams) -> bool:
+        """Whether any D request (this one included) queued a load of the P request ``rp`` names: it then
+        owns the lease's end (a finished load's lease ended on P; a given-up one was cancelled)."""
+        return (rp.remote_engine_id, rp.remote_request_id) in self._taken
 
     def queue(self, req_id: str, rp: RemoteParams) -> float:
         """The request waits (handshake or blocks): heartbeats keep P's lease alive meanwhile. Returns when
@@ -282,13 +265,12 @@ class Consumer:
 
     def cancel(self, engine: str, refs: list[ReqRef], *, load: Loading | None = None) -> Future | None:
         """Tell P to drop these requests (on the peer's own control thread); the future holds P's reply to the
-        first attempt. Left unanswered, it is sent again (:meth:`_retry_cancels`); ``load`` (given up) then
-        follows the latest attempt."""
+        first attempt. Left unanswered, it is sent again (:class:`.cancels.PendingCancels`) until ``lease_s``
+        after this attempt; ``load`` (given up) then follows the latest attempt."""
         fut = self._send_cancel(engine, refs)
         if fut is not None:
             now = self.clock()
-            self._cancels.append(_Cancel(engine, list(refs), fut, now, now + self.settings.lease_s, load))
-            del self._cancels[:-_CANCELS]
+            self._cancels.add(engine, refs, fut, now, now + self.settings.lease_s, load)
         return fut
 
     def _send_cancel(self, engine: str, refs: list[ReqRef]) -> Future | None:
@@ -297,33 +279,6 @@ class Consumer:
             return None
         return self._notifying(peer.control.submit(exchange, peer.host, peer.port, CancelReq(refs),
                                                    self.settings.handshake_timeout_s, self.auth, None, self.origin))
-
-    def _retry_cancels(self, now: float) -> None:
-        """Send again the cancels P left unanswered (timeout, or a reply that was not P's word: the cancel may
-        never have reached P), at most every :data:`_CANCEL_RETRY_S`, until ``lease_s`` after the first
-        attempt; forget the answered ones (P's answer, whatever it says, is its word on them)."""
-        keep = []
-        for c in self._cancels:
-            if not c.future.done():
-                keep.append(c)
-                continue
-            error = None if c.future.cancelled() else c.future.exception()
-            if not (isinstance(error, HandshakeError) and error.transient) or now >= c.until:
-                continue  # answered, refused for good, cancelled at shutdown, or P released by its own clock
-            if now - c.sent_at < _CANCEL_RETRY_S:
-                keep.append(c)
-                continue
-            fut = self._send_cancel(c.engine, c.refs)
-            if fut is None:
-                continue  # the peer was forgotten meanwhile
-            (logger.debug if c.retried else logger.warning)(
-                "DSAConnector %s: cancel of %s sent to %s unanswered (%s); sending it again", self.engine_id,
-                [r.p_req for r in c.refs][:8], c.engine, error)
-            if c.load is not None and c.load.cancel is c.future:
-                c.load.cancel = fut
-            c.future, c.sent_at, c.retried = fut, now, True
-            keep.append(c)
-        self._cancels = keep
 
     def in_flight(self) -> bool:
         """Whether a load needs the engine's next steps (its workers report the outcome of a registered
@@ -364,7 +319,7 @@ class Consumer:
     def step(self, fail: dict[str, str]) -> None:
         """Collect replies, apply timeouts and bounds; requests to hand back go into ``fail``."""
         now = self.clock()
-        self._retry_cancels(now)
+        self._cancels.retry(now)
         for req_id, load in list(self.loads.items()):
             if load.state is LoadState.REGISTERING and load.reg is not None and load.reg.done():
                 try:
