@@ -3,7 +3,9 @@
 # (shared/gpu/README.md: `bash .gpu/bin/run.sh stage part02 install patch gate` in the same call, the
 # machine kept warm since `stage part00` / `stage part01`). Writes every result and log under $OUT.
 #
-#   bash .gpu/bin/run.sh stage part02 install patch gate && bash bench/gpu_session.sh [core] [pd]
+#   bash .gpu/bin/run.sh stage part02 install patch gate && bash bench/gpu_session.sh [core] [transfer] [early] [pd]
+#
+# CORE_PATHS (default "ipc bounce direct") and PD_PAIRS (default every pair below) trim a short call.
 #
 # core: bench/core_pd.py on CUDA, the three routes D can choose (direct, bounce, ipc), every byte of D's pools
 #       checked, on the GLM-5.2-shaped table in vLLM's GPU layout (two pools).
@@ -35,7 +37,7 @@ from vllm_dsa_connector.layout import build_offline
 open("/tmp/glm52_lbnhc.json", "w").write(json.dumps(t.to_dict()))
 print(len(t.pools), "pools", t.bytes_per_block, "B/block")
 EOF
-      for path in ipc bounce direct; do
+      for path in ${CORE_PATHS:-ipc bounce direct}; do
         stamp "core_pd --path $path"
         timeout 150 python3 bench/core_pd.py --device cuda --table /tmp/glm52_lbnhc.json --requests 594,300,64,8 \
           --path "$path" --arena-bytes $((4 << 30)) --out "$OUT/core_pd_$path.json" >"$OUT/core_pd_$path.log" 2>&1
@@ -63,7 +65,7 @@ EOF
         --index-topk 128 --mtp-layers 1 --out "$M-mtp" >>"$OUT/make_model.log" 2>&1
       stamp "gpu_pd"
       timeout 480 python3 bench/gpu_pd.py --model "$M" --mtp-model "$M-mtp" \
-        --pairs ipc=dsa/graphs/auto,bounce=dsa/graphs/auto,dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,mtp=dsa/graphs/auto \
+        --pairs "${PD_PAIRS:-ipc=dsa/graphs/auto,bounce=dsa/graphs/auto,dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,mtp=dsa/graphs/auto}" \
         >"$OUT/gpu_pd.log" 2>&1
       r=$?; stamp "gpu_pd rc=$r"; [ $r -eq 0 ] || rc=1
       grep -a "^\[gpu_pd\] turn" "$OUT/gpu_pd.log" | cut -c1-300 | tail -15
