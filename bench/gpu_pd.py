@@ -99,7 +99,10 @@ class PairSpec:
 
 def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: int, role: str,
             kv_bytes: int) -> tuple[Proc, str]:
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    # the tiny model states max_position_embeddings 4096; the 8k-token timing prompts need more (random
+    # weights: the positions past it only have to run, not to mean anything)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     if spec.connector == "dsa":
         extra: dict[str, Any] = {"verify_transfers": "verify" in spec.name, "side_channel_port": side}
         if "ipc" in spec.name:  # on one GPU, D then routes every pair through CUDA IPC
@@ -138,6 +141,16 @@ def _turns() -> list[list[int]]:
     return [x, y, z]
 
 
+def _one_block_list(ids: list[Any]) -> list[Any]:
+    """P's block ids from ``remote_block_ids``: DSAConnector hands out one list, vLLM's NixlConnector one per
+    KV cache group (the probe reads every layer through one list, so the groups must agree)."""
+    if not ids or not isinstance(ids[0], list):
+        return ids
+    if any(group != ids[0] for group in ids[1:]):
+        raise RuntimeError(f"remote_block_ids differ between KV cache groups: {ids}")
+    return ids[0]
+
+
 def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
     """Three turns; D's pages of every full prompt block against P's pages of the prefill request itself.
 
@@ -160,7 +173,7 @@ def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
             row["p_prefill_s"] = round(time.perf_counter() - t0, 4)
             params = res["kv_transfer_params"]
             full = (len(ids) - 1) // BLOCK
-            p_blocks = [int(b) for b in params["remote_block_ids"]][:full]
+            p_blocks = [int(b) for b in _one_block_list(params["remote_block_ids"])][:full]
             rpc = post_json(p_url + "/collective_rpc", {"method": "dsa_probe_blocks", "args": [json.dumps(p_blocks)]})
             lp = rpc["results"][0]["layer_digests"]
             (d,) = probe_running(d_url, "tiny", ids, params)

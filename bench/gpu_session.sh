@@ -29,6 +29,9 @@ rc=0
 for step in "${steps[@]}"; do
   case $step in
     core)
+      # CORE_TABLE: a table built elsewhere (the GPU host's transformers may refuse the GLM-5.2 config's
+      # layer_types; build it where `vllm-dsa inspect` works and carry it)
+      if [ -n "${CORE_TABLE:-}" ]; then cp "$CORE_TABLE" /tmp/glm52_lbnhc.json; else
       python3 - <<'EOF' >"$OUT/core_table.log" 2>&1
 import json
 from vllm_dsa_connector.layout import build_offline
@@ -37,6 +40,7 @@ from vllm_dsa_connector.layout import build_offline
 open("/tmp/glm52_lbnhc.json", "w").write(json.dumps(t.to_dict()))
 print(len(t.pools), "pools", t.bytes_per_block, "B/block")
 EOF
+      fi
       for path in ${CORE_PATHS:-ipc bounce direct}; do
         stamp "core_pd --path $path"
         timeout 150 python3 bench/core_pd.py --device cuda --table /tmp/glm52_lbnhc.json --requests 594,300,64,8 \

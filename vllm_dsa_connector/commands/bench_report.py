@@ -134,21 +134,28 @@ def render_gpu_pd(data: dict[str, Any]) -> list[str]:
         return table(["mode", "turns", "pages equal every turn", "bytes D received per turn", "layers compared"], rows)
     rows = []
     for name, pair in data["pairs"].items():
-        pages = pair.get("pages", {})
-        equal = pages.get("ok")
+        turns = pair.get("pages", {}).get("turns", [])
+        equal = f"{sum(t.get('pages_equal') is True for t in turns)}/{len(turns)}" if turns else ""
         table_ok = all(v.get("equal") for v in pair.get("page_table", {}).values()) if "page_table" in pair else None
         for blocks, s in pair.get("timing", {}).get("summary", {}).items():
             rows.append([name, pair["connector"], pair["kv_cache_dtype"], pair["mode"], blocks, _mb(s["bytes"]),
-                         s["transfer_ms_median"], s["ttft_ms_median"], s["d_first_token_ms_median"],
-                         fmt(s["descriptors"]), fmt(s.get("bounce_bytes")), equal,
+                         s["transfer_ms_median"], s["ttft_ms_median"], fmt(s.get("ttft_ratio_vs_single")),
+                         s["d_first_token_ms_median"], fmt(s["descriptors"]), fmt(s.get("bounce_bytes")),
+                         fmt(s.get("ipc_bytes")), fmt(s.get("layered_bytes")), equal,
                          "" if table_ok is None else table_ok])
     lines = table(["pair", "connector", "KV dtype", "mode", "blocks", "bytes", "transfer (ms)", "TTFT (ms)",
-                   "D first token (ms)", "descriptors", "bounced bytes", "pages equal", "page table = offline"], rows)
+                   "TTFT / one engine", "D first token (ms)", "descriptors", "bounced bytes", "ipc bytes",
+                   "layered bytes", "turns with pages equal", "page table = offline"], rows)
     side = data.get("side_by_side")
     if side:
-        lines += ["", "NixlConnector / DSAConnector, medians: " + "; ".join(
-            f"{b} blocks: transfer {fmt(v['transfer_nixl_over_dsa'])}x, TTFT {fmt(v['ttft_nixl_over_dsa'])}x"
-            for b, v in side.items()) + "."]
+        # one level per DSAConnector pair ({pair: {blocks: ratios}}), or the older {blocks: ratios}
+        nested = all(isinstance(v, dict) and "ttft_nixl_over_dsa" not in v for v in side.values())
+        per_pair = side if nested else {"": side}
+        for pair_name, by_blocks in per_pair.items():
+            label = f" (against `{pair_name}`)" if pair_name else ""
+            lines += ["", f"NixlConnector / DSAConnector{label}, medians: " + "; ".join(
+                f"{b} blocks: transfer {fmt(v['transfer_nixl_over_dsa'])}x, TTFT {fmt(v['ttft_nixl_over_dsa'])}x"
+                for b, v in by_blocks.items()) + "."]
     return lines
 
 
