@@ -288,16 +288,11 @@ def test_unanswered_handshake_is_retried_inside_the_transfer_budget(pd, tiny_mla
     """P's side channel silent for one handshake timeout (closed, then bound again on its port: what a
     starved or restarting P looks like from D): the waiting request is not failed; the next attempt
     succeeds, and the load registers and is pushed as usual."""
-    from vllm_dsa_connector.connector.options import ConnectorOptions
-    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
     from vllm_dsa_connector.handoff.side_channel import SideChannelServer
 
     _, d, clock = pd
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
-    p2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-late",
-                               ConnectorOptions.from_config(extra), clock)
+    p2 = _second_p(tiny_mla_dir, "P-late", clock)
     try:
-        p2.set_local_payloads([_payload("P-late")])
         params = _prefill(p2, "p-late", 2 * BLOCK, [21, 22])
         host, port = p2.server.host, p2.server.port
         p2.server.close()
@@ -767,16 +762,11 @@ def test_an_unanswered_cancel_is_sent_again_until_p_answers(pd, tiny_mla_dir: Pa
     WRITE, and D hands its blocks back on P's answer instead of keeping them until the write bound."""
     from vllm.v1.request import RequestStatus
 
-    from vllm_dsa_connector.connector.options import ConnectorOptions
-    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
     from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer
 
     _, d, clock = pd
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
-    p2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-deaf",
-                               ConnectorOptions.from_config(extra), clock)
+    p2 = _second_p(tiny_mla_dir, "P-deaf", clock)
     try:
-        p2.set_local_payloads([_payload("P-deaf")])
         req = _registered(p2, d, clock, "deaf", [31, 32], [80, 81])
         host, port = p2.server.host, p2.server.port
         p2.server.close()
@@ -800,6 +790,18 @@ def test_an_unanswered_cancel_is_sent_again_until_p_answers(pd, tiny_mla_dir: Pa
         d.update_connector_output(_output(recving={"d-deaf"}, failed={"d-deaf"}))
     finally:
         p2.shutdown()
+
+
+def _second_p(model_dir: Path, engine_id: str, clock):
+    """Another producer scheduler beside the fixture's pair (its own side channel), payloads set."""
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    p2 = DSAConnectorScheduler(_config(model_dir, "kv_producer", extra), engine_id,
+                               ConnectorOptions.from_config(extra), clock)
+    p2.set_local_payloads([_payload(engine_id)])
+    return p2
 
 
 def _until_state(p, req_id: str, state: LeaseState) -> None:
