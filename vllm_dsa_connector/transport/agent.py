@@ -163,7 +163,15 @@ class NixlAgent:
         self._disconnected.pop(peer, None)
         self._backoff.reset(peer, proven=True)
         self._cold(peer)
+        self._connect(peer)
         return peer
+
+    def _connect(self, peer: str) -> None:
+        """Ask NIXL to wire the connection up now (documented as optional: best effort)."""
+        try:
+            self._agent.make_connection(peer)
+        except Exception as e:  # noqa: BLE001 - the first post wires it up instead
+            logger.debug("make_connection %s: %s", peer, e)
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer (its in-flight transfers should be waited for or abandoned first)."""
@@ -213,6 +221,7 @@ class NixlAgent:
         self._conn[peer] = self._conn.get(peer, 0) + 1
         self._backoff.reconnected(peer)
         self._cold(peer)
+        self._connect(peer)
         self._lists.reprepare(peer)
         why = self._disconnected.pop(peer, "") or reason
         self.reconnects += 1
