@@ -11,7 +11,7 @@ abort (a cancel on the peer's control thread), and fails the loads of a P start 
 (:meth:`Consumer._restarted`).
 
 A cancel P did not answer may never have reached P: D sends it again on its next steps until P answers or
-P's lease has run out anyway (:mod:`.cancels`); D keeps stepping while one is unanswered.
+P's lease has run out anyway (:mod:`.cancels`); D retries on the steps it takes anyway.
 
 Nothing grows without bound: idle peers are forgotten (:meth:`Consumer.forget_idle`), at most
 :data:`_TAKEN` P requests are remembered as taken (:meth:`Consumer.taken_by`), a peer's unanswered
@@ -295,9 +295,8 @@ class Consumer:
         return bool(self._cancels)
 
     def pending(self) -> bool:
-        """Whether any load is tracked (queued, registering, registered or given up), or a cancel awaits P's
-        answer."""
-        return bool(self.loads) or bool(self._cancels)
+        """Whether any load is tracked (queued, registering, registered or given up)."""
+        return bool(self.loads)
 
     def load(self, req_id: str) -> Loading | None:
         """The load of D request ``req_id`` (None: it does not load from P, or it finished)."""
