@@ -66,9 +66,6 @@ class PendingCancels:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def retry(self, now: float) -> None:
         """Send again the cancels P left unanswered (a transient error: timeout, or a reply that was not P's
         word), at most every :data:`CANCEL_RETRY_S`, until their ``until``; forget the answered ones (P's answer,

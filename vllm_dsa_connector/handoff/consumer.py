@@ -98,7 +98,7 @@ class Consumer:
         self._last_hb = 0.0
         self._heartbeats: list[tuple[str, list[ReqRef], Future]] = []  # (engine, refs, reply) in flight
         self._taken: OrderedDict[tuple[str, str], str] = OrderedDict()  # (P engine, P request) -> D request
-        self._cancels = PendingCancels(self._send_cancel)  # cancels P has not answered yet
+        self._cancels = PendingCancels(self._send_cancel, engine_id)  # cancels P has not answered yet
         self.heartbeats_refused = 0  # heartbeats P answered with a refusal (each an error, logged)
 
     @property
