@@ -311,3 +311,46 @@ def test_kv_both_engines_swap_roles_and_each_direction_lands() -> None:
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_layered_push_is_not_waited_for_before_the_forward_and_lands_layer_by_layer(monkeypatch) -> None:
+    """``layer_push``: the step that finishes P's prefill opens the post in ``start_load_kv`` (before the
+    forward) and feeds it from ``save_kv_layer``. ``start_load_kv`` must not spin on that open post: it cannot
+    finish before the layers are computed, and the spin (``_SPIN_S``) held every such step back by 50 ms
+    (bench pd and the GPU pair showed it). Then each layer goes out as it is saved, ``wait_for_save`` closes the
+    post, and D gets the request checksummed. ``SendSide.poll`` is wrapped only to count its calls. Its own
+    pair of workers: the module's pair has seen restarts and forgets."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.connector.sending import SendSide
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    p, _ = _worker("P-layered", "kv_producer")
+    d, _ = _worker("D-layered", "kv_consumer")
+    try:
+        _layered_push(p, d, monkeypatch)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _layered_push(p: Any, d: Any, monkeypatch: Any) -> None:
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.connector.sending import SendSide
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    _arm(p, d, "d-layered")
+    polls = []
+    real_poll = SendSide.poll
+    monkeypatch.setattr(SendSide, "poll", lambda self: (polls.append(1), real_poll(self))[1])
+    push = PushJob("p-layered", d.engine_id, "d-layered", SRC_BLOCKS, DST_BLOCKS, verify=True, layered=True)
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
+    assert polls == [], f"start_load_kv polled an open layer-by-layer post {len(polls)} times before the forward"
+    layered = p.stats.data["layered_bytes"]
+    assert layered > 0
+    for name in sorted(p.layer_ids, key=p.layer_ids.get):  # the forward: each attention layer saved in order
+        p.save_layer(name)
+    p.wait_for_save()
+    failed = _until_received(p, d, "d-layered", "the layered push never landed")
+    assert not failed and not d.get_block_ids_with_load_errors()
+    assert d.stats.data["checksum_mismatches"] == 0

@@ -362,10 +362,19 @@ class SendSide:
     def progress(self) -> None:
         """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread
         (it would busy-poll a core the engine needs), so UCX copies only while someone polls; without
-        this the copy would wait for the next engine step."""
+        this the copy would wait for the next engine step. A layer-by-layer post still open cannot finish
+        before this step's forward computed its layers: it is not waited for (spinning on it here, before the
+        forward, would delay P's last prefill step by the whole ``_SPIN_S``)."""
         deadline = time.perf_counter() + _SPIN_S
-        while self._sends and time.perf_counter() < deadline:
+        while self._finishable() and time.perf_counter() < deadline:
             self.poll()
+
+    def _finishable(self) -> bool:
+        """Whether a post in flight may finish without more layers (any post but an open layered one)."""
+        if not self._layers:
+            return bool(self._sends)
+        open_posts = {id(entry.group.post) for entry in self._layers}
+        return any(id(g.post) not in open_posts for send in self._sends.values() for g in send.groups)
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
         rank = self._rank()
