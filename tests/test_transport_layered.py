@@ -11,7 +11,8 @@ elsewhere, exactly one completion notice arrived, and D's pools equal those of a
 whole parts. The bounce route writes each layer as it is gathered with layer-outermost pools (several
 WRITEs) and once, at the last layer, with block-outermost pools. Failures: a deadline passed before a
 later layer, runs outside the open's parts, bytes added twice, an add after close, a close before every
-byte was added: the post fails (or the call raises) and no completion notice arrives.
+byte was added: the post fails (or the call raises) and no completion notice arrives. An ipc notice on a
+cold connection keeps the post in flight for the flush window (NIXL does not track it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vllm_dsa_connector.transport import (
     StagingArena,
     WriterSpec,
 )
+from vllm_dsa_connector.transport.agent import NOTIFY_FLUSH_S
 from vllm_dsa_connector.transport.notices import encode_notif, parse_notif
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs, packed_offsets
@@ -351,3 +353,27 @@ def test_cuda_sources_are_posted_only_once_their_kernels_finished(path: str) -> 
         torch.cuda.synchronize()
         for got, want in zip(r.dsts, expected(r, runs), strict=True):
             assert torch.equal(got, want)
+
+
+def test_a_layered_ipc_notice_on_a_cold_connection_is_progressed_for_the_flush_window() -> None:
+    """The layered ipc post's one notice crosses a connection no WRITE warmed: the post stays in flight until
+    ``NOTIFY_FLUSH_S`` passed (P keeps progressing its agent), then it is DONE; the next one is DONE at once."""
+    with rig("layer_outer") as r:
+        now = [50.0]
+        r.a.clock = lambda: now[0]
+        sb, db = request(11)
+        runs = whole_runs(r.layout, sb, db)
+        for k in range(2):
+            tag = f"cold-{k}".encode()
+            arm(r, tag, "ipc", runs)
+            post = r.transport.open(r.peer, parts_of(r, runs), writer=WRITER, tag=tag, path="ipc", pools=[0, 1])
+            for layer in range(LAYERS):
+                r.transport.add(post, layer_runs(r.layout, layer, sb, db))
+            r.transport.close(post)
+            if k == 0:  # cold: sent, kept in flight until the window passed
+                assert not r.transport.progress(post) and not r.transport.progress(post)
+                assert post.state is PostState.IN_FLIGHT and r.a.notification_pending(r.peer)
+                now[0] += NOTIFY_FLUSH_S
+            assert r.transport.progress(post) and post.state is PostState.DONE, post.error
+            results, notices = drive(r, post)
+            assert [x.state for x in results] == [RecvState.DONE] and notices == [encode_notif("ipc", WRITER, tag)]

@@ -8,7 +8,9 @@ and the indexer K cache in separate pools), and the one :class:`Receiver`:
 - a direct route writes each part;
 - a notification of another kind than the writer's route fails that writer (``COMPLETES``);
 - a route the writer cannot follow (no local arena, a slot smaller than the parts, an ipc route without a
-  mapping of the receiver's pools) fails the post with the reason, nothing posted and nothing notified.
+  mapping of the receiver's pools) fails the post with the reason, nothing posted and nothing notified;
+- an ipc post's notice on a cold connection (no completed message on it yet) keeps the post in flight for
+  the flush window (NIXL does not track the notice: it leaves only while P progresses).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from vllm_dsa_connector.transport import (
     StagingArena,
     WriterSpec,
 )
+from vllm_dsa_connector.transport.agent import NOTIFY_FLUSH_S
+from vllm_dsa_connector.transport.notices import encode_notif
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs, packed_offsets, packed_parts, runs_from_blocks
 from vllm_dsa_connector.transport.staging import StagingSlot
@@ -120,6 +124,74 @@ def test_routes_are_followed_and_a_route_that_cannot_be_is_a_failed_post() -> No
         assert transport.arena.free_bytes == transport.arena.size
         empty = Runs.empty()
         assert packed_offsets([empty.total_bytes]) == ([0], 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_ipc_notice_on_a_cold_connection_is_progressed_for_the_flush_window() -> None:
+    """No WRITE crosses an ipc post's connection and NIXL does not track its notification: on a connection
+    that has not carried a completed message, the post stays in flight (each progress progressing P's agent)
+    until ``NOTIFY_FLUSH_S`` passed, then it is DONE and the connection warm (the next post DONE at once); a
+    completed WRITE warms a connection too; a reconnect makes it cold again. The failure notice
+    (``notify``) progresses for the window itself."""
+    stamp = time.monotonic_ns()
+    now = [100.0]
+    a, b = NixlEngine(f"cold-s-{stamp}", clock=lambda: now[0]), NixlEngine(f"cold-r-{stamp}")
+    try:
+        src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+        dst = torch.zeros_like(src)
+        rs, rd = a.register(src), b.register(dst)
+        transport = RoutedTransport(a, 20.0, clock=lambda: now[0])
+        peer = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        transport._maps[peer] = [dst]  # D's pool "mapped" here (a CPU tensor: the copies accept it)
+        parts = [(rs, rd.desc(), Runs(np.array([0]), np.array([0]), np.array([src.numel()])))]
+
+        def ipc(tag: bytes):
+            return transport.post(peer, parts, writer=1, tag=tag, path="ipc", pools=[0])
+
+        post = ipc(b"first")
+        for _ in range(3):  # sent, but kept in flight: P keeps progressing its agent
+            assert not transport.progress(post) and post.state is PostState.IN_FLIGHT
+        assert len(post.stats) == 1 and a.notification_pending(peer) and torch.equal(dst, src)
+        now[0] += NOTIFY_FLUSH_S - 0.01
+        assert not transport.progress(post)
+        now[0] += 0.01
+        assert transport.progress(post) and post.state is PostState.DONE and not post.error
+        assert len(post.stats) == 1  # one notification, not sent again
+        post = ipc(b"second")  # warm now: DONE at once
+        assert transport.progress(post) and post.state is PostState.DONE
+
+        a.reconnect(peer, "test")  # a new connection: cold again
+        post = ipc(b"third")
+        assert not transport.progress(post)
+        now[0] += NOTIFY_FLUSH_S
+        assert transport.progress(post) and post.state is PostState.DONE
+
+        a.reconnect(peer, "test")  # a completed WRITE warms the new connection
+        direct = transport.post(peer, parts, writer=1, tag=b"direct")
+        deadline = time.monotonic() + 20
+        while not transport.progress(direct):
+            b.progress()  # D's engine loop (the new connection's wire-up needs both sides)
+            assert time.monotonic() < deadline, "the direct post did not complete"
+        assert direct.state is PostState.DONE and not a.notification_pending(peer)
+        post = ipc(b"fourth")
+        assert transport.progress(post) and post.state is PostState.DONE
+
+        got: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 5:  # every notice arrived, each once
+            got += [m for _, m in b.poll_notifications()]
+            assert time.monotonic() < deadline, got
+        assert sorted(got) == sorted(encode_notif(p, 1, t) for p, t in (
+            ("ipc", b"first"), ("ipc", b"second"), ("ipc", b"third"), ("direct", b"direct"), ("ipc", b"fourth")))
+
+        a.reconnect(peer, "test")  # a failure notice on a cold connection: progressed for the window in notify
+        a.clock = time.perf_counter
+        t0 = time.perf_counter()
+        transport.notify(peer, 1, b"failed")
+        assert time.perf_counter() - t0 >= NOTIFY_FLUSH_S and not a.notification_pending(peer)
     finally:
         a.close()
         b.close()

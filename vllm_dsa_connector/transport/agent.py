@@ -18,12 +18,22 @@ each reconnect (the connector counts and logs them); :attr:`NixlAgent.reconnects
 
 A peer that stays unreachable backs off (:mod:`.backoff`): posts to it fail at once, naming the peer and
 when the next reconnect attempt is, until that attempt; :meth:`NixlAgent.backoff` reports it.
+
+Untracked notifications (:meth:`NixlAgent.send_notification`, and the notification of an empty WRITE) on a
+cold connection: NIXL does not track them, and on a connection that has not carried a message yet one waits
+in this agent for UCX's wire-up and leaves only while this agent progresses (CUDA IPC pairs showed it: no
+WRITE was polled to DONE, P went idle, and the first request's notice stayed in P's worker). A connection is
+warm once a tracked transfer on it completed, or once an untracked notification on it was progressed for
+:data:`NOTIFY_FLUSH_S`; until then :meth:`NixlAgent.notification_pending` is true after such a send and the
+sender keeps calling it (each call progresses the agent). :meth:`NixlAgent.reconnect` makes the connection
+cold again.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -33,7 +43,13 @@ from vllm_dsa_connector.transport.prepared import PreparedLists
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISCONNECT_ERRORS", "NixlAgent", "is_disconnect"]
+__all__ = ["DISCONNECT_ERRORS", "NOTIFY_FLUSH_S", "NixlAgent", "is_disconnect"]
+
+#: How long a sender keeps progressing its agent after an untracked notification went out on a cold
+#: connection before it presumes the notification delivered (NIXL sends no acknowledgement). Wire-up between
+#: live peers that progress takes milliseconds; the window costs a fresh connection's first notice this
+#: much, later ones nothing (the connection is warm then).
+NOTIFY_FLUSH_S = 0.2
 
 #: NIXL's exception class names and status names that mean the connection to the peer is gone (the peer
 #: process died, or the link was down long enough for UCX to fail the endpoint): only a new connection helps.
@@ -52,7 +68,8 @@ class NixlAgent:
     What :class:`~.engine.NixlEngine` builds its transfers on: ``_agent`` (the raw ``nixl_agent``),
     ``_peers``, ``_conn`` (the connection count of each peer, tagging transfers), ``_backoff``, ``_lists``,
     ``_ids`` / ``_inflight`` (transfer ids, the posted transfers :meth:`close` releases),
-    :meth:`_ensure_connected`, :meth:`_note_failure` and :meth:`_release`.
+    :meth:`_ensure_connected`, :meth:`_note_failure`, :meth:`_release`, and :meth:`_sent_untracked` /
+    :meth:`_warmed` (an untracked notification sent, a transfer on the current connection completed).
     """
 
     def __init__(
@@ -64,12 +81,14 @@ class NixlAgent:
         on_reconnect: Callable[[str, str], None] | None = None,
         reconnect_backoff_s: float = 0.5,
         reconnect_backoff_max_s: float = 30.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``on_reconnect(peer, reason)``: called after each :meth:`reconnect` (under the caller's lock).
         ``reconnect_backoff_s`` / ``reconnect_backoff_max_s``: the first and the longest wait between reconnect
         attempts to a peer that stays unreachable (see the module docstring); ``ValueError`` unless
         ``0 < reconnect_backoff_s <= reconnect_backoff_max_s`` (finite): a peer that is gone must cost little
-        per post, and one that comes back must be tried again within a bounded time."""
+        per post, and one that comes back must be tried again within a bounded time. ``clock``: times the
+        flush window of untracked notifications (:data:`NOTIFY_FLUSH_S`)."""
         self._backoff = ReconnectBackoff(name, reconnect_backoff_s, reconnect_backoff_max_s)
         try:
             from nixl._api import nixl_agent, nixl_agent_config
@@ -104,6 +123,9 @@ class NixlAgent:
         self._ids = itertools.count()
         self._inflight: dict[int, Transfer] = {}
         self._backlog: list[tuple[str, bytes]] = []  # notifications drained by progress()
+        self.clock = clock
+        self._warm: set[str] = set()  # peers whose current connection is warm (see the module docstring)
+        self._unflushed: dict[str, float] = {}  # peer -> latest untracked notification sent on its cold connection
         self._closed = False
 
     # -- memory and peers -------------------------------------------------------------------------
@@ -140,6 +162,7 @@ class NixlAgent:
         self._meta[peer] = bytes(meta)
         self._disconnected.pop(peer, None)
         self._backoff.reset(peer, proven=True)
+        self._cold(peer)
         return peer
 
     def remove_peer(self, peer: str) -> None:
@@ -150,6 +173,7 @@ class NixlAgent:
             self._disconnected.pop(peer, None)
             self._lists.forget(peer)
             self._backoff.reset(peer, proven=False)
+            self._cold(peer)
             try:
                 self._agent.remove_remote_agent(peer)
             except Exception as e:  # NIXL raises if already gone; nothing to undo
@@ -188,6 +212,7 @@ class NixlAgent:
             raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
         self._conn[peer] = self._conn.get(peer, 0) + 1
         self._backoff.reconnected(peer)
+        self._cold(peer)
         self._lists.reprepare(peer)
         why = self._disconnected.pop(peer, "") or reason
         self.reconnects += 1
@@ -247,13 +272,13 @@ class NixlAgent:
 
     # -- notifications ------------------------------------------------------------------------------
 
-    def send_notification(self, peer: str, msg: bytes) -> None:
-        """A notification not bound to a transfer.
+    def send_notification(self, peer: str, msg: bytes) -> bool:
+        """A notification not bound to a transfer; ``True`` when the sender must keep progressing.
 
         NIXL does not track it: when UCX cannot send it at once (the first message to a peer waits
         for the connection's wire-up, or the send queue is full) it leaves only while this agent
-        progresses. The sender must keep calling :meth:`progress` (or ``wait``/``state``/
-        :meth:`poll_notifications`) until the peer saw it; this call progresses once.
+        progresses. This call progresses once; on a cold connection (see the module docstring) it returns
+        ``True`` and the sender calls :meth:`notification_pending` until it is false.
         """
         self._ensure_connected(peer)
         try:
@@ -272,6 +297,45 @@ class NixlAgent:
                 raise TransferError(f"notification to peer {peer!r} failed after a reconnect: {e2}",
                                     peer=peer) from e2
         self.progress()
+        return self._sent_untracked(peer)
+
+    def notification_pending(self, peer: str) -> bool:
+        """Whether an untracked notification to ``peer`` may still wait in this agent: one went out on its
+        cold connection less than :data:`NOTIFY_FLUSH_S` ago. Progresses the agent once while so; the
+        sender calls it until it is false (the connection is warm then)."""
+        sent = self._unflushed.get(peer)
+        if sent is None:
+            return False
+        self.progress()
+        if self.clock() - sent < NOTIFY_FLUSH_S:
+            return True
+        self._warmed(peer)
+        return False
+
+    def flush_notifications(self, peer: str) -> None:
+        """Progress until :meth:`notification_pending` is false, at most :data:`NOTIFY_FLUSH_S` (of real
+        time): for a notification no later call of the sender will progress (a failure notice)."""
+        end = time.perf_counter() + NOTIFY_FLUSH_S
+        while self.notification_pending(peer) and time.perf_counter() < end:
+            time.sleep(1e-4)
+
+    def _sent_untracked(self, peer: str) -> bool:
+        """Note an untracked notification just sent to ``peer``; whether the sender must keep progressing."""
+        if peer in self._warm or peer not in self._peers:
+            return False
+        self._unflushed[peer] = self.clock()
+        return True
+
+    def _warmed(self, peer: str) -> None:
+        """``peer``'s current connection carried a completed message: notifications on it leave at once."""
+        if peer in self._peers:
+            self._warm.add(peer)
+        self._unflushed.pop(peer, None)
+
+    def _cold(self, peer: str) -> None:
+        """``peer``'s connection is new (added, reconnected) or gone: nothing has crossed it yet."""
+        self._warm.discard(peer)
+        self._unflushed.pop(peer, None)
 
     def progress(self) -> None:
         """Progress the agent (pending sends, connection wire-up) without losing notifications: the

@@ -82,6 +82,7 @@ class NixlEngine(NixlAgent):
             if runs.num_runs == 0:
                 self._agent.send_notif(peer, notif)
                 self.progress()  # untracked by NIXL: see send_notification
+                self._sent_untracked(peer)
                 xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
                 return "DONE"
             n = runs.num_runs
@@ -187,6 +188,7 @@ class NixlEngine(NixlAgent):
             if li.size == 0:
                 self._agent.send_notif(peer, notif)
                 self.progress()  # untracked by NIXL: see send_notification
+                self._sent_untracked(peer)
                 xfer_obj.stats = TransferStats(0, 0, 0.0, 0 if self.telemetry else -1)
                 return "DONE"
             xh = self._agent.make_prepped_xfer("WRITE", local._handle, li, remote._handle, ri, notif)
@@ -211,6 +213,7 @@ class NixlEngine(NixlAgent):
             return "ERR"
         if st == "DONE" and xfer.peer in self._peers and xfer._conn == self._conn.get(xfer.peer, 0):
             self._backoff.works(xfer.peer)
+            self._warmed(xfer.peer)  # untracked notifications on this connection leave at once now
         return st
 
     def wait(self, xfer: Transfer, timeout_s: float = 10.0) -> TransferStats:

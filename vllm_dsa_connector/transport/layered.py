@@ -22,7 +22,9 @@ A layered post (:class:`LayeredPost`) lives in three calls of :class:`~.routed.R
   goes out as it is ready; with block-outermost pools (one merged run spans every layer of a block) the
   one WRITE happens at the last layer.
 - :func:`close_post` (``RoutedTransport.close``): no more layers; :func:`progress` sends the notice once
-  every WRITE / copy is DONE and every byte of the open's parts was added, then the post is DONE.
+  every WRITE / copy is DONE and every byte of the open's parts was added, then the post is DONE (on a
+  connection that has not carried a completed WRITE, e.g. ipc's, once the notice can be presumed delivered:
+  :meth:`~.agent.NixlAgent.notification_pending`).
 
 CUDA sources: NIXL must not read a page before the kernels that wrote it finished, so ``add`` records a
 ``torch.cuda.Event`` on the current stream (after the gather or copy it enqueued, which is ordered on that
@@ -404,11 +406,15 @@ def progress(host: LayerHost, post: LayeredPost) -> bool:
         post.error = (f"layered {post.path} post to {post.peer!r} closed before every byte was added: part "
                       f"{missing[0]} got {int(p.got.sum())} of {p.merged.total_bytes} B")
         return _finish(host, post, PostState.FAILED)
-    try:
-        host.engine.send_notification(post.peer, encode_notif(post.path, post.writer, post.tag))
-    except Exception as e:  # noqa: BLE001 - no notice: the receiver fails the writer after its timeout
-        post.error = f"completion notice to {post.peer!r} not sent: {e}"
-        return _finish(host, post, PostState.FAILED)
+    if not post._noticed:
+        try:
+            post._noticed = True
+            host.engine.send_notification(post.peer, encode_notif(post.path, post.writer, post.tag))
+        except Exception as e:  # noqa: BLE001 - no notice: the receiver fails the writer after its timeout
+            post.error = f"completion notice to {post.peer!r} not sent: {e}"
+            return _finish(host, post, PostState.FAILED)
+    if host.engine.notification_pending(post.peer):
+        return False  # a cold connection: progress until the notice can be presumed delivered (:mod:`.agent`)
     logger.debug("layered %s post of writer %d to %r done (%d WRITEs/copies)", post.path, post.writer,
                  post.peer, len(post.stats))
     return _finish(host, post, PostState.DONE)

@@ -13,7 +13,9 @@ fails the post with the reason, and the caller's failure notice tells D):
 - ``ipc`` (same host, CUDA pools): one copy per part (:func:`~.local_copy.copy_runs`) into this process's
   CUDA IPC mapping of the receiver's pools (:meth:`RoutedTransport.map_peer`, opened once per peer), a
   CUDA event behind the copies, and ``dsa1:i<writer>:<tag>`` once it fired (polled from
-  :meth:`RoutedTransport.progress`, never waited on in a step).
+  :meth:`RoutedTransport.progress`, never waited on in a step). No WRITE crosses the connection, so on a
+  cold one the post stays IN_FLIGHT after the notification until it can be presumed delivered
+  (:meth:`~.agent.NixlAgent.notification_pending`: NIXL does not track it, it leaves while P progresses).
 
 A writer may also push layer by layer (:mod:`.layered`): :meth:`RoutedTransport.open` the whole request's
 parts, :meth:`RoutedTransport.add` each layer's runs as its attention ran, :meth:`RoutedTransport.close`;
@@ -73,6 +75,7 @@ class _Copied:
     num_runs: int
     total_bytes: int
     started: float = field(default_factory=time.perf_counter)
+    sent: bool = False  # the notification went out (it may still wait in the agent on a cold connection)
 
 
 class RoutedTransport:
@@ -256,13 +259,15 @@ class RoutedTransport:
                 x.res = None
             return True
         assert isinstance(x, _Copied)
+        if x.sent:
+            return not self.engine.notification_pending(post.peer)
         if x.event is not None and not x.event.query():
             if now - x.started < self.timeout_s:
                 return False
             raise TransferError(f"ipc copy to {post.peer!r} not done after {self.timeout_s} s", peer=post.peer)
-        self.engine.send_notification(post.peer, x.notif)
+        x.sent = self.engine.send_notification(post.peer, x.notif)
         post.stats.append(TransferStats(x.num_runs, x.total_bytes, now - x.started, 0))
-        return True
+        return not x.sent
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
         """A notification ``dsa1:d<writer>:<tag>`` on its own (the caller's failure notice)."""

@@ -19,6 +19,12 @@ completion wait for the TARGET to progress), a bounce's one WRITE into the recei
 its failure notice says (:meth:`Transport.notify`) once :meth:`progress` reports FAILED, i.e. once no part
 of the post is in flight any more.
 
+Sent on a connection that has not carried a completed message yet, a notification is untracked by NIXL and
+leaves only while the sender's agent progresses (:mod:`.agent`): the post then stays IN_FLIGHT, each
+:meth:`~Transport.progress` progressing the agent, until :data:`~.agent.NOTIFY_FLUSH_S` passed
+(:meth:`~.agent.NixlAgent.notification_pending`), so the caller keeps driving it; :meth:`~Transport.notify`
+progresses for that window itself (no later call would).
+
 ``deadline`` (``time.monotonic()``): no WRITE is posted at or after it. It is checked right before each
 WRITE, after any wait for staging space, so a post that waited past it fails (``post.error`` says so)
 instead of writing into blocks the receiver may have given back.
@@ -84,6 +90,7 @@ class Post:
     started: float = field(default_factory=time.perf_counter)
     _inflight: list[Any] = field(default_factory=list, repr=False)  # the path's handles (Transfer for direct)
     _notify: bool = field(default=False, repr=False)  # send dsa1:d<writer>:<tag> once all parts are DONE
+    _noticed: bool = field(default=False, repr=False)  # its completion notice was sent (may still be flushing)
 
 
 class Transport(Protocol):
@@ -98,7 +105,8 @@ class Transport(Protocol):
         """Drive the post; ``True`` once it is over (``post.state`` DONE or FAILED). Never raises."""
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
-        """A notification ``dsa1:d<writer>:<tag>`` on its own (e.g. the caller's failure notice)."""
+        """A notification ``dsa1:d<writer>:<tag>`` on its own (e.g. the caller's failure notice); on a cold
+        connection it progresses until the notification can be presumed delivered (see the module docstring)."""
 
 
 class DirectTransport:
@@ -146,12 +154,15 @@ class DirectTransport:
         post._inflight = remaining
         if remaining:
             return False
-        post.state = PostState.FAILED if post.error else PostState.DONE
-        if post.state is PostState.DONE and post._notify:
+        if not post.error and post._notify and not post._noticed:
+            post._noticed = True
             try:
-                self.notify(post.peer, post.writer, post.tag)
+                self.engine.send_notification(post.peer, encode_notif("direct", post.writer, post.tag))
             except Exception as e:  # noqa: BLE001 - the receiver gives up after its timeout instead
                 logger.warning("transport: completion notification to %r not sent: %s", post.peer, e)
+        if self.engine.notification_pending(post.peer):
+            return False  # on a cold connection: keep progressing until it can be presumed delivered
+        post.state = PostState.FAILED if post.error else PostState.DONE
         return True
 
     def transfer_of(self, x: Any) -> Transfer:
@@ -162,5 +173,7 @@ class DirectTransport:
         return self.engine.wait(self.transfer_of(x), self.timeout_s)
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
-        """``dsa1:d<writer>:<tag>`` on its own."""
+        """``dsa1:d<writer>:<tag>`` on its own, progressed until it can be presumed delivered (a failure
+        notice: no later call progresses it)."""
         self.engine.send_notification(peer, encode_notif("direct", writer, tag))
+        self.engine.flush_notifications(peer)
