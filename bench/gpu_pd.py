@@ -7,7 +7,7 @@ a DSAConnector pair whose name has ``verify`` runs with ``verify_transfers``, ``
 ``bounce_mode=always`` (the staging arena on the device), ``ipc`` with ``ipc_mode=auto`` (on one GPU D
 routes every pair through CUDA IPC), ``mtp`` serves ``--mtp-model`` with MTP speculative decoding, ``early``
 times requests with early registration (both legs at once, one ``transfer_id``: D registers while P
-prefills) and ``layer_push`` on P, in 512-token prefill chunks)
+prefills) and ``layer_push`` on P (``nolp``: without it), ``chunk`` prefills on P in 512-token chunks)
 is a prefill and a decode engine with the KV probe worker extension; every engine starts at once
 (``--kv-cache-memory-bytes``, so concurrent starts on one GPU do not disturb each other's memory profile).
 Per pair:
@@ -88,8 +88,18 @@ class PairSpec:
 
     @property
     def early(self) -> bool:
-        """The pair's requests are timed with early registration and P's ``layer_push``."""
+        """The pair's requests are timed with early registration."""
         return "early" in self.name and self.connector == "dsa"
+
+    @property
+    def layer_push(self) -> bool:
+        """P posts layer by layer (``layer_push``): an early pair unless its name has ``nolp``."""
+        return self.early and "nolp" not in self.name
+
+    @property
+    def chunked(self) -> bool:
+        """P prefills in 512-token chunks (``--max-num-batched-tokens 512``): D registers before the last."""
+        return "chunk" in self.name
 
     @property
     def mtp(self) -> bool:
@@ -109,7 +119,7 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
             extra["ipc_mode"] = "auto"
         if "bounce" in spec.name:
             extra["bounce_mode"] = "always"
-        if spec.early:
+        if spec.layer_push:
             extra["layer_push"] = True
         cfg: dict[str, Any] = {"kv_connector": "DSAConnector", "kv_role": role, "kv_load_failure_policy": "fail",
                                "kv_connector_extra_config": extra, "engine_id": f"{spec.name}-{role}"}
@@ -122,7 +132,7 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
            "--kv-cache-dtype", spec.kv_cache_dtype, "--kv-transfer-config", json.dumps(cfg), *PROBE]
     if spec.mode == "eager":
         cmd.append("--enforce-eager")
-    if spec.early and role == "kv_producer":
+    if spec.chunked and role == "kv_producer":
         cmd += ["--max-num-batched-tokens", "512"]  # chunked: D registers before the final chunk
     if spec.mtp:
         cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]

@@ -9,8 +9,9 @@
 #
 # core: bench/core_pd.py on CUDA, the three routes D can choose (direct, bounce, ipc), every byte of D's pools
 #       checked, on the GLM-5.2-shaped table in vLLM's GPU layout (two pools).
-# early: bench/gpu_pd.py timing only what issue 34 asks: early registration + layer_push against the plain
-#       DSAConnector pair and one engine without P/D, on 1k- and 8k-token prompts (goal: P/D TTFT within 1.05x).
+# early: bench/gpu_pd.py timing what issue 34 asks: the plain DSAConnector pair, early registration with and
+#       without layer_push, and with P's prefill in 512-token chunks, each against one engine without P/D, on
+#       1k- and 8k-token prompts (goal: P/D TTFT within 1.05x). EARLY_PAIRS overrides the pairs.
 # transfer: bench/gpu_transfer.py (one GLM-5.2-shaped request through the transport's paths, every byte
 #       verified) on this tree and on the tree before the transport re-cut (.gpu_before/: `git archive 81dbd93
 #       vllm_dsa_connector bench`, carried), one run each, same arguments: the re-cut must be no slower.
@@ -79,8 +80,9 @@ EOF
       [ -f "$M/.complete" ] || python3 -m vllm_dsa_connector.cli make-model --kind dsa --index-n-heads 32 \
         --index-topk 128 --out "$M" >"$OUT/make_model.log" 2>&1
       mkdir -p "$OUT/early"; stamp "gpu_pd early"
-      OUT="$OUT/early" timeout 420 python3 bench/gpu_pd.py --model "$M" --timing-blocks 16,128 --repeats 4 \
-        --pairs early=dsa/graphs/auto,dsa=dsa/graphs/auto >"$OUT/gpu_pd_early.log" 2>&1
+      OUT="$OUT/early" timeout "${EARLY_TIMEOUT:-420}" python3 bench/gpu_pd.py --model "$M" --timing-blocks 16,128 --repeats 4 \
+        --pairs "${EARLY_PAIRS:-dsa=dsa/graphs/auto,early=dsa/graphs/auto,earlynolp=dsa/graphs/auto,earlychunk=dsa/graphs/auto}" \
+        >"$OUT/gpu_pd_early.log" 2>&1
       r=$?; stamp "gpu_pd early rc=$r"; [ $r -eq 0 ] || rc=1
       grep -a "ttft_ratio_vs_single\|^\[gpu_pd\] early timing" "$OUT/gpu_pd_early.log" | cut -c1-300 | tail -12
       ;;
