@@ -215,7 +215,12 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
     post_ms: dict[str, float] = {}
     paths: dict[str, int] = {}  # posts per path followed
     errors: list[str] = []
-    while not ch.poll():
+    stop_by = None  # once D said stop: the posts still in flight (an ipc notice's flush window) get this long
+    while True:
+        if stop_by is None and ch.poll():
+            stop_by = time.monotonic() + 5.0
+        if stop_by is not None and (not posts or time.monotonic() > stop_by):
+            break
         out = producer.step()
         for info in out.peers:  # D's layout, once: its agents and the plan P -> D
             d_payloads = [decode_payload(b) for b in info.payloads]

@@ -157,8 +157,11 @@ def test_an_ipc_notice_on_a_cold_connection_is_progressed_for_the_flush_window()
         assert len(post.stats) == 1 and a.notification_pending(peer) and torch.equal(dst, src)
         now[0] += NOTIFY_FLUSH_S - 0.01
         assert not transport.progress(post)
+        later = ipc(b"later")  # sent within the window: it queues behind the first and does not extend it
+        assert not transport.progress(later)
         now[0] += 0.01
         assert transport.progress(post) and post.state is PostState.DONE and not post.error
+        assert transport.progress(later) and later.state is PostState.DONE
         assert len(post.stats) == 1  # one notification, not sent again
         post = ipc(b"second")  # warm now: DONE at once
         assert transport.progress(post) and post.state is PostState.DONE
@@ -181,11 +184,11 @@ def test_an_ipc_notice_on_a_cold_connection_is_progressed_for_the_flush_window()
 
         got: list[bytes] = []
         deadline = time.monotonic() + 20
-        while len(got) < 5:  # every notice arrived, each once
+        while len(got) < 6:  # every notice arrived, each once
             got += [m for _, m in b.poll_notifications()]
             assert time.monotonic() < deadline, got
         assert sorted(got) == sorted(encode_notif(p, 1, t) for p, t in (
-            ("ipc", b"first"), ("ipc", b"second"), ("ipc", b"third"), ("direct", b"direct"), ("ipc", b"fourth")))
+            ("ipc", b"first"), ("ipc", b"later"), ("ipc", b"second"), ("ipc", b"third"), ("direct", b"direct"), ("ipc", b"fourth")))
 
         a.reconnect(peer, "test")  # a failure notice on a cold connection: progressed for the window in notify
         a.clock = time.perf_counter

@@ -125,7 +125,7 @@ class NixlAgent:
         self._backlog: list[tuple[str, bytes]] = []  # notifications drained by progress()
         self.clock = clock
         self._warm: set[str] = set()  # peers whose current connection is warm (see the module docstring)
-        self._unflushed: dict[str, float] = {}  # peer -> latest untracked notification sent on its cold connection
+        self._unflushed: dict[str, float] = {}  # peer -> first untracked notification sent on its cold connection
         self._closed = False
 
     # -- memory and peers -------------------------------------------------------------------------
@@ -300,9 +300,11 @@ class NixlAgent:
         return self._sent_untracked(peer)
 
     def notification_pending(self, peer: str) -> bool:
-        """Whether an untracked notification to ``peer`` may still wait in this agent: one went out on its
-        cold connection less than :data:`NOTIFY_FLUSH_S` ago. Progresses the agent once while so; the
-        sender calls it until it is false (the connection is warm then)."""
+        """Whether an untracked notification to ``peer`` may still wait in this agent: the first one on its
+        cold connection went out less than :data:`NOTIFY_FLUSH_S` ago (later ones queue behind it and leave
+        with it once the wire-up is done, so they do not extend the window: a stream of notices closer than the
+        window would otherwise keep every post in flight). Progresses the agent once while so; the sender
+        calls it until it is false (the connection is warm then)."""
         sent = self._unflushed.get(peer)
         if sent is None:
             return False
@@ -323,7 +325,7 @@ class NixlAgent:
         """Note an untracked notification just sent to ``peer``; whether the sender must keep progressing."""
         if peer in self._warm or peer not in self._peers:
             return False
-        self._unflushed[peer] = self.clock()
+        self._unflushed.setdefault(peer, self.clock())  # the window runs from the first (see notification_pending)
         return True
 
     def _warmed(self, peer: str) -> None:
