@@ -320,9 +320,6 @@ def test_a_layered_push_is_not_waited_for_before_the_forward_and_lands_layer_by_
     (bench pd and the GPU pair showed it). Then each layer goes out as it is saved, ``wait_for_save`` closes the
     post, and D gets the request checksummed. ``SendSide.poll`` is wrapped only to count its calls. Its own
     pair of workers: the module's pair has seen restarts and forgets."""
-    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.connector.sending import SendSide
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
 
     p, _ = _worker("P-layered", "kv_producer")
     d, _ = _worker("D-layered", "kv_consumer")
