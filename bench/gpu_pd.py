@@ -22,6 +22,9 @@ Per pair:
   (``KVProbe.dsa_page_table``) against the offline builder's prediction (``layout.build_offline``, what
   ``vllm-dsa inspect`` prints) for the same model, block size, KV cache dtype, KV cache layout and block
   count, every offset included; pointers, allocation sizes and the device left out.
+- **burst** (``--burst N``): first of all, on the fresh pair, N P/D requests at once (an early pair's through
+  both legs at once): the first requests of a pair overlap its handshake and its cold connections; every one
+  must complete, and D's loads are counted.
 - **timing**: fresh prompts of 16 and 30 blocks, one request at a time (the first, with the peer
   handshake, reported apart): TTFT as the client sees it (P's one-token prefill + D's first streamed
   token), the connector's own transfer time from its metrics (DSAConnector: P's post-to-completion
@@ -364,6 +367,59 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int, shapes_blocks:
     return {"requests": rows, "summary": summary}
 
 
+def _burst(connector: str, p_url: str, d_url: str, n: int, blocks: int, early: bool) -> dict[str, Any]:
+    """``n`` P/D requests at once (fresh prompts of ``blocks`` blocks; an early pair's through both legs at once):
+    how many completed, D's loads counted ok, each one's TTFT, and what failed. Real traffic overlaps: a
+    notice, lease or block list shared or lost between concurrent requests shows here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(23)
+    prompts = [_rng_ids(rng, blocks * BLOCK) for _ in range(n)]
+
+    def sequential(ids: list[int]) -> tuple[float, str, dict[str, Any]]:
+        t0 = time.perf_counter()
+        res = post_json(p_url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                    "kv_transfer_params": {"do_remote_decode": True}})
+        prefill = time.perf_counter() - t0
+        first, text = _stream_d(d_url, ids, res.get("kv_transfer_params"), 8)
+        return prefill + first, text, res.get("kv_transfer_params") or {}
+
+    p_side: dict[str, Any] = {}
+    if early:  # P's side-channel address, as the proxy knows it
+        p_side = sequential(_rng_ids(rng, BLOCK + 1))[2]
+
+    def one(ids: list[int]) -> tuple[float, str]:
+        if early:
+            _, first, text = _early_legs(p_url, d_url, ids, p_side)
+            return first, text
+        ttft, text, _ = sequential(ids)
+        return ttft, text
+
+    c0 = _counters(connector, p_url, d_url)
+    t0 = time.perf_counter()
+    ttfts, errors = [], []
+    with ThreadPoolExecutor(n) as pool:
+        for fut in [pool.submit(one, ids) for ids in prompts]:
+            try:
+                first, text = fut.result(300)
+                ttfts.append(first)
+                if not text:
+                    errors.append("empty reply")
+            except Exception as e:  # noqa: BLE001 - reported per request
+                errors.append(f"{type(e).__name__}: {e}"[:300])
+    wall = time.perf_counter() - t0
+    time.sleep(1.0)
+    c1 = _counters(connector, p_url, d_url)
+    out = {"requests": n, "blocks": blocks, "completed": len(ttfts) - sum(e == "empty reply" for e in errors),
+           "wall_s": round(wall, 3), "ttft_ms_median": round(statistics.median(ttfts) * 1e3, 2) if ttfts else None,
+           "ttft_ms_max": round(max(ttfts) * 1e3, 2) if ttfts else None, "errors": errors[:8],
+           "bytes": c1["bytes"] - c0["bytes"]}
+    if "recv_ok" in c0:
+        out["d_loads_ok"] = c1["recv_ok"] - c0["recv_ok"]
+    print(f"[gpu_pd] {connector} burst: {out}", flush=True)
+    return out
+
+
 def _key_lines(proc: Proc, limit: int = 40) -> list[str]:
     lines = proc.log.read_text(errors="replace").splitlines()
     keep = [ln[:400] for ln in lines if any(m in ln for m in LOG_MARKS) and "non-default args" not in ln]
@@ -385,6 +441,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=4, help="timed requests per prompt shape (default 4)")
     ap.add_argument("--timing-blocks", default="16,30",
                     help="prompt shapes of the timing, in 64-token blocks (default 16,30; 128: 8k tokens)")
+    ap.add_argument("--burst", type=int, default=0,
+                    help="after the timing, this many P/D requests at once per pair (0: none)")
+    ap.add_argument("--burst-blocks", type=int, default=16, help="prompt blocks of each burst request")
     args = ap.parse_args()
     specs = [PairSpec.parse(x) for x in args.pairs.split(",") if x]
     if any(s.mtp for s in specs) and not args.mtp_model:
@@ -415,6 +474,8 @@ def main() -> int:
                     return _counters(connector, d_url, d_url)["bytes"] if connector == "nixl" else \
                         metric(scrape(d_url), "vllm:dsa_kv_bytes_total", side="recv")
 
+                if args.burst:  # first, on the fresh pair: concurrent first requests (handshake, cold connections)
+                    res["burst"] = _burst(spec.connector, pu, du, args.burst, args.burst_blocks, spec.early)
                 res["pages"] = _pages(pu, du, recv)
                 if spec.connector == "dsa":
                     res["page_table"] = {"P": _table_check(pu, model_of[spec.name], spec.kv_cache_dtype),
@@ -432,7 +493,8 @@ def main() -> int:
                 c.stop(proc)
     judged = [r for r in result["pairs"].values() if r["connector"] == "dsa"]
     result["ok"] = all(r.get("pages", {}).get("ok") and all(t["equal"] for t in r.get("page_table", {}).values())
-                       and r.get("page_table") for r in judged)
+                       and r.get("page_table") and (not args.burst or r.get("burst", {}).get("completed") == args.burst)
+                       for r in judged)
     nixl = result["pairs"].get("nixl", {}).get("timing", {}).get("summary", {})
     side: dict[str, dict[str, Any]] = {}
     for name, pair in result["pairs"].items():

@@ -11,7 +11,8 @@
 #       checked, on the GLM-5.2-shaped table in vLLM's GPU layout (two pools).
 # early: bench/gpu_pd.py timing what issue 34 asks: the plain DSAConnector pair, early registration with and
 #       without layer_push, and with P's prefill in 512-token chunks, each against one engine without P/D, on
-#       1k- and 8k-token prompts (goal: P/D TTFT within 1.05x). EARLY_PAIRS overrides the pairs.
+#       1k- and 8k-token prompts (goal: P/D TTFT within 1.05x). EARLY_PAIRS overrides the pairs; BURST=N first
+#       sends N requests at once to each fresh pair.
 # transfer: bench/gpu_transfer.py (one GLM-5.2-shaped request through the transport's paths, every byte
 #       verified) on this tree and on the tree before the transport re-cut (.gpu_before/: `git archive 81dbd93
 #       vllm_dsa_connector bench`, carried), one run each, same arguments: the re-cut must be no slower.
@@ -81,6 +82,7 @@ EOF
         --index-topk 128 --out "$M" >"$OUT/make_model.log" 2>&1
       mkdir -p "$OUT/early"; stamp "gpu_pd early"
       OUT="$OUT/early" timeout "${EARLY_TIMEOUT:-420}" python3 bench/gpu_pd.py --model "$M" --timing-blocks 16,128 --repeats 4 \
+        ${BURST:+--burst "$BURST"} \
         --pairs "${EARLY_PAIRS:-dsa=dsa/graphs/auto,early=dsa/graphs/auto,earlynolp=dsa/graphs/auto,earlychunk=dsa/graphs/auto}" \
         >"$OUT/gpu_pd_early.log" 2>&1
       r=$?; stamp "gpu_pd early rc=$r"; [ $r -eq 0 ] || rc=1
