@@ -156,6 +156,13 @@ def render_gpu_pd(data: dict[str, Any]) -> list[str]:
             lines += ["", f"NixlConnector / DSAConnector{label}, medians: " + "; ".join(
                 f"{b} blocks: transfer {fmt(v['transfer_nixl_over_dsa'])}x, TTFT {fmt(v['ttft_nixl_over_dsa'])}x"
                 for b, v in by_blocks.items()) + "."]
+    bursts = [(name, pair["burst"]) for name, pair in data["pairs"].items() if pair.get("burst")]
+    if bursts:  # --burst: N requests at once on each fresh pair
+        lines += [""] + table(
+            ["pair", "requests at once", "blocks each", "completed", "D loads ok", "TTFT median / max (ms)", "errors"],
+            [[name, b["requests"], b["blocks"], b["completed"], fmt(b.get("d_loads_ok")),
+              f"{fmt(b['ttft_ms_median'])} / {fmt(b['ttft_ms_max'])}", "; ".join(b["errors"]) or "none"]
+             for name, b in bursts])
     return lines
 
 
