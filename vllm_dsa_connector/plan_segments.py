@@ -65,10 +65,6 @@ class TransferPlan:
         """Segments a destination rank receives."""
         return tuple(s for s in self.segments if s.dst_rank == dst_rank)
 
-    def for_src(self, src_rank: int) -> tuple[Segment, ...]:
-        """Segments a source rank sends."""
-        return tuple(s for s in self.segments if s.src_rank == src_rank)
-
     def for_pair(self, src_rank: int, dst_rank: int) -> tuple[Segment, ...]:
         """Segments from one source rank to one destination rank."""
         return tuple(s for s in self.segments if s.src_rank == src_rank and s.dst_rank == dst_rank)
@@ -76,10 +72,6 @@ class TransferPlan:
     def senders_for(self, dst_rank: int) -> tuple[int, ...]:
         """Source ranks that write into a destination rank."""
         return tuple(sorted({s.src_rank for s in self.for_dst(dst_rank)}))
-
-    def bytes_per_block(self, dst_rank: int) -> int:
-        """Bytes a destination rank receives per block."""
-        return sum(s.nbytes for s in self.for_dst(dst_rank))
 
 
 def check_compatible(src: PageTable, dst: PageTable) -> None:

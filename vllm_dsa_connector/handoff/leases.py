@@ -4,7 +4,8 @@
 :meth:`Lease.to`), :class:`DPeer` (P's record of one D engine start, from the payloads a registration brought:
 :func:`peer_record`), the checks a registration must pass against both (:func:`check_registration`: prompt
 length and digest, token span, D's blocks, staging slots and ipc exports), and :class:`HeldRegistrations`,
-the early registrations P keeps for requests it has not seen yet. :mod:`.producer` drives them; nothing
+the early registrations P keeps for requests it has not seen yet, and :class:`Tombstones`, the requests that
+ended. :mod:`.producer` drives them; nothing
 here takes a lock or talks to anyone.
 
 Peers and restarts (epochs). P keeps one record per D engine id (:class:`DPeer`: the epoch it was learnt
@@ -47,11 +48,13 @@ from vllm_dsa_connector.handoff.messages import MessageError, RegReq
 from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import PeerInfo, decode_payload, max_block_id
 
-__all__ = ["EARLY_HELD", "TRANSITIONS", "DPeer", "DRecords", "HeldRegistrations", "Lease", "LeaseState", "block_range",
-           "check_registration", "check_routes", "check_span", "peer_record"]
+__all__ = ["EARLY_HELD", "TOMBSTONES", "TRANSITIONS", "DPeer", "DRecords", "HeldRegistrations", "Lease", "LeaseState",
+           "Tombstones", "block_range", "check_registration", "check_routes", "check_span", "peer_record"]
 
 #: Early registrations P holds for requests it has not seen yet (beyond it a new one is refused)
 EARLY_HELD = 4096
+#: Ended requests P remembers (:class:`Tombstones`; beyond it the oldest are forgotten)
+TOMBSTONES = 65536
 
 
 class LeaseState(Enum):
@@ -96,6 +99,27 @@ class Lease:
         """The one place a lease changes state (:class:`~.states.IllegalTransition` if ``new`` is not
         allowed)."""
         self.state = _LEASES.step(self.req_id, self.state, new)
+
+    def refusal(self, reg: RegReq, epoch: int, sender: str, now: float) -> str | None:
+        """Whether ``reg``, sent by ``sender`` (its start ``epoch``), may register this lease: ``None`` it may
+        (the peer checks still to come), ``""`` it repeats the registration accepted (D missed the reply: the
+        same answer, nothing changes), else why not."""
+        prev = self.reg
+        if (prev is not None and self.state in (LeaseState.REGISTERED, LeaseState.DISPATCHED)
+                and (prev.d_engine, self.reg_epoch, prev.d_req, prev.first_token, prev.num_tokens, prev.d_blocks)
+                == (reg.d_engine, epoch, reg.d_req, reg.first_token, reg.num_tokens, reg.d_blocks)):
+            return ""
+        if prev is not None and (prev.d_engine, self.reg_epoch, prev.d_req) != (reg.d_engine, epoch, reg.d_req):
+            # one P request feeds one D request: a second one would get (or take) KV that is not its own
+            return (f"request {reg.p_req} is already registered by D request {prev.d_req!r} of engine "
+                    f"{prev.d_engine!r} (epoch {self.reg_epoch:016x}); refusing D request {reg.d_req!r} of engine "
+                    f"{sender} (one P request feeds one D request: were its kv_transfer_params given to several?)")
+        if self.state is not LeaseState.HELD:
+            return f"request {reg.p_req} is {self.state.value}"
+        if now >= reg.post_deadline:
+            return (f"registration of {reg.p_req} arrived after its post deadline "
+                    f"({now - reg.post_deadline:.3f} s late)")
+        return None
 
 
 @dataclass
@@ -176,6 +200,30 @@ def block_range(reg: RegReq, block_size: int) -> tuple[int, int]:
     registration's token span."""
     b = block_size
     return reg.first_token // b, -(-(reg.first_token + reg.num_tokens) // b)
+
+
+class Tombstones:
+    """The references of ended requests (P request ids, early transfer references), each with whether a WRITE
+    was dispatched for it: a registration arriving after its request ended is refused, a late cancel is
+    answered truthfully. Bounded (``limit``: the oldest are forgotten first)."""
+
+    def __init__(self, limit: int = TOMBSTONES) -> None:
+        self._ended: OrderedDict[str, bool] = OrderedDict()
+        self.limit = limit
+
+    def __contains__(self, ref: str) -> bool:
+        return ref in self._ended
+
+    def posted(self, ref: str) -> bool:
+        """Whether a WRITE was dispatched for the ended ``ref`` (False when not remembered)."""
+        return self._ended.get(ref, False)
+
+    def add(self, ref: str, posted: bool) -> None:
+        """``ref`` ended; ``posted``: a WRITE was dispatched for it (kept once said)."""
+        self._ended[ref] = posted or self._ended.get(ref, False)
+        self._ended.move_to_end(ref)
+        while len(self._ended) > self.limit:
+            self._ended.popitem(last=False)
 
 
 class HeldRegistrations:

@@ -20,19 +20,12 @@ after which P's workers have completed or aborted the WRITE). Ended requests lea
 registration that arrives after its cancel is refused. A lease is registered by one D request: another
 D request registering it (kv_transfer_params handed to several) is refused, naming both.
 
-Peers and restarts (epochs): P keeps one record per D engine id (:class:`~.leases.DPeer`), replaced in one
-step when another start of that engine registers with fresh payloads (:meth:`Producer._replace_peer`); the
-rules are in :mod:`.leases`. A D engine no lease has named for ``peer_idle_s`` is forgotten (its record, and
-its remote agents in the workers: :attr:`Dispatch.forget`); its next registration re-sends its payloads.
-
-Early registration (the router sends D its leg together with P's, one ``transfer_id`` on both; see
-:mod:`.leases`): P opens the lease when its scheduler first allocates the request's blocks
-(:meth:`Producer.add_early`, HELD, not yet *final*) and attaches a registration held for it. A registered
-early lease is dispatched once its blocks are final: layer by layer in the step that finishes the prefill
-(:meth:`Producer.dispatch_layered`), else on the step after it (:meth:`Producer.finish_early`); it is never
-released while vLLM still prefills into its blocks. P refuses a prompt of another length or digest. A
-registration P accepted and can no longer serve (an aborted prefill, another prompt) becomes a failure job
-(``PushJob.error``): each destination rank gets a failure notice, nothing is written.
+Peers and restarts (epochs), idle peers and early registration: the rules are in :mod:`.leases`. An early
+lease opens when P's scheduler first allocates the request's blocks (:meth:`Producer.add_early`, HELD, not yet
+*final*) and is dispatched once its blocks are final: layer by layer in the step that finishes the prefill
+(:meth:`Producer.dispatch_layered`), else on the step after it (:meth:`Producer.finish_early`); never
+released while vLLM still prefills into its blocks. A registration P accepted and can no longer serve (an
+aborted prefill, another prompt) becomes a failure job (``PushJob.error``): a failure notice, nothing written.
 """
 
 from __future__ import annotations
@@ -42,7 +35,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +45,7 @@ from vllm_dsa_connector.handoff.leases import (
     HeldRegistrations,
     Lease,
     LeaseState,
+    Tombstones,
     block_range,
     check_registration,
     check_routes,
@@ -78,8 +71,6 @@ from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRANSITIONS", "DPeer", "Dispatch", "Lease", "LeaseState", "Producer"]
-
-_TOMBSTONES = 65536
 
 
 @dataclass
@@ -107,7 +98,7 @@ class Producer:
         self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._ended: OrderedDict[str, bool] = OrderedDict()  # p_req -> a WRITE was dispatched
+        self._ended = Tombstones()  # ended requests (P's ids, transfer references): whether a WRITE went
         self._peers = DRecords()  # the D engine starts P knows (one record per engine id)
         self._by_transfer: dict[str, str] = {}  # transfer id -> P request id (early leases)
         self._held = HeldRegistrations()  # early registrations for requests P has not seen yet
@@ -211,7 +202,7 @@ class Producer:
         out = Dispatch()
         with self._lock:
             for tid in self._held.expire(now):
-                self._tombstone(TRANSFER_REF_PREFIX + tid, False)
+                self._ended.add(TRANSFER_REF_PREFIX + tid, False)
                 logger.warning("DSAConnector %s: early registration of transfer %s expired before P saw the "
                                "request", self.engine_id, tid)
             for req_id, lease in self._leases.items():
@@ -278,14 +269,14 @@ class Producer:
             for req_id in req_ids:
                 lease = self._leases.pop(req_id, None)
                 if lease is not None:
-                    self._tombstone(req_id, lease.state is LeaseState.DISPATCHED)
+                    self._ended.add(req_id, lease.state is LeaseState.DISPATCHED)
                     self._ended_early(lease, lease.state is LeaseState.DISPATCHED)
 
     def _ended_early(self, lease: Lease, posted: bool = False) -> None:
         """An early lease ended: its transfer id is tombstoned too (caller holds the lock)."""
         if lease.transfer_id and self._by_transfer.get(lease.transfer_id) == lease.req_id:
             del self._by_transfer[lease.transfer_id]
-            self._tombstone(TRANSFER_REF_PREFIX + lease.transfer_id, posted)
+            self._ended.add(TRANSFER_REF_PREFIX + lease.transfer_id, posted)
 
     def pending(self) -> bool:
         """Whether any lease still holds blocks."""
@@ -299,12 +290,6 @@ class Producer:
     def lease(self, req_id: str) -> Lease | None:
         """A lease (tests, diagnostics)."""
         return self._leases.get(req_id)
-
-    def _tombstone(self, req_id: str, posted: bool) -> None:
-        self._ended[req_id] = posted or self._ended.get(req_id, False)
-        self._ended.move_to_end(req_id)
-        while len(self._ended) > _TOMBSTONES:
-            self._ended.popitem(last=False)
 
     # ------------------------------------------------------------ side-channel thread
 
@@ -357,24 +342,10 @@ class Producer:
             if lease is None:
                 why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
-            prev = lease.reg
-            if (prev is not None and lease.state in (LeaseState.REGISTERED, LeaseState.DISPATCHED)
-                    and (prev.d_engine, lease.reg_epoch, prev.d_req, prev.first_token, prev.num_tokens, prev.d_blocks)
-                    == (reg.d_engine, sender.epoch, reg.d_req, reg.first_token, reg.num_tokens, reg.d_blocks)):
-                # D retried a registration whose reply it missed: same answer, nothing changes
-                return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
-            if prev is not None and (prev.d_engine, lease.reg_epoch, prev.d_req) != (reg.d_engine, sender.epoch,
-                                                                                   reg.d_req):
-                # one P request feeds one D request: a second one would get (or take) KV that is not its own
-                return Reply(False, clock=now, error=(
-                    f"request {reg.p_req} is already registered by D request {prev.d_req!r} of engine "
-                    f"{prev.d_engine!r} (epoch {lease.reg_epoch:016x}); refusing D request {reg.d_req!r} of engine "
-                    f"{sender} (one P request feeds one D request: were its kv_transfer_params given to several?)"))
-            if lease.state is not LeaseState.HELD:
-                return Reply(False, error=f"request {reg.p_req} is {lease.state.value}", clock=now)
-            if now >= reg.post_deadline:
-                return Reply(False, error=f"registration of {reg.p_req} arrived after its post deadline "
-                                          f"({now - reg.post_deadline:.3f} s late)", clock=now)
+            why = lease.refusal(reg, sender.epoch, str(sender), now)
+            if why is not None:  # "": D retried a registration whose reply it missed (same answer)
+                return Reply(not why, clock=now, error=why,
+                             write_timeout_s=0.0 if why else self.settings.transfer_timeout_s)
             known = self._peers.get(reg.d_engine)
             if known is None or known.epoch != sender.epoch:
                 if not reg.d_payloads:
@@ -461,8 +432,8 @@ class Producer:
                     self._held.cancel(tid, ref.token)  # held, never written
                 if lease is None:
                     # unknown or ended: remember it, so a registration arriving late is refused
-                    posted = self._ended.get(ref.p_req, False)
-                    self._tombstone(ref.p_req, posted)
+                    posted = self._ended.posted(ref.p_req)
+                    self._ended.add(ref.p_req, posted)
                     states[ref.p_req] = CancelState.POSTED if posted else CancelState.NOT_POSTED
                     continue
                 if self._owned(ref) is None:
