@@ -81,7 +81,7 @@ EOF
       [ -f "$M/.complete" ] || python3 -m vllm_dsa_connector.cli make-model --kind dsa --index-n-heads 32 \
         --index-topk 128 --out "$M" >"$OUT/make_model.log" 2>&1
       mkdir -p "$OUT/early"; stamp "gpu_pd early"
-      OUT="$OUT/early" timeout "${EARLY_TIMEOUT:-420}" python3 bench/gpu_pd.py --model "$M" --timing-blocks 16,128 --repeats 4 \
+      OUT="$OUT/early" timeout "${EARLY_TIMEOUT:-420}" python3 bench/gpu_pd.py --model "$M" --timing-blocks 16,128 --repeats "${REPEATS:-4}" \
         ${BURST:+--burst "$BURST"} \
         --pairs "${EARLY_PAIRS:-dsa=dsa/graphs/auto,early=dsa/graphs/auto,earlynolp=dsa/graphs/auto,earlychunk=dsa/graphs/auto}" \
         >"$OUT/gpu_pd_early.log" 2>&1
