@@ -105,8 +105,9 @@ class ConnectorOptions:
         "ipc_mode", partial(parse_choice, choices=("auto", "never")), "never",
         doc="auto: when P and D run on one host with CUDA pools and P's GPU can reach D's, D routes the "
         "pair through CUDA IPC (P copies into its mapping of D's pools, one kernel, no NIXL WRITE); "
-        "never: NIXL only. Read on D, which exports its pools and chooses the route; opt-in until a GPU "
-        "engine pair has proven it byte for byte",
+        "never: NIXL only. Read on D, which exports its pools and chooses the route; opt-in: P's process "
+        "must be able to open D's CUDA IPC handles (containers sharing the host's IPC namespace), else "
+        "each such load fails naming why",
     )
     layer_push: bool = option(
         "layer_push", parse_bool, False,
