@@ -342,10 +342,10 @@ class Producer:
             if lease is None:
                 why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
-            why = lease.refusal(reg, sender.epoch, str(sender), now)
-            if why is not None:  # "": D retried a registration whose reply it missed (same answer)
-                return Reply(not why, clock=now, error=why,
-                             write_timeout_s=0.0 if why else self.settings.transfer_timeout_s)
+            refused = lease.refusal(reg, sender.epoch, str(sender), now)
+            if refused is not None:  # "": D retried a registration whose reply it missed (same answer)
+                return Reply(not refused, clock=now, error=refused,
+                             write_timeout_s=0.0 if refused else self.settings.transfer_timeout_s)
             known = self._peers.get(reg.d_engine)
             if known is None or known.epoch != sender.epoch:
                 if not reg.d_payloads:
