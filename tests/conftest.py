@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import socket
 import sys
 import types
@@ -24,11 +25,29 @@ def tiny_mla_dir() -> Path:
     return make_tiny_mla()
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take their source port there)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now, picked below the ephemeral range and above the fixed bases
+    tests use (22300-25500): an engine binds it seconds later, and a port from the ephemeral range could be
+    taken meanwhile as the source port of any outgoing connection on the host (CI saw an engine's side
+    channel fail with "Address already in use")."""
+    top = min(32700, _ephemeral_low())
+    for _ in range(500):
+        candidate = random.randrange(26000, top) if top > 26000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("free_port: no free port found")
 
 
 @pytest.fixture
