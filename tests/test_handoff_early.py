@@ -87,7 +87,7 @@ def test_registration_before_the_request_is_held_then_dispatched_layer_by_layer(
     p.add_early("p1", TID, [5, 6], prompt_tokens=100, digest=DIGEST)  # first chunk's blocks
     lease = p.lease("p1")
     assert lease.state is LeaseState.REGISTERED and not lease.final
-    clock.t += 20  # past lease_s: a running prefill's lease is not released by the clock
+    clock.t += 12  # past lease_s: a running prefill's lease is not released by the clock
     assert not p.step().push and not p.step().release
     assert not p.dispatch_layered("p1", [5, 6]).push  # the blocks do not cover the span yet
     d = p.dispatch_layered("p1", [5, 6, 7, 8, 9, 10, 11])

@@ -56,7 +56,11 @@ while P prefills, and P writes them as soon as its prefill is done (or layer by 
 ``x-prefill-ms`` is then P's leg as measured alongside D's, ``x-kv-transfer`` is ``early``. A failed P leg
 is logged; D's load then fails on its own (P tells D when it can: an aborted prefill sends D a failure
 notice; a dead P costs D its ``transfer_timeout_s``), and vLLM's ``kv_load_failure_policy`` applies. The
-first request to each P, and requests P's answers never described, go the sequential way.
+first request to each P, and requests P's answers never described, go the sequential way. Early
+registration needs exactly one P behind ``--prefill``: D registers with the P whose answer the proxy saw
+last, and a load balancer in front of several P engines would hand the request to another one (D's
+registration then waits at the wrong P until its deadline). ``--prefill-pool`` says the prefill URL is such
+a pool; the proxy then refuses ``--early-registration`` at start-up (run one proxy per P instead).
 
 The bodies and the merge are pure functions in :mod:`vllm_dsa_connector.pd_bodies` (re-exported here);
 this module is the app: the legs' HTTP, timeouts, errors and early registration.
@@ -186,13 +190,20 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 
 
 def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_TIMEOUT_S, *,
-             connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, early_registration: bool = False) -> FastAPI:
+             connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, early_registration: bool = False,
+             prefill_pool: bool = False) -> FastAPI:
     """The proxy as a FastAPI app.
 
     ``timeout_s`` is the read timeout: the longest wait for the next bytes of an upstream answer (not
     a total). ``connect_timeout_s`` bounds each connect. Both must be > 0. ``early_registration``: send
-    D its leg together with P's (see the module docstring).
+    D its leg together with P's (see the module docstring). ``prefill_pool``: ``prefill_url`` is a load
+    balancer or pool of several P engines, which early registration cannot serve (``ValueError``).
     """
+    if early_registration and prefill_pool:
+        raise ValueError(
+            f"early registration needs exactly one prefill engine behind {prefill_url}, which is a pool "
+            "(--prefill-pool): D would register its blocks with the P that answered last, not the one the pool "
+            "gives the request to. Drop --early-registration, or run one proxy per prefill engine")
     for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
@@ -371,13 +382,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="longest wait in seconds to connect to an upstream (default: %(default)s)")
     p.add_argument("--early-registration", action="store_true",
                    help="send each request to D together with P (one transfer id on both legs), so D registers "
-                        "its blocks while P prefills; needs DSAConnector on both (default: off)")
+                        "its blocks while P prefills; needs DSAConnector on both and one P behind --prefill "
+                        "(default: off)")
+    p.add_argument("--prefill-pool", action="store_true",
+                   help="--prefill is a load balancer or pool of several prefill engines (refuses "
+                        "--early-registration, which needs the one P that prefills each request)")
     a = p.parse_args(argv)
     import uvicorn
 
-    uvicorn.run(make_app(a.prefill, a.decode, a.read_timeout, connect_timeout_s=a.connect_timeout,
-                         early_registration=a.early_registration),
-                host=a.host, port=a.port, log_level="warning")
+    try:
+        app = make_app(a.prefill, a.decode, a.read_timeout, connect_timeout_s=a.connect_timeout,
+                       early_registration=a.early_registration, prefill_pool=a.prefill_pool)
+    except ValueError as e:
+        p.error(str(e))
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from functools import partial
 from typing import Any
 
 from vllm_dsa_connector.admission.options import ADMISSION_OPTION_KEYS
+from vllm_dsa_connector.handoff.leases import EARLY_HELD
+from vllm_dsa_connector.handoff.side_channel import is_loopback
 from vllm_dsa_connector.options import (
     OptionError,
     group,
@@ -99,7 +101,24 @@ class ConnectorOptions:
     auth_secret: str = option(
         "auth_secret", _secret, "", secret=True,
         doc="shared secret (at least 16 characters, the same on P and D): every side-channel message is "
-        "HMAC-authenticated with replay protection (empty: off, and a non-loopback side channel warns)",
+        "HMAC-authenticated with replay protection (empty: off; then a side channel on a non-loopback "
+        "address refuses to start unless allow_unauthenticated_side_channel is set)",
+    )
+    allow_unauthenticated_side_channel: bool = option(
+        "allow_unauthenticated_side_channel", parse_bool, False,
+        doc="let a side channel bound to a non-loopback address run without auth_secret: anyone who reaches "
+        "it can then register writes into, or cancel, this engine's transfers (only for a network nobody "
+        "else reaches)",
+    )
+    early_held_per_peer: int = option(
+        "early_held_per_peer", partial(parse_int, minimum=1, maximum=EARLY_HELD), 1024,
+        doc=f"P: early registrations of one D engine held for requests P has not seen yet (at most {EARLY_HELD} "
+        "of all D engines together); beyond it that D's next early registration is refused",
+    )
+    early_held_bytes_per_peer: int = option(
+        "early_held_bytes_per_peer", partial(parse_int, minimum=1 << 16, maximum=1 << 40), 64 << 20,
+        doc="P: bytes of one D engine's held early registrations (block lists, ids, routes; its payloads are "
+        "kept once per engine, not per registration); beyond it that D's next one is refused",
     )
     ipc_mode: str = option(
         "ipc_mode", partial(parse_choice, choices=("auto", "never")), "never",
@@ -116,6 +135,17 @@ class ConnectorOptions:
         "request after the step; off until the measurements say on (docs/benchmarks.md)",
     )
     bounce: BounceSettings | None = group(BounceSettings)
+
+    def validate_options(self) -> None:
+        """Cross-field checks (run once at start-up by ``resolve_options``)."""
+        if not self.auth_secret and not self.allow_unauthenticated_side_channel \
+                and not is_loopback(self.side_channel_host):
+            raise OptionError(
+                f"side_channel_host: {self.side_channel_host!r} is not a loopback address and auth_secret is "
+                "empty: anyone who reaches it could register writes into or cancel this engine's transfers. Set "
+                "auth_secret (or VLLM_DSA_AUTH_SECRET) to the same secret of at least 16 characters on P and D, "
+                "or set allow_unauthenticated_side_channel=true (VLLM_DSA_ALLOW_UNAUTHENTICATED_SIDE_CHANNEL=1) "
+                f"if no one else can reach {self.side_channel_host}")
 
     @property
     def heartbeat_s(self) -> float:

@@ -90,7 +90,9 @@ def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
     """The core's settings from the connector's options."""
     return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
                            handshake_timeout_s=options.handshake_timeout_s, heartbeat_s=options.heartbeat_s,
-                           verify_transfers=options.verify_transfers, peer_idle_s=options.peer_idle_s)
+                           verify_transfers=options.verify_transfers, peer_idle_s=options.peer_idle_s,
+                           early_held_per_peer=options.early_held_per_peer,
+                           early_held_bytes_per_peer=options.early_held_bytes_per_peer)
 
 
 class DSAConnectorScheduler:
@@ -116,7 +118,8 @@ class DSAConnectorScheduler:
         self.consumer = Consumer(engine_id, settings, self.auth, lambda: self.local_payloads,
                                  lambda: list(self._local_payloads), clock, on_reply=self.pacer.wake, epoch=self.epoch)
         self.server = SideChannelServer(options.side_channel_host, options.side_channel_port, self._handle,
-                                        self.auth, clock, origin=Origin(engine_id, self.epoch))
+                                        self.auth, clock, origin=Origin(engine_id, self.epoch),
+                                        allow_unauthenticated=options.allow_unauthenticated_side_channel)
         logger.info("DSAConnector %s: side channel on %s:%d (role %s%s; epoch %016x)", engine_id, self.server.host,
                     self.server.port, kvc.kv_role, ", authenticated" if self.auth.secret else "", self.epoch)
         self._pending_recv: list[RecvJob] = []
@@ -124,7 +127,9 @@ class DSAConnectorScheduler:
         self._fail_quiet: set[str] = set()  # of _fail: already logged (unusable params, once per peer)
         self._unusable: dict[str, str] = {}  # D req claimed with unusable kv_transfer_params -> why (until alloc)
         self._unusable_logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) logged
-        self.stats = DSAKVConnectorStats()  # what only the scheduler sees (unusable params)
+        self.stats = DSAKVConnectorStats()  # what only the scheduler sees (unusable params, P's refusals)
+        self._refused_seen = 0  # the producer's refused identities counted into stats so far
+        self._held_seen = 0  # the held early registrations last reported
         self._sources_sent: dict[str, int] = {}  # P engine id -> the epoch whose PeerInfo the workers have
         self._new_sources: list[PeerInfo] = []
         self.routes = RoutePlanner(options.bounce, lambda: self.local_payloads, ipc=options.ipc_mode != "never")
@@ -434,6 +439,14 @@ class DSAConnectorScheduler:
     def get_stats(self) -> DSAKVConnectorStats | None:
         """The scheduler's stats since the last call (vLLM's scheduler aggregates them with the workers'),
         or None when nothing happened."""
+        refused = self.producer.refused_identities
+        if refused != self._refused_seen:
+            self.stats.add("refused_identities", refused - self._refused_seen)
+            self._refused_seen = refused
+        held = self.producer.held()
+        if held != self._held_seen:  # a gauge: a sample when it changed
+            self.stats.observe("early_held", held)
+            self._held_seen = held
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def has_pending_push_work(self) -> bool:

@@ -19,6 +19,10 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   e.g. NixlConnector's ``transfer_mode``), ``malformed`` (missing keys, wrong types or values)
 - ``vllm:dsa_kv_peer_reconnects_total``: NIXL remote agents removed and added again after their connection was
   lost (P side; the next post to that peer then makes a new connection)
+- ``vllm:dsa_kv_refused_identities_total``: D registrations P refused because their payloads were not their
+  sender's (a NIXL agent bound to another engine, agent metadata naming another agent, payloads other than those
+  the engine start registered with first), and peers a P worker refused for the same reason
+- ``vllm:dsa_kv_early_held``: gauge, early registrations P holds now for requests it has not seen yet
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -59,8 +63,11 @@ _COUNTERS = (
     "unusable_other_connector",
     "unusable_malformed",
     "peer_reconnects",
+    "refused_identities",
 )
-_LISTS = ("transfer_s", "recv_wait_s")
+#: gauges: a series of samples (the scheduler adds one when the value changed); the last one is the value
+_GAUGES = ("early_held",)
+_LISTS = ("transfer_s", "recv_wait_s", *_GAUGES)
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
 _SIDES = ("send", "recv")
 #: Why D could not use a request's kv_transfer_params: the ``reason`` label of ``vllm:dsa_kv_unusable_params_total``
@@ -186,6 +193,11 @@ class DSAPromMetrics(KVConnectorPromMetrics):
                                     "D requests whose kv_transfer_params D could not use, by reason", ("reason",))
         self._reconnects, _ = counter("vllm:dsa_kv_peer_reconnects",
                                       "NIXL remote agents removed and added again after a lost connection")
+        self._refused, _ = counter("vllm:dsa_kv_refused_identities",
+                                   "D registrations/peers refused: payloads not their sender's")
+        self._held = self._gauge_cls(name="vllm:dsa_kv_early_held", documentation="Early registrations P holds for "
+                                     "requests it has not seen yet", labelnames=labelnames,
+                                     multiprocess_mode="mostrecent")
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -215,6 +227,9 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
         self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))
+        self._inc(self._refused, engine_idx, d.get("refused_identities", 0))
+        if d.get("early_held"):
+            self._held.labels(*self._labels[engine_idx]).set(d["early_held"][-1])
         for key, side, outcome in (
             ("send_ok", "send", "ok"),
             ("send_failed", "send", "failed"),

@@ -56,6 +56,7 @@ from vllm_dsa_connector.handoff.wire import (
 )
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.ipc import host_id
+from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.staging import StagingArena
 
@@ -215,6 +216,7 @@ class DSAConnectorWorker:
                 remote.plan = validate_peer(payloads, local)
             else:
                 remote.plan = validate_peer(local, payloads)
+                self._check_identity(peer.engine_id, payloads)
                 for p in payloads:
                     if self.send.reclaim(p.agent_name):  # a retired agent still loaded: reuse it
                         remote.agents[p.rank] = p.agent_name
@@ -230,6 +232,22 @@ class DSAConnectorWorker:
                            sorted(old.agents.values()), sorted(remote.agents.values()))
         records[peer.engine_id] = remote
         self.send.remove_retired()
+
+    def _check_identity(self, engine: str, payloads: list[RankPayload]) -> None:
+        """Refuse destination payloads that are not ``engine``'s own (counted): an agent name another destination
+        engine's record holds, or agent metadata that names another agent than the payload (NIXL would load it
+        under the metadata's name: that agent's pools would take this engine's WRITEs)."""
+        owners = {a: e for e, r in self.remotes.items() if e != engine for a in r.agents.values()}
+        for p in payloads:
+            named = metadata_agent_name(p.agent_metadata)
+            why = ""
+            if p.agent_name in owners:
+                why = f"NIXL agent {p.agent_name!r} is destination engine {owners[p.agent_name]!r}'s"
+            elif named is not None and named != p.agent_name:
+                why = f"rank {p.rank}'s agent metadata is agent {named!r}'s, the payload says {p.agent_name!r}"
+            if why:
+                self.stats.add("refused_identities")
+                raise HandshakeError(f"payloads of destination engine {engine!r} are not its own: {why}")
 
     def _reconnected(self, agent: str, reason: str) -> None:
         """The transport removed and added ``agent`` again after its connection was lost: count and log it."""

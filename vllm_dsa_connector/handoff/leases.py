@@ -39,22 +39,41 @@ digest. A registration that arrives before P has seen the request is held (its p
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+import msgspec
+
 from vllm_dsa_connector.handoff.messages import MessageError, RegReq
 from vllm_dsa_connector.handoff.states import Transitions
-from vllm_dsa_connector.handoff.wire import PeerInfo, decode_payload, max_block_id
+from vllm_dsa_connector.handoff.wire import PeerInfo, RankPayload, decode_payload, max_block_id
+from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
 
-__all__ = ["EARLY_HELD", "TOMBSTONES", "TRANSITIONS", "DPeer", "DRecords", "HeldRegistrations", "Lease", "LeaseState",
-           "Tombstones", "block_range", "check_registration", "check_routes", "check_span", "peer_record"]
+__all__ = ["EARLY_HELD", "POST_DEADLINE_MARGIN_S", "TOMBSTONES", "TRANSFER_TOMBSTONES", "TRANSITIONS", "DPeer",
+           "DRecords", "HeldRegistrations", "IdentityError", "Lease", "LeaseState", "Tombstones",
+           "TransferTombstones", "block_range", "check_registration", "check_routes", "check_span", "peer_record"]
 
-#: Early registrations P holds for requests it has not seen yet (beyond it a new one is refused)
+#: Early registrations P holds for requests it has not seen yet, all D engines together (beyond it a new one is
+#: refused; each D engine is held to its own quota below this, ``HandoffSettings.early_held_per_peer``)
 EARLY_HELD = 4096
-#: Ended requests P remembers (:class:`Tombstones`; beyond it the oldest are forgotten)
+#: Ended requests P remembers (:class:`Tombstones`; beyond it the oldest are forgotten). Only P's own requests
+#: enter it (a lease that ended), never an id a peer merely named
 TOMBSTONES = 65536
+#: Transfer ids P never saw a request for but must refuse a registration of (cancelled by D, or held until its
+#: post deadline passed): :class:`TransferTombstones`, each kept for P's post-deadline horizon; when full, new
+#: early registrations are refused (never a tombstone evicted)
+TRANSFER_TOMBSTONES = 65536
+#: P's post-deadline horizon is ``transfer_timeout_s`` plus this (s): a registration stating a later deadline
+#: is clamped to it (P then stops posting earlier than D asked, which is always safe for D's blocks)
+POST_DEADLINE_MARGIN_S = 10.0
+
+
+class IdentityError(MessageError):
+    """A registration's payloads do not belong to the engine that sent it: their NIXL agent is bound to another
+    engine, their metadata names another agent, or they differ from what that engine start sent before."""
 
 
 class LeaseState(Enum):
@@ -132,6 +151,7 @@ class DPeer:
     block_size: int  # D's tokens per block (0: not published)
     staging: dict[int, int]  # D rank -> staging arena bytes
     ipc: frozenset[int] = frozenset()  # D ranks that exported their pools for the ipc path
+    decoded: tuple[RankPayload, ...] = ()  # ``payloads`` decoded (their agent names bind them to the engine)
 
 
 def peer_record(d_engine: str, epoch: int, encoded: list[bytes]) -> DPeer:
@@ -143,9 +163,16 @@ def peer_record(d_engine: str, epoch: int, encoded: list[bytes]) -> DPeer:
         raise MessageError(str(e)) from None
     if not payloads or any(p.engine_id != d_engine for p in payloads):
         raise MessageError(f"payloads of {d_engine!r} name another engine or are empty")
+    for p in payloads:
+        named = metadata_agent_name(p.agent_metadata)
+        if named is not None and named != p.agent_name:
+            raise IdentityError(f"payload of {d_engine!r} rank {p.rank} says NIXL agent {p.agent_name!r}, its agent "
+                                f"metadata is agent {named!r}'s")
+    if len({p.agent_name for p in payloads}) != len(payloads):
+        raise IdentityError(f"payloads of {d_engine!r} name one NIXL agent for several ranks")
     return DPeer(epoch, list(encoded), max_block_id(payloads), payloads[0].page_table.block_size,
                  {p.rank: p.staging.size if p.staging else 0 for p in payloads},
-                 frozenset(p.rank for p in payloads if p.ipc))
+                 frozenset(p.rank for p in payloads if p.ipc), tuple(payloads))
 
 
 def check_registration(reg: RegReq, lease: Lease, peer: DPeer, block_size: int) -> None:
@@ -226,51 +253,149 @@ class Tombstones:
             self._ended.popitem(last=False)
 
 
-class HeldRegistrations:
-    """Early registrations for requests P has not seen yet, by transfer id: each with the epoch of the D
-    start that sent it, kept until its lease opens or its post deadline passes (at most :data:`EARLY_HELD`)."""
+class TransferTombstones:
+    """Transfer ids P never saw a request for whose registration it must refuse: cancelled by D before P saw the
+    request (P answered ``not_posted``), or held until their post deadline passed. Each is kept ``ttl_s`` (P's
+    post-deadline horizon: a registration D sent before its cancel states a deadline inside it, so once the
+    tombstone goes, such a registration arrives after its own deadline and is refused for that). At most
+    ``limit``; never evicted early: :meth:`add` says False when full (the caller then promises nothing, and P
+    refuses new early registrations while :meth:`full`)."""
 
-    def __init__(self) -> None:
-        self._held: OrderedDict[str, tuple[RegReq, int]] = OrderedDict()
+    def __init__(self, ttl_s: float, limit: int = TRANSFER_TOMBSTONES) -> None:
+        self._until: OrderedDict[str, float] = OrderedDict()  # in expiry order (one ttl for all)
+        self.ttl_s = ttl_s
+        self.limit = limit
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def expire(self, now: float) -> None:
+        """Forget the tombstones whose time is over."""
+        while self._until:
+            tid, until = next(iter(self._until.items()))
+            if until > now:
+                return
+            del self._until[tid]
+
+    def full(self, now: float) -> bool:
+        """Whether no tombstone can be added now."""
+        self.expire(now)
+        return len(self._until) >= self.limit
+
+    def add(self, tid: str, now: float) -> bool:
+        """Remember ``tid`` for ``ttl_s`` from ``now``; False when the table is full (nothing evicted)."""
+        self.expire(now)
+        if tid not in self._until and len(self._until) >= self.limit:
+            return False
+        self._until[tid] = now + self.ttl_s
+        self._until.move_to_end(tid)
+        return True
+
+
+@dataclass
+class HeldReg:
+    """An early registration held for a request P has not seen yet, stored compactly: its blocks as an ``int32``
+    array, without the sender's payloads (P's record of the sender keeps them once per engine start)."""
+
+    reg: RegReq  # ``d_blocks`` empty and ``d_payloads`` None here: see :meth:`full`
+    blocks: array
+    epoch: int  # the start of the D engine that sent it
+    nbytes: int  # what it counts against its engine's byte quota
+
+    @classmethod
+    def of(cls, reg: RegReq, epoch: int) -> HeldReg:
+        """``reg`` (sent by the start ``epoch`` of its engine) in compact form."""
+        blocks = array("i", reg.d_blocks)
+        routes = sum(len(per) for per in reg.routes.values())
+        nbytes = (blocks.itemsize * len(blocks) + 32 * routes + len(reg.p_req) + len(reg.token) + len(reg.d_req)
+                  + len(reg.prompt_digest) + 256)
+        return cls(msgspec.structs.replace(reg, d_blocks=[], d_payloads=None), blocks, epoch, nbytes)
+
+    def full(self) -> RegReq:
+        """The registration again (its blocks as a list; no payloads)."""
+        return msgspec.structs.replace(self.reg, d_blocks=self.blocks.tolist())
+
+
+class HeldRegistrations:
+    """Early registrations for requests P has not seen yet, by transfer id (:class:`HeldReg`), kept until its
+    lease opens or its post deadline passes: at most :data:`EARLY_HELD` in all, and per D engine at most
+    ``per_peer`` of them and ``bytes_per_peer`` bytes, so one D cannot fill P's table."""
+
+    def __init__(self, per_peer: int = EARLY_HELD, bytes_per_peer: int = 1 << 62) -> None:
+        self._held: OrderedDict[str, HeldReg] = OrderedDict()
+        self._count: dict[str, int] = {}  # D engine -> registrations held
+        self._bytes: dict[str, int] = {}  # D engine -> their bytes
+        self.per_peer = per_peer
+        self.bytes_per_peer = bytes_per_peer
 
     def __contains__(self, tid: str) -> bool:
         return tid in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
 
     def refusal(self, tid: str, reg: RegReq, epoch: int, sender: str) -> str:
         """Why ``reg`` (from ``sender``'s start ``epoch``) cannot be held for ``tid`` (``""``: it can; a retry
         of the one held replaces it)."""
         prev = self._held.get(tid)
         if prev is not None:
-            if (prev[0].d_engine, prev[1], prev[0].d_req) == (reg.d_engine, epoch, reg.d_req):
+            if (prev.reg.d_engine, prev.epoch, prev.reg.d_req) == (reg.d_engine, epoch, reg.d_req):
                 return ""
-            return (f"transfer {tid} is already registered by D request {prev[0].d_req!r} of engine "
-                    f"{prev[0].d_engine!r}; refusing D request {reg.d_req!r} of engine {sender} (one P request "
+            return (f"transfer {tid} is already registered by D request {prev.reg.d_req!r} of engine "
+                    f"{prev.reg.d_engine!r}; refusing D request {reg.d_req!r} of engine {sender} (one P request "
                     "feeds one D request)")
         if len(self._held) >= EARLY_HELD:
             return f"P holds {EARLY_HELD} early registrations of requests it has not seen yet; refusing more"
+        d = reg.d_engine
+        if self._count.get(d, 0) >= self.per_peer:
+            return (f"P holds {self._count[d]} early registrations of D engine {d!r} for requests it has not seen "
+                    f"yet (early_held_per_peer {self.per_peer}); refusing more until P sees them")
+        size = HeldReg.of(reg, epoch).nbytes
+        if self._bytes.get(d, 0) + size > self.bytes_per_peer:
+            return (f"P holds {self._bytes.get(d, 0)} B of early registrations of D engine {d!r}; this one "
+                    f"({size} B) would pass early_held_bytes_per_peer {self.bytes_per_peer}; refusing it")
         return ""
 
     def put(self, tid: str, reg: RegReq, epoch: int) -> None:
         """Hold ``reg`` for ``tid`` (after :meth:`refusal` said it may)."""
-        self._held[tid] = (reg, epoch)
+        self._drop(tid)
+        held = HeldReg.of(reg, epoch)
+        self._held[tid] = held
+        d = reg.d_engine
+        self._count[d] = self._count.get(d, 0) + 1
+        self._bytes[d] = self._bytes.get(d, 0) + held.nbytes
+
+    def _drop(self, tid: str) -> HeldReg | None:
+        held = self._held.pop(tid, None)
+        if held is not None:
+            d = held.reg.d_engine
+            self._count[d] -= 1
+            self._bytes[d] -= held.nbytes
+            if not self._count[d]:
+                del self._count[d], self._bytes[d]
+        return held
 
     def take(self, tid: str) -> tuple[RegReq, int] | None:
         """The registration held for ``tid`` and its sender's epoch, no longer held."""
-        return self._held.pop(tid, None)
+        held = self._drop(tid)
+        return None if held is None else (held.full(), held.epoch)
 
     def expire(self, now: float) -> list[str]:
         """Drop the registrations past their post deadline; their transfer ids."""
-        gone = [t for t, (reg, _) in self._held.items() if now >= reg.post_deadline]
+        gone = [t for t, held in self._held.items() if now >= held.reg.post_deadline]
         for tid in gone:
-            del self._held[tid]
+            self._drop(tid)
         return gone
 
     def cancel(self, tid: str, token: str) -> bool:
         """D gave up on ``tid`` before P saw the request: drop it (its token must match); whether one was held."""
         held = self._held.get(tid)
-        if held is None or held[0].token != token:
+        if held is None or held.reg.token != token:
             return False
-        del self._held[tid]
+        self._drop(tid)
         return True
 
 
@@ -282,6 +407,19 @@ class DRecords:
         self.by_engine: dict[str, DPeer] = {}
         self._sent: dict[str, int] = {}  # D engine id -> the epoch whose PeerInfo the workers have
         self._seen: dict[str, float] = {}  # D engine id -> the last step a lease named it
+        self._agents: dict[str, str] = {}  # NIXL agent name -> the D engine whose record names it
+
+    def identity_refusal(self, d_engine: str, epoch: int, peer: DPeer) -> str:
+        """Why ``peer`` (payloads sent by ``d_engine``@``epoch``) cannot become that engine's record: one of its
+        NIXL agents is bound to another engine P knows (``""``: it can). A new start of an engine re-binds its
+        own agents; another engine's agent stays that engine's until P forgets it."""
+        for p in peer.decoded:
+            owner = self._agents.get(p.agent_name)
+            if owner is not None and owner != d_engine:
+                return (f"payloads sent by D engine {d_engine!r} (epoch {epoch:016x}) name NIXL agent "
+                        f"{p.agent_name!r}, which is bound to D engine {owner!r}: refusing them (a D registers "
+                        "with its own payloads; P never writes one engine's request into another's pools)")
+        return ""
 
     def get(self, d_engine: str) -> DPeer | None:
         """The start of ``d_engine`` P knows."""
@@ -298,9 +436,18 @@ class DRecords:
         return self._sent.get(d_engine)
 
     def set(self, d_engine: str, peer: DPeer, now: float) -> None:
-        """``peer`` is now the record of ``d_engine``."""
+        """``peer`` is now the record of ``d_engine`` (its agents bound to it; the replaced start's unbound)."""
+        old = self.by_engine.get(d_engine)
+        if old is not None:
+            self._unbind(old)
         self.by_engine[d_engine] = peer
         self._seen[d_engine] = now
+        for p in peer.decoded:
+            self._agents[p.agent_name] = d_engine
+
+    def _unbind(self, peer: DPeer) -> None:
+        for p in peer.decoded:
+            self._agents.pop(p.agent_name, None)
 
     def unsent(self, d_engine: str) -> PeerInfo | None:
         """The record of ``d_engine`` for the workers when they do not have this start yet (then marked sent)."""
@@ -317,7 +464,7 @@ class DRecords:
             self._seen[d_engine] = now
         out = []
         for d_engine in [d for d in self.by_engine if now - self._seen.get(d, now) >= idle_s]:
-            del self.by_engine[d_engine]
+            self._unbind(self.by_engine.pop(d_engine))
             self._seen.pop(d_engine, None)
             out.append((d_engine, self._sent.pop(d_engine, None) is not None))
         return out

@@ -38,14 +38,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from vllm_dsa_connector.handoff.leases import (
+    POST_DEADLINE_MARGIN_S,
     TRANSITIONS,
     DPeer,
     DRecords,
     HeldRegistrations,
+    IdentityError,
     Lease,
     LeaseState,
     Tombstones,
+    TransferTombstones,
     block_range,
     check_registration,
     check_routes,
@@ -99,9 +104,28 @@ class Producer:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._ended = Tombstones()  # ended requests (P's ids, transfer references): whether a WRITE went
+        # transfer ids of requests P never saw whose registration it refuses (cancelled, or held past deadline)
+        self._unseen = TransferTombstones(self.post_horizon_s)
         self._peers = DRecords()  # the D engine starts P knows (one record per engine id)
         self._by_transfer: dict[str, str] = {}  # transfer id -> P request id (early leases)
-        self._held = HeldRegistrations()  # early registrations for requests P has not seen yet
+        # early registrations for requests P has not seen yet (per-D quotas)
+        self._held = HeldRegistrations(settings.early_held_per_peer, settings.early_held_bytes_per_peer)
+        self.refused_identities = 0  # registrations refused for payloads not their sender's (a counter)
+
+    @property
+    def post_horizon_s(self) -> float:
+        """How far past its arrival P posts a registration at most: a later ``post_deadline`` is clamped."""
+        return self.settings.transfer_timeout_s + POST_DEADLINE_MARGIN_S
+
+    def held(self) -> int:
+        """Early registrations held now for requests P has not seen yet (a gauge)."""
+        with self._lock:
+            return len(self._held)
+
+    def _tombstoned(self, p_req: str) -> bool:
+        """Whether a registration naming ``p_req`` is refused as ended (caller holds the lock)."""
+        return p_req in self._ended or (p_req.startswith(TRANSFER_REF_PREFIX)
+                                        and p_req[len(TRANSFER_REF_PREFIX):] in self._unseen)
 
     # ------------------------------------------------------------ engine thread
 
@@ -129,7 +153,7 @@ class Producer:
                           transfer_id=transfer_id, prompt_tokens=prompt_tokens, digest=digest)
             self._leases[req_id] = lease
             self._by_transfer[transfer_id] = req_id
-            if TRANSFER_REF_PREFIX + transfer_id in self._ended:
+            if self._tombstoned(TRANSFER_REF_PREFIX + transfer_id):
                 lease.to(LeaseState.CANCELLED)  # D gave up before P saw the request: released once final
                 return
             held = self._held.take(transfer_id)
@@ -202,7 +226,7 @@ class Producer:
         out = Dispatch()
         with self._lock:
             for tid in self._held.expire(now):
-                self._ended.add(TRANSFER_REF_PREFIX + tid, False)
+                self._unseen.add(tid, now)  # a resent copy is past its deadline anyway
                 logger.warning("DSAConnector %s: early registration of transfer %s expired before P saw the "
                                "request", self.engine_id, tid)
             for req_id, lease in self._leases.items():
@@ -335,48 +359,63 @@ class Producer:
             return Reply(False, clock=now, error=(
                 f"registration of {reg.p_req} names D engine {reg.d_engine!r} but was sent by engine {sender}: "
                 "a registration names only its sender's engine"))
+        if reg.post_deadline > now + self.post_horizon_s:  # P never posts it later than its horizon
+            reg = msgspec.structs.replace(reg, post_deadline=now + self.post_horizon_s)
         with self._lock:
             lease = self._owned(reg)
-            if lease is None and reg.p_req.startswith(TRANSFER_REF_PREFIX) and reg.p_req not in self._ended:
+            if lease is None and reg.p_req.startswith(TRANSFER_REF_PREFIX) and not self._tombstoned(reg.p_req):
                 return self._hold(reg, sender, now)
             if lease is None:
-                why = "ended" if reg.p_req in self._ended else "unknown, or the token does not match"
+                why = "ended" if self._tombstoned(reg.p_req) else "unknown, or the token does not match"
                 return Reply(False, error=f"P holds no KV for request {reg.p_req} ({why})", clock=now)
             refused = lease.refusal(reg, sender.epoch, str(sender), now)
             if refused is not None:  # "": D retried a registration whose reply it missed (same answer)
                 return Reply(not refused, clock=now, error=refused,
                              write_timeout_s=0.0 if refused else self.settings.transfer_timeout_s)
+            peer = self._identify(reg, sender)
+            if isinstance(peer, Reply):
+                return peer
+            check_registration(reg, lease, peer, self.block_size)
             known = self._peers.get(reg.d_engine)
-            if known is None or known.epoch != sender.epoch:
-                if not reg.d_payloads:
-                    asked = self._known_sender(reg, sender)  # the reply asking for its payloads
-                    assert isinstance(asked, Reply)
-                    return asked
-                peer = peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
-                check_registration(reg, lease, peer, self.block_size)
+            if peer is not known:
                 self._replace_peer(reg.d_engine, peer, known)
-            else:
-                check_registration(reg, lease, known, self.block_size)
-            lease.reg = reg
+            lease.reg = msgspec.structs.replace(reg, d_payloads=None)  # kept once, in the peer record
             lease.reg_epoch = sender.epoch
             lease.to(LeaseState.REGISTERED)
             lease.deadline = max(lease.deadline, reg.post_deadline)
         return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
 
-    def _known_sender(self, reg: RegReq, sender: Origin) -> DPeer | Reply:
-        """The record of the registration's sender start (learnt or replaced from its payloads), or the reply
-        asking for them (caller holds the lock)."""
+    def _identify(self, reg: RegReq, sender: Origin) -> DPeer | Reply:
+        """The record of the registration's sender start: the one P knows, else a new one from the payloads it
+        brings (checked, not yet P's record: the caller makes it so once the registration passed its checks), or
+        the reply asking for them (caller holds the lock). :class:`IdentityError` (counted) when the payloads
+        are not the sender's: their NIXL agent is bound to another engine, their metadata names another agent,
+        or they differ from those this engine start sent first."""
         known = self._peers.get(reg.d_engine)
         if known is not None and known.epoch == sender.epoch:
+            if reg.d_payloads and list(reg.d_payloads) != known.payloads:
+                raise self._refused(f"payloads sent by D engine {reg.d_engine!r} (epoch {sender.epoch:016x}) differ "
+                                    "from those this engine start registered with first: refusing them (an engine "
+                                    "start has one set of payloads)")
             return known
         if not reg.d_payloads:
             why = ("unknown decode engine" if known is None else
                    f"decode engine {reg.d_engine!r} is known at epoch {known.epoch:016x}, this "
                    f"registration comes from epoch {sender.epoch:016x} (restarted?): send its payloads")
             return Reply(False, need_payloads=True, error=why, clock=self.clock())
-        peer = peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
-        self._replace_peer(reg.d_engine, peer, known)
+        try:
+            peer = peer_record(reg.d_engine, sender.epoch, reg.d_payloads)
+        except IdentityError as e:
+            raise self._refused(str(e)) from None
+        if why := self._peers.identity_refusal(reg.d_engine, sender.epoch, peer):
+            raise self._refused(why)
         return peer
+
+    def _refused(self, why: str) -> IdentityError:
+        """Count and log a refused identity; the error to raise (caller holds the lock)."""
+        self.refused_identities += 1
+        logger.warning("DSAConnector %s: refused a registration: %s", self.engine_id, why)
+        return IdentityError(why)
 
     def _hold(self, reg: RegReq, sender: Origin, now: float) -> Reply:
         """An early registration for a request P has not seen yet: keep it until the lease opens
@@ -391,10 +430,17 @@ class Producer:
         if not reg.prompt_digest or reg.prompt_tokens <= 0:
             return Reply(False, clock=now, error=f"early registration {reg.p_req} states no prompt length and "
                                                  "digest (P cannot check it is the same prompt)")
-        peer = self._known_sender(reg, sender)
+        if tid not in self._held and self._unseen.full(now):
+            return Reply(False, clock=now, error=(
+                f"P remembers {len(self._unseen)} cancelled transfers of requests it never saw (for "
+                f"{self._unseen.ttl_s:.0f} s each): refusing early registrations until some expire"))
+        peer = self._identify(reg, sender)
         if isinstance(peer, Reply):
             return peer
         check_routes(reg, peer)
+        known = self._peers.get(reg.d_engine)
+        if peer is not known:
+            self._replace_peer(reg.d_engine, peer, known)
         self._held.put(tid, reg, sender.epoch)
         return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
 
@@ -431,10 +477,7 @@ class Producer:
                 if lease is None and tid:
                     self._held.cancel(tid, ref.token)  # held, never written
                 if lease is None:
-                    # unknown or ended: remember it, so a registration arriving late is refused
-                    posted = self._ended.posted(ref.p_req)
-                    self._ended.add(ref.p_req, posted)
-                    states[ref.p_req] = CancelState.POSTED if posted else CancelState.NOT_POSTED
+                    states[ref.p_req] = self._cancel_unknown(ref.p_req, tid, now)
                     continue
                 if self._owned(ref) is None:
                     states[ref.p_req] = CancelState.POSTED  # not D's to cancel: promise nothing
@@ -446,3 +489,17 @@ class Producer:
                     lease.to(LeaseState.CANCELLED)
                 states[ref.p_req] = CancelState.NOT_POSTED  # CANCELLED / RELEASED: nothing posted, ever
         return Reply(True, clock=now, states=states)
+
+    def _cancel_unknown(self, p_req: str, tid: str, now: float) -> str:
+        """The answer to a cancel of a request P holds no lease for (caller holds the lock): an ended one's
+        tombstone says whether a WRITE went; a transfer id P never saw is tombstoned for P's post-deadline
+        horizon, so its registration, if it still comes, is refused (table full: P promises nothing, ``posted``,
+        and D keeps its blocks until its write bound); an unknown P request id has no lease to come."""
+        if p_req in self._ended:
+            return CancelState.POSTED if self._ended.posted(p_req) else CancelState.NOT_POSTED
+        if tid and tid not in self._unseen and not self._unseen.add(tid, now):
+            logger.warning("DSAConnector %s: cannot remember the cancel of transfer %s (%d cancelled transfers "
+                           "held): answered 'posted', D keeps its blocks until its write bound", self.engine_id,
+                           tid, len(self._unseen))
+            return CancelState.POSTED
+        return CancelState.NOT_POSTED

@@ -19,9 +19,15 @@ class HandoffSettings:
     heartbeat_s: float = 5.0  #: D renews P's leases this often
     verify_transfers: bool = False  #: checksum every transferred run
     peer_idle_s: float = 300.0  #: a peer with no request for this long is forgotten (handshakes again on use)
+    early_held_per_peer: int = 1024  #: P holds at most this many early registrations of one D engine
+    early_held_bytes_per_peer: int = 64 << 20  #: ... and at most this many bytes of them
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "heartbeat_s", "peer_idle_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"HandoffSettings.{name} must be > 0 seconds, got {value!r}")
+        for name in ("early_held_per_peer", "early_held_bytes_per_peer"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"HandoffSettings.{name} must be an int >= 1, got {value!r}")

@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "exchange", "fetch_payloads", "request",
-           "validate_peer"]
+__all__ = ["HandshakeError", "PeerMeta", "SideChannelServer", "UnauthenticatedSideChannel", "exchange",
+           "fetch_payloads", "is_loopback", "request", "validate_peer"]
 
 
 class HandshakeError(RuntimeError):
@@ -83,8 +83,13 @@ class HandshakeError(RuntimeError):
 Handler = Callable[[Request, Origin], Reply]
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a side channel's bind address) is reachable from this machine only."""
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class UnauthenticatedSideChannel(ValueError):
+    """A side channel on a non-loopback address without a secret, and nobody said that is wanted."""
 
 
 class SideChannelServer:
@@ -92,7 +97,13 @@ class SideChannelServer:
     name ``origin`` (this engine and its epoch) as their sender."""
 
     def __init__(self, host: str, port: int, handler: Handler, auth: Authenticator | None = None,
-                 clock: Callable[[], float] = time.monotonic, origin: Origin = ANONYMOUS) -> None:
+                 clock: Callable[[], float] = time.monotonic, origin: Origin = ANONYMOUS, *,
+                 allow_unauthenticated: bool = False) -> None:
+        if (auth is None or auth.secret is None) and not is_loopback(host) and not allow_unauthenticated:
+            raise UnauthenticatedSideChannel(
+                f"DSAConnector side channel on {host}:{port} without auth_secret: anyone who reaches it could "
+                "register writes into or cancel this engine's transfers; set auth_secret on both engines, or "
+                "allow_unauthenticated_side_channel if no one else can reach this address")
         self._handler = handler
         self.origin = origin
         self._auth = auth or Authenticator(None)
@@ -112,11 +123,11 @@ class SideChannelServer:
             self._ctx.term()
             raise HandshakeError(f"DSAConnector side channel cannot bind {host}:{port}: {e}") from None
         self.host = host
-        if self._auth.secret is None and not _is_loopback(host):
+        if self._auth.secret is None and not is_loopback(host):
             logger.warning(
-                "DSAConnector side channel binds %s:%d without auth_secret: anyone who reaches it can "
-                "register writes into or cancel this engine's transfers; set kv_connector_extra_config "
-                "auth_secret (or VLLM_DSA_AUTH_SECRET) on both engines", host, self.port)
+                "DSAConnector side channel binds %s:%d without auth_secret (allow_unauthenticated_side_channel "
+                "is set): anyone who reaches it can register writes into or cancel this engine's transfers",
+                host, self.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsa-side-channel", daemon=True)
         self._thread.start()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PreparedList", "Region", "RegionDesc", "Transfer", "TransferError", "TransferStats"]
+__all__ = ["PreparedList", "Region", "RegionDesc", "Transfer", "TransferError", "TransferStats", "metadata_agent_name"]
 
 
 class TransferError(RuntimeError):
@@ -124,3 +124,23 @@ class PreparedList:
     def size(self) -> int:
         """Number of entries."""
         return int(self.lengths.size)
+
+
+#: How NIXL's agent metadata begins: its serializer's header, the ``Agent`` tag, an 8-byte little-endian length,
+#: then the agent's name (``nixlAgent.get_agent_metadata``)
+_MD_AGENT_TAG = b"nixlSerDes|Agent"
+
+
+def metadata_agent_name(meta: bytes) -> str | None:
+    """The agent name NIXL's metadata ``meta`` carries (what ``add_remote_agent`` would load it as), or None
+    when ``meta`` is not in the layout this NIXL writes (empty, truncated, another serializer)."""
+    if not meta.startswith(_MD_AGENT_TAG) or len(meta) < len(_MD_AGENT_TAG) + 8:
+        return None
+    start = len(_MD_AGENT_TAG) + 8
+    size = int.from_bytes(meta[len(_MD_AGENT_TAG):start], "little")
+    if size > len(meta) - start:
+        return None
+    try:
+        return meta[start:start + size].decode()
+    except UnicodeDecodeError:
+        return None
