@@ -20,7 +20,11 @@ import pytest
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, RegReq
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import SideChannelServer, UnauthenticatedSideChannel, request
+from vllm_dsa_connector.handoff.side_channel import (
+    SideChannelServer,
+    UnauthenticatedSideChannel,
+    request,
+)
 from vllm_dsa_connector.handoff.wire import PeerInfo, decode_payload, encode
 
 BLOCK = 16
