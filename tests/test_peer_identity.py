@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from vllm_dsa_connector.handoff.messages import Authenticator, Origin, RegReq
+from vllm_dsa_connector.handoff.messages import Authenticator, MessageError, MetaReq, Origin, RegReq
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import (
@@ -171,3 +171,35 @@ def test_a_non_loopback_side_channel_without_a_secret_refuses_to_start() -> None
     with pytest.raises(UnauthenticatedSideChannel, match="0.0.0.0.*auth_secret"):
         SideChannelServer("0.0.0.0", 0, lambda req, sender: None)  # type: ignore[arg-type,return-value]
     SideChannelServer("0.0.0.0", 0, lambda req, sender: None, allow_unauthenticated=True).close()  # type: ignore
+
+
+def test_p_refuses_other_agents_metadata_its_own_agents_and_changed_payloads(engines) -> None:
+    """The producer's other identity checks, on the real payloads: agent metadata that is another agent's than
+    the payload says, P's own agent, and other payloads from an engine start P already knows; each is refused
+    and counted, and the first payloads stay that start's record."""
+    _, _, p_payload = engines["P"]
+    _, _, victim_payload = engines["D-victim"]
+    _, _, evil_payload = engines["D-evil"]
+    victim, evil = decode_payload(victim_payload), decode_payload(evil_payload)
+    producer = Producer("P", HandoffSettings(lease_s=30.0, transfer_timeout_s=10.0), block_size=BLOCK, epoch=1)
+    producer.handle(MetaReq(), [p_payload], Origin("D-evil", 0x22))  # P serves its own payloads: reserved
+
+    def register(name: str, payloads: list[bytes], epoch: int = 0x22) -> Any:
+        token = producer.add_lease(f"p-{name}-{len(producer._leases)}", [1, 2], prompt_tokens=2 * BLOCK)
+        reg = RegReq(f"p-{name}-{len(producer._leases) - 1}", token, name, "x", 0, 2 * BLOCK, [3, 4],
+                     producer.clock() + 5.0, d_payloads=payloads)
+        return producer.handle(reg, [p_payload], Origin(name, epoch))
+
+    mixed = msgspec.structs.replace(evil, agent_metadata=victim.agent_metadata)
+    with pytest.raises(MessageError, match="agent metadata is agent 'dsa-D-victim-"):
+        register("D-evil", [encode(mixed)])
+    own = msgspec.structs.replace(decode_payload(p_payload), engine_id="D-evil")
+    with pytest.raises(MessageError, match="bound to D engine 'P'"):
+        register("D-evil", [encode(own)])
+    assert register("D-evil", [evil_payload]).ok  # its own payloads
+    other = msgspec.structs.replace(evil, compat={"model_dtype": "f32"})
+    with pytest.raises(MessageError, match="differ from those this engine start registered with first"):
+        register("D-evil", [encode(other)])
+    assert register("D-evil", [evil_payload]).ok  # the same payloads again are fine
+    assert producer.refused_identities == 3
+    assert producer._peers.get("D-evil").payloads == [evil_payload]

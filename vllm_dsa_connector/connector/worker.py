@@ -241,7 +241,9 @@ class DSAConnectorWorker:
         for p in payloads:
             named = metadata_agent_name(p.agent_metadata)
             why = ""
-            if p.agent_name in owners:
+            if p.agent_name == self.nixl.name:
+                why = f"NIXL agent {p.agent_name!r} is this worker's own"
+            elif p.agent_name in owners:
                 why = f"NIXL agent {p.agent_name!r} is destination engine {owners[p.agent_name]!r}'s"
             elif named is not None and named != p.agent_name:
                 why = f"rank {p.rank}'s agent metadata is agent {named!r}'s, the payload says {p.agent_name!r}"

@@ -409,6 +409,11 @@ class DRecords:
         self._seen: dict[str, float] = {}  # D engine id -> the last step a lease named it
         self._agents: dict[str, str] = {}  # NIXL agent name -> the D engine whose record names it
 
+    def reserve(self, engine_id: str, agents: Iterable[str]) -> None:
+        """Bind this engine's own NIXL agents to it: no D may present them as its own."""
+        for name in agents:
+            self._agents[name] = engine_id
+
     def identity_refusal(self, d_engine: str, epoch: int, peer: DPeer) -> str:
         """Why ``peer`` (payloads sent by ``d_engine``@``epoch``) cannot become that engine's record: one of its
         NIXL agents is bound to another engine P knows (``""``: it can). A new start of an engine re-binds its

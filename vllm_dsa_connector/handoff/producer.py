@@ -71,7 +71,7 @@ from vllm_dsa_connector.handoff.messages import (
     Request,
 )
 from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob
+from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class Producer:
         # early registrations for requests P has not seen yet (per-D quotas)
         self._held = HeldRegistrations(settings.early_held_per_peer, settings.early_held_bytes_per_peer)
         self.refused_identities = 0  # registrations refused for payloads not their sender's (a counter)
+        self._own_reserved = False  # this engine's own NIXL agents are bound to it (once its payloads exist)
 
     @property
     def post_horizon_s(self) -> float:
@@ -321,6 +322,8 @@ class Producer:
         """Answer one side-channel request from ``sender`` (the engine and epoch its envelope names);
         ``payloads`` are this engine's encoded worker payloads (the handshake's answer; empty while the
         workers have not registered their KV caches)."""
+        if payloads and not self._own_reserved:
+            self._reserve_own(payloads)
         if isinstance(req, MetaReq):
             if not payloads:
                 return Reply(False, error=NOT_READY, clock=self.clock())
@@ -331,6 +334,16 @@ class Producer:
         if isinstance(req, HeartbeatReq):
             return self.handle_heartbeat(req)
         return self.handle_cancel(req)
+
+    def _reserve_own(self, payloads: list[bytes]) -> None:
+        """Bind this engine's own NIXL agents to it, so no D can register with P's own payloads."""
+        try:
+            names = [decode_payload(p).agent_name for p in payloads]
+        except ValueError:
+            return
+        with self._lock:
+            self._peers.reserve(self.engine_id, names)
+            self._own_reserved = True
 
     def _lease_named(self, p_req: str) -> Lease | None:
         """The lease ``p_req`` names: P's request id, or an early registration's transfer reference."""
