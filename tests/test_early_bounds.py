@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff.leases import POST_DEADLINE_MARGIN_S
 from vllm_dsa_connector.handoff.messages import (
     CancelReq,
     CancelState,
@@ -25,7 +24,7 @@ from vllm_dsa_connector.handoff.messages import (
     transfer_ref,
 )
 from vllm_dsa_connector.handoff.producer import LeaseState, Producer
-from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
 from vllm_dsa_connector.handoff.wire import RankPayload, encode
 
 BLOCK = 16
@@ -167,3 +166,43 @@ def test_the_proxy_refuses_early_registration_in_front_of_a_prefill_pool(capsys)
         pd_proxy.main(["--prefill", "http://lb:8100", "--decode", "http://d:8200", "--prefill-pool",
                        "--early-registration"])
     assert e.value.code == 2 and "one proxy per prefill engine" in capsys.readouterr().err
+
+
+def test_d_states_no_post_deadline_past_ps_horizon() -> None:
+    """A D whose own transfer_timeout_s is far longer than P's (100 s against 5 s) states a post deadline inside
+    P's horizon (P's write timeout + the margin), so the tombstone P keeps for a cancel outlives every copy of
+    its registration; D itself still waits its own budget. Real Consumer and Producer over a real side channel."""
+    import time
+
+    from vllm_dsa_connector.handoff.consumer import Consumer, RemoteParams
+    from vllm_dsa_connector.handoff.messages import Authenticator
+    from vllm_dsa_connector.handoff.side_channel import SideChannelServer
+
+    class _Plan:
+        def senders_for(self, rank: int) -> tuple[int, ...]:
+            return (0,)
+
+    prod = Producer("P", HandoffSettings(lease_s=30.0, transfer_timeout_s=TIMEOUT_S), block_size=BLOCK)
+    server = SideChannelServer("127.0.0.1", 0, lambda req, sender: prod.handle(req, _payloads("P"), sender),
+                               origin=Origin("P", 5))
+    d_payload = RankPayload("D", 0, 0, 0, "agent-D", b"", fake_page_table(512, block_size=BLOCK), [], {})
+    d = Consumer("D", HandoffSettings(transfer_timeout_s=100.0, handshake_timeout_s=2.0), Authenticator(None),
+                 lambda: [d_payload], lambda: [encode(d_payload)], check_peer=lambda src, dst: _Plan())
+    try:
+        peer = d.peer("P", "127.0.0.1", server.port)
+        deadline = time.monotonic() + 10
+        while not (peer.future is None or peer.future.done()):
+            assert time.monotonic() < deadline, "handshake did not finish"
+            time.sleep(0.01)
+        peer = d.peer("P", "127.0.0.1", server.port)
+        token = prod.add_lease("p-1", [1, 2], prompt_tokens=2 * BLOCK)
+        rp = RemoteParams("P", "p-1", "127.0.0.1", server.port, [1, 2], 2 * BLOCK, token)
+        d.queue("d-1", rp)
+        before = time.monotonic()
+        d.register("d-1", rp, peer, 0, 2 * BLOCK, [1, 2], [40, 41], {}, [])
+        load = d.loads["d-1"]
+        assert load.reg_body.post_deadline <= before + TIMEOUT_S + POST_DEADLINE_MARGIN_S + 1.0  # P's clock
+        assert load.give_up_at >= before + 100.0  # D's own budget is unchanged
+    finally:
+        d.shutdown()
+        server.close()

@@ -52,7 +52,7 @@ from vllm_dsa_connector.handoff.messages import (
 )
 from vllm_dsa_connector.handoff.peers import Peer, PeerCheck, Peers
 from vllm_dsa_connector.handoff.routes import Held
-from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import exchange, validate_peer
 from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Routes
 
@@ -204,8 +204,12 @@ class Consumer:
         load.give_up_at = now + self.settings.transfer_timeout_s
         load.release_at = now + self._release_bound(peer)  # no WRITE of this registration lands after it
         load.slots = held_slots
+        # P posts at most its horizon (its write timeout + a margin) after the registration arrives and keeps the
+        # tombstone of a cancel that long: a deadline inside it keeps a delayed copy refused after a cancel
+        post_by = min(load.give_up_at, now + peer.meta.write_timeout_s + POST_DEADLINE_MARGIN_S) \
+            if peer.meta.write_timeout_s > 0 else load.give_up_at
         reg = RegReq(rp.remote_request_id, rp.remote_token, self.engine_id, req_id, first_token, num_tokens,
-                     dst_blocks, peer.meta.clock.to_peer_before(load.give_up_at, now),
+                     dst_blocks, peer.meta.clock.to_peer_before(post_by, now),
                      self.settings.verify_transfers, routes, prompt_tokens=prompt_tokens,
                      prompt_digest=prompt_digest)
         load.reg_body = reg

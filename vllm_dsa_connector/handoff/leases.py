@@ -52,7 +52,7 @@ from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import PeerInfo, RankPayload, decode_payload, max_block_id
 from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
 
-__all__ = ["EARLY_HELD", "POST_DEADLINE_MARGIN_S", "TOMBSTONES", "TRANSFER_TOMBSTONES", "TRANSITIONS", "DPeer",
+__all__ = ["EARLY_HELD", "TOMBSTONES", "TRANSFER_TOMBSTONES", "TRANSITIONS", "DPeer",
            "DRecords", "HeldRegistrations", "IdentityError", "Lease", "LeaseState", "Tombstones",
            "TransferTombstones", "block_range", "check_registration", "check_routes", "check_span", "peer_record"]
 
@@ -66,9 +66,6 @@ TOMBSTONES = 65536
 #: post deadline passed): :class:`TransferTombstones`, each kept for P's post-deadline horizon; when full, new
 #: early registrations are refused (never a tombstone evicted)
 TRANSFER_TOMBSTONES = 65536
-#: P's post-deadline horizon is ``transfer_timeout_s`` plus this (s): a registration stating a later deadline
-#: is clamped to it (P then stops posting earlier than D asked, which is always safe for D's blocks)
-POST_DEADLINE_MARGIN_S = 10.0
 
 
 class IdentityError(MessageError):

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import msgspec
 
 from vllm_dsa_connector.handoff.leases import (
-    POST_DEADLINE_MARGIN_S,
     TRANSITIONS,
     DPeer,
     DRecords,
@@ -70,7 +69,7 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     Request,
 )
-from vllm_dsa_connector.handoff.settings import HandoffSettings
+from vllm_dsa_connector.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
 from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, decode_payload
 
 logger = logging.getLogger(__name__)

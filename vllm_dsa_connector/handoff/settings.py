@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: P's post-deadline horizon is ``transfer_timeout_s`` plus this (s): P clamps a registration's later deadline to
+#: it (posting earlier than D asked is always safe for D's blocks), D states none later, and P keeps the
+#: tombstone of a transfer D cancelled before P saw it that long
+POST_DEADLINE_MARGIN_S = 10.0
+
 
 @dataclass(frozen=True)
 class HandoffSettings:
