@@ -300,7 +300,8 @@ def _check_readme_config(factory, cfg: dict[str, Any], classes: dict[str, type],
     check_composition(top, children, dsa_model, environ={})
     from vllm_dsa_connector.connector.options import ConnectorOptions
 
-    ConnectorOptions.from_config(children[0].extra, environ={})  # DSAConnector's own options validate
+    # DSAConnector's own options validate, with the secret the guides put in VLLM_DSA_AUTH_SECRET
+    ConnectorOptions.from_config(children[0].extra, environ={"VLLM_DSA_AUTH_SECRET": "the-guides-secret-0123"})
 
 
 @pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)

@@ -118,9 +118,11 @@ def test_kv_transfer_configs_validate() -> None:
     configs = [json.loads(_argv(c)[_argv(c).index("--kv-transfer-config") + 1])
                for c in COMMANDS if "--kv-transfer-config" in c]
     assert {c["kv_role"] for c in configs} >= {"kv_producer", "kv_consumer"}
+    assert "VLLM_DSA_AUTH_SECRET" in README  # the README gives both engines the secret: with it
     for cfg in configs:
         assert cfg["kv_connector"] == "DSAConnector"
-        ConnectorOptions.from_config(cfg.get("kv_connector_extra_config", {}), environ={})
+        ConnectorOptions.from_config(cfg.get("kv_connector_extra_config", {}),
+                                     environ={"VLLM_DSA_AUTH_SECRET": "the-readmes-secret-0123"})
 
 
 def _slug(heading: str) -> str:
