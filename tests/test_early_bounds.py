@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from conftest import fake_page_table
 
@@ -206,3 +207,47 @@ def test_d_states_no_post_deadline_past_ps_horizon() -> None:
     finally:
         d.shutdown()
         server.close()
+
+
+def test_held_registrations_and_refused_identities_reach_prometheus(tiny_mla_dir) -> None:
+    """P's scheduler reports the held early registrations as a gauge (a sample when it changed) and the refused
+    identities as a counter; vLLM's Prometheus hook exports them as ``vllm:dsa_kv_early_held`` and
+    ``vllm:dsa_kv_refused_identities_total``. A real P scheduler (its real side channel) on a tiny model."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import prometheus_client
+    import vllm.plugins
+    from prometheus_client import CollectorRegistry
+
+    from tests.test_connector_scheduler import _config
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
+    from vllm_dsa_connector.connector.stats import DSAPromMetrics
+    from vllm_dsa_connector.handoff.messages import MessageError
+
+    vllm.plugins.load_general_plugins()
+    extra = {"transfer_timeout_s": TIMEOUT_S, "bounce_mode": "never"}
+    sched = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-metrics",
+                                  ConnectorOptions.from_config(extra, environ={}))
+    try:
+        p, now = sched.producer, sched.producer.clock()
+        assert sched.get_stats() is None  # nothing held, nothing refused: no sample
+        for i in range(3):
+            assert p.handle_reg(_reg(_tid(i), now + TIMEOUT_S, payloads=i == 0), Origin("D", 7)).ok
+        other = [encode(RankPayload("D2", 0, 0, 0, "agent-D", b"", fake_page_table(1 << 19), [], {}))]
+        with pytest.raises(MessageError, match="bound to D engine 'D'"):
+            p.handle_reg(msgspec.structs.replace(_reg(_tid(9), now + TIMEOUT_S, d_engine="D2"), d_payloads=other),
+                         Origin("D2", 8))
+        stats = sched.get_stats()
+        assert stats is not None and stats.data["early_held"] == [3] and stats.data["refused_identities"] == 1
+        registry = CollectorRegistry()
+        types = {cls: partial(cls, registry=registry) for cls in (prometheus_client.Gauge, prometheus_client.Counter,
+                                                                prometheus_client.Histogram)}
+        prom = DSAPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+        prom.observe(stats.data, 0)
+        assert registry.get_sample_value("vllm:dsa_kv_early_held", {"engine": "0"}) == 3
+        assert registry.get_sample_value("vllm:dsa_kv_refused_identities_total", {"engine": "0"}) == 1
+        assert sched.get_stats() is None  # unchanged: no new sample
+    finally:
+        sched.shutdown()
