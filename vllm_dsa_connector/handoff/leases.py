@@ -13,7 +13,8 @@ from, that start's payloads, its pool and staging sizes), learnt from a registra
 registration names only its sender's engine: ``d_engine`` must be the engine the (signed) envelope names,
 else it is refused naming both. The rule for a registration from engine E at epoch X:
 
-- P knows E at X: served with the payloads E@X sent.
+- P knows E at X: served with the payloads E@X sent; a registration of E@X bringing other payloads is refused
+  (:class:`IdentityError`: an engine start has one set of payloads).
 - P does not know E, or knows it at another epoch Y: a registration without payloads is answered
   ``need_payloads`` (the error names both epochs); one with payloads makes E@X the record (a restart of E:
   random epochs carry no order, so "newer" is "the one that sent fresh payloads"). The replacement is one
@@ -22,6 +23,10 @@ else it is refused naming both. The rule for a registration from engine E at epo
   :class:`~.wire.PeerInfo` (they remove E@Y's NIXL agents and add E@X's). Every job names the epoch it was
   registered by (``PushJob.dst_epoch``): a worker that knows another start of E does not write it.
 - Heartbeats and cancels are per-request and token-checked: they never change a peer record.
+
+Identity: every NIXL agent a record's payloads name is bound to that engine id (:class:`DRecords`; P's own agents
+to P). Payloads naming an agent bound to another engine, or whose agent metadata names another agent than the
+payload, are refused (:class:`IdentityError`), so P never adds one engine's agent for another engine's requests.
 
 Two live D engines sharing one engine id (a misconfiguration) therefore take turns being the record: each
 replacement is a warning naming both epochs, and each side's registrations are served with its own
@@ -34,7 +39,9 @@ Early registration: a router may send the request to D at the same time as to P,
 ``transfer_id`` it made (random: the capability the two legs share). D registers by the transfer id
 (``p_req`` = :data:`~.messages.TRANSFER_REF_PREFIX` + id, ``token`` = id), naming its prompt's length and
 digest. A registration that arrives before P has seen the request is held (its peer checks done, at most
-:data:`EARLY_HELD`, until its post deadline) and attached when the lease opens.
+:data:`EARLY_HELD` in all and a quota per D engine, compactly, until its post deadline, which P clamps to its
+horizon) and attached when the lease opens. Transfer ids P never saw but must refuse are
+:class:`TransferTombstones`, kept for that horizon, never evicted by other cancels.
 """
 
 from __future__ import annotations
