@@ -60,7 +60,7 @@ from vllm_dsa_connector.handoff.wire import PeerInfo, RankPayload, decode_payloa
 from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
 
 __all__ = ["EARLY_HELD", "TOMBSTONES", "TRANSFER_TOMBSTONES", "TRANSITIONS", "DPeer",
-           "DRecords", "HeldRegistrations", "IdentityError", "Lease", "LeaseState", "Tombstones",
+           "DRecords", "HeldReg", "HeldRegistrations", "IdentityError", "Lease", "LeaseState", "Tombstones",
            "TransferTombstones", "block_range", "check_registration", "check_routes", "check_span", "peer_record"]
 
 #: Early registrations P holds for requests it has not seen yet, all D engines together (beyond it a new one is
