@@ -491,7 +491,9 @@ def main() -> int:
         raise SystemExit("--pairs: a pair named \"mtp\" needs --mtp-model (a model with an MTP layer)")
     model_of = {s.name: (args.mtp_model if s.mtp else args.model) for s in specs}
     t_start = time.time()
-    result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}, "argv": sys.argv[1:]}
+    # transfer_ms: one observation per (request, destination rank) for every connector (issue 49)
+    result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}, "argv": sys.argv[1:],
+                              "transfer_unit": "request"}
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work = Path(tempfile.mkdtemp(prefix="gpu-pd-"))
     with cluster(work / "engines") as c:
