@@ -112,8 +112,9 @@ class _Pending:
 @dataclass(eq=False)
 class LayeredPost(Post):
     """A post fed layer by layer (see the module docstring); ``stats``: one TransferStats per WRITE / copy;
-    ``seconds``: one span, from its close (the last layer added: the forward is over) to its last part's
-    completion, i.e. the transfer time left after P's last layer."""
+    ``seconds``: one span, from its close (the last layer added) or, on CUDA, the post of a layer whose kernels
+    finished after the close (the CPU runs ahead of the device) to its last part's completion, i.e. the
+    transfer time left after P's last layer was computed."""
 
     slot: StagingSlot | None = None
     deadline: float | None = None
@@ -333,6 +334,8 @@ def _flush(host: LayerHost, post: LayeredPost) -> None:
                                     peer=post.peer)
             return
         post._pending.pop(0)
+        if post.closed:  # a layer whose pages became final after the close: the post's span starts at its post
+            post.started = max(post.started, now)
         if pend.copied is not None:
             post.completed(TransferStats(*pend.copied, now - pend.started, 0), now)
         if not post.error:
