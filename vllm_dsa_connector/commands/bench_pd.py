@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine without P/D (one after the other; --together: all at once, requests interleaved). Transfer time, the same for all "
         "three: post to done of a request's transfers, one per (request, destination rank), summed per request, "
         "from the side that posts them (P for DSAConnector's WRITEs, its post to the last one's completion, and "
-        "NixlPushConnector's, D for NixlConnector's READs); TTFT at the client covers everything else. Medians; "
+        "NixlPushConnector's, D for NixlConnector's READs: NIXL's telemetry xferDuration); TTFT at the client covers "
+        "everything else. Medians; "
         "outputs compared request by request.")
     parser.add_argument("--requests", type=int, default=10, help="measured requests per connector")
     parser.add_argument("--words", type=int, default=1000, help="words per prompt (~1.06 tokens each)")
