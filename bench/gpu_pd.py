@@ -33,6 +33,14 @@ Per pair:
   a flat argmax: the pages are the exact check, the reply rate is reported). Every shape also times the same
   prompt on P alone (``single_ttft_ms``: one engine without P/D), and ``--timing-blocks`` sets the shapes
   (``128``: 8k-token prompts). An ``early`` pair's TTFT runs from sending both legs to D's first token.
+  ``transfer_ms`` is per (request, destination rank) for every contender: DSAConnector observes one span per
+  request and D rank (post to the last part's completion), NixlConnector one READ per request and P rank.
+- **span** (the same for every connector): from P's prefill end (the last forward with prefill tokens
+  finished on P's device) to D's KV ready (D's connector reported the request received), both
+  ``time.monotonic()`` of this one host (``KVProbe.dsa_span_marks``): ``span_ms`` per request.
+
+A real-width slice: ``vllm-dsa make-model --kind dsa --width deepseek-v3.2 --out M`` and ``--load-format
+dummy`` (``--max-model-len`` for 32k-token prompts: ``--timing-blocks 128,512``).
 
     python bench/gpu_pd.py --model /tmp/models/tiny-glm-dsa-h32-k128 \\
         [--pairs dsa=dsa/graphs/auto,nixl=nixl/graphs/auto,fp8=dsa/graphs/fp8_ds_mla]
@@ -61,7 +69,8 @@ from vllm_dsa_connector.harness.client import complete, metric, post_json, probe
 from vllm_dsa_connector.harness.procs import Cluster, Proc, cluster, wait_healthy
 
 BLOCK = 64
-MAX_MODEL_LEN = 9000  # 8k-token prompts (--timing-blocks 128) and their replies
+MAX_MODEL_LEN = 9000  # 8k-token prompts (--timing-blocks 128) and their replies (--max-model-len)
+ENGINE_ARGS: list[str] = []  # every engine's extra arguments (--load-format)
 PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
 CONNECTORS = ("dsa", "nixl")
 MODES = ("eager", "graphs")
@@ -132,7 +141,7 @@ def _engine(c: Cluster, name: str, spec: PairSpec, model: str, port: int, side: 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
            "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
            "--seed", "0", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(kv_bytes),
-           "--kv-cache-dtype", spec.kv_cache_dtype, "--kv-transfer-config", json.dumps(cfg), *PROBE]
+           "--kv-cache-dtype", spec.kv_cache_dtype, "--kv-transfer-config", json.dumps(cfg), *PROBE, *ENGINE_ARGS]
     if spec.mode == "eager":
         cmd.append("--enforce-eager")
     if spec.chunked and role == "kv_producer":
@@ -291,6 +300,23 @@ def _counters(connector: str, p_url: str, d_url: str) -> dict[str, float]:
             "failed": metric(md, "vllm:nixl_num_failed_transfers_total")}
 
 
+def _marks(url: str) -> dict[str, Any]:
+    """The engine's span marks (``KVProbe.dsa_span_marks``; the first call hooks its worker)."""
+    return post_json(url + "/collective_rpc", {"method": "dsa_span_marks"})["results"][0]
+
+
+def _span(p_url: str, d_url: str, since: float) -> float | None:
+    """Seconds from P's prefill end to D's KV ready of the one request sent at ``since`` (``time.monotonic()``):
+    D's first KV-ready mark after ``since``, P's last prefill forward end between the two."""
+    try:
+        ready = [t for t, _ in _marks(d_url)["kv_ready"] if t >= since]
+        ends = [t for t in _marks(p_url)["forward_ends"] if ready and since <= t <= min(ready)]
+    except Exception as e:  # noqa: BLE001 - no span for this request, the rest of it stands
+        print(f"[gpu_pd] span marks: {type(e).__name__}: {e}", flush=True)
+        return None
+    return min(ready) - max(ends) if ready and ends else None
+
+
 def _early_legs(p_url: str, d_url: str, ids: list[int], p_side: dict[str, Any]) -> tuple[float, float, str]:
     """Both legs at once with one transfer id (what ``pd_proxy --early-registration`` sends): (seconds to P's
     answer, seconds to D's first token, D's text), both from sending."""
@@ -325,6 +351,7 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int, shapes_blocks:
             single, _ = _stream_d(p_url, ids, None, 1)  # one engine without P/D (P's own prefix cache: a
             ids = _rng_ids(rng, blocks * BLOCK)  # fresh prompt of the same shape for the P/D request)
             c0 = _counters(connector, p_url, d_url)
+            since = time.monotonic()
             t0 = time.perf_counter()
             if early and p_side:
                 prefill, first, text = _early_legs(p_url, d_url, ids, p_side)
@@ -336,6 +363,8 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int, shapes_blocks:
                 p_side = res.get("kv_transfer_params") or {}
                 first, text = _stream_d(d_url, ids, res.get("kv_transfer_params"), 8)
                 ttft = prefill + first
+            time.sleep(0.2)  # the marks' watcher takes P's device time once it got there
+            span = _span(p_url, d_url, since)  # before the plain reply (another forward on P)
             plain = complete(p_url, "tiny", ids, 8)["choices"][0]["text"]
             time.sleep(1.0)
             c1 = _counters(connector, p_url, d_url)
@@ -343,6 +372,7 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int, shapes_blocks:
             row.update(ttft_ms=round(ttft * 1e3, 2), single_ttft_ms=round(single * 1e3, 2),
                        p_prefill_ms=round(prefill * 1e3, 2), d_first_token_ms=round(first * 1e3, 2),
                        transfer_ms=round(delta["xfer_s"] / delta["xfers"] * 1e3, 3) if delta["xfers"] else None,
+                       span_ms=round(span * 1e3, 3) if span is not None else None,
                        reply_equal=text == plain, **{k2: v for k2, v in delta.items() if k2 != "xfer_s"})
         except Exception as e:  # noqa: BLE001 - reported per request
             row["error"] = f"{type(e).__name__}: {e}"[:400]
@@ -360,6 +390,9 @@ def _timing(connector: str, p_url: str, d_url: str, repeats: int, shapes_blocks:
                 "d_first_token_ms_median": round(statistics.median(r["d_first_token_ms"] for r in ok), 2),
                 "transfer_ms_median": (round(statistics.median(r["transfer_ms"] for r in ok if r["transfer_ms"]), 3)
                                        if any(r["transfer_ms"] for r in ok) else None),
+                "transfers_per_request": ok[0].get("xfers"),
+                "span_ms_median": (round(statistics.median(r["span_ms"] for r in ok if r.get("span_ms") is not None), 3)
+                                   if any(r.get("span_ms") is not None for r in ok) else None),
                 "bytes": ok[0]["bytes"], "descriptors": ok[0]["descriptors"],
                 "bounce_bytes": ok[0].get("bounce_bytes"), "ipc_bytes": ok[0].get("ipc_bytes"),
                 "layered_bytes": ok[0].get("layered_bytes"),
@@ -444,13 +477,23 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=0,
                     help="after the timing, this many P/D requests at once per pair (0: none)")
     ap.add_argument("--burst-blocks", type=int, default=16, help="prompt blocks of each burst request")
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                    help=f"every engine's --max-model-len (default {MAX_MODEL_LEN}; 33000 for --timing-blocks 512)")
+    ap.add_argument("--load-format", default=None,
+                    help="every engine's --load-format (dummy: a config-only model, e.g. make-model --width "
+                         "deepseek-v3.2)")
     args = ap.parse_args()
+    globals()["MAX_MODEL_LEN"] = args.max_model_len
+    if args.load_format:
+        ENGINE_ARGS.extend(["--load-format", args.load_format])
     specs = [PairSpec.parse(x) for x in args.pairs.split(",") if x]
     if any(s.mtp for s in specs) and not args.mtp_model:
         raise SystemExit("--pairs: a pair named \"mtp\" needs --mtp-model (a model with an MTP layer)")
     model_of = {s.name: (args.mtp_model if s.mtp else args.model) for s in specs}
     t_start = time.time()
-    result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}}
+    # transfer_ms: one observation per (request, destination rank) for every connector (issue 49)
+    result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}, "argv": sys.argv[1:],
+                              "transfer_unit": "request"}
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work = Path(tempfile.mkdtemp(prefix="gpu-pd-"))
     with cluster(work / "engines") as c:
@@ -474,6 +517,11 @@ def main() -> int:
                     return _counters(connector, d_url, d_url)["bytes"] if connector == "nixl" else \
                         metric(scrape(d_url), "vllm:dsa_kv_bytes_total", side="recv")
 
+                for url in (pu, du):
+                    try:
+                        _marks(url)  # hook the workers (span marks) before any request
+                    except Exception as e:  # noqa: BLE001 - the pair runs without spans
+                        res.setdefault("span_error", f"{type(e).__name__}: {e}"[:300])
                 if args.burst:  # first, on the fresh pair: concurrent first requests (handshake, cold connections)
                     res["burst"] = _burst(spec.connector, pu, du, args.burst, args.burst_blocks, spec.early)
                 res["pages"] = _pages(pu, du, recv)
@@ -506,7 +554,9 @@ def main() -> int:
                 side.setdefault(name, {})[blocks] = {
                     "ttft_nixl_over_dsa": round(n["ttft_ms_median"] / s["ttft_ms_median"], 3),
                     "transfer_nixl_over_dsa": (round(n["transfer_ms_median"] / s["transfer_ms_median"], 3)
-                                               if n["transfer_ms_median"] and s["transfer_ms_median"] else None)}
+                                               if n["transfer_ms_median"] and s["transfer_ms_median"] else None),
+                    "span_nixl_over_dsa": (round(n["span_ms_median"] / s["span_ms_median"], 3)
+                                           if n.get("span_ms_median") and s.get("span_ms_median") else None)}
     result["side_by_side"] = side
     result["wall_s"] = round(time.time() - t_start, 1)
     print(json.dumps(result))

@@ -40,6 +40,7 @@ def test_pair_configs_differ_only_in_the_connector(key: str) -> None:
 def test_help_says_how_transfer_time_is_measured() -> None:
     text = " ".join(_parser().format_help().split())
     assert "xferDuration" in text and "NixlPushConnector" in text and "--together" in text
+    assert "one per (request, destination rank)" in text
 
 
 def test_unknown_connector_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

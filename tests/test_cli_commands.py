@@ -77,3 +77,22 @@ def test_make_model_dsa_with_an_mtp_layer(tmp_path) -> None:
     assert all(n.startswith("model.layers.2.") for n in names), names
     bad = _cli("make-model", "--kind", "mla", "--mtp-layers", "1")
     assert bad.returncode == 2 and "--mtp-layers" in bad.stdout
+
+
+def test_make_model_deepseek_v32_width_slice(tmp_path) -> None:
+    """``make-model --kind dsa --width deepseek-v3.2``: DeepSeek-V3.2's per-layer widths, dense MLPs, every layer
+    owning its indexer, a config and tokenizer without weights (``--load-format dummy``)."""
+    out = _cli("make-model", "--kind", "dsa", "--width", "deepseek-v3.2", "--out", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = Path(out.stdout.strip().splitlines()[-1])
+    cfg = json.loads((path / "config.json").read_text())
+    assert {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_n_heads",
+                                "index_head_dim", "index_topk", "num_hidden_layers", "first_k_dense_replace")} == {
+        "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "index_n_heads": 64,
+        "index_head_dim": 128, "index_topk": 2048, "num_hidden_layers": 4, "first_k_dense_replace": 4}
+    assert not list(path.glob("*.safetensors")) and (path / "tokenizer.json").exists()
+    assert cfg["index_topk_freq"] == 1  # every layer owns its indexer, as in DeepSeek-V3.2
+    bad = _cli("make-model", "--kind", "mla", "--width", "deepseek-v3.2")
+    assert bad.returncode == 2 and "--width" in bad.stdout

@@ -14,16 +14,27 @@ checksums of a transfer only prove that the bytes arrived, not where). The last 
 excluded (D recomputes it locally), and so is the partial last block. ``layer_digests`` gives the same per
 layer (by vLLM's layer name), so engines with different TP/PP layouts, whose workers hold different layers,
 can be compared layer by layer.
+
+:meth:`KVProbe.dsa_span_marks` times the P/D span the same way for every connector (the GPU bench's "one
+span"): the first call hooks this worker, later calls return what it saw since: when each forward with more
+than one scheduled token (a prefill) finished on the device, and when the KV connector reported each
+request's KV received (``get_transfer_results`` / ``get_finished``). Both are ``time.monotonic()``, CLOCK_MONOTONIC, one clock for every
+process of a host: D's "KV ready" minus P's "prefill end" is the span from P's last layer to D's KV, whatever
+the connector. Bounded: the last 256 marks of each kind.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 import zlib
+from collections import deque
 from typing import Any
 
 import torch
 
-__all__ = ["KVProbe", "block_digests"]
+__all__ = ["KVProbe", "SpanMarks", "block_digests"]
 
 
 def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
@@ -82,8 +93,72 @@ def _running_requests(runner: Any) -> list[tuple[str, list[int], list[int]]]:
     return out
 
 
+class SpanMarks:
+    """This worker's span marks (see the module docstring): ``forward_ends`` (a prefill forward finished on
+    the device) and ``kv_ready`` (``(time, request id)``: the connector reported its KV received)."""
+
+    def __init__(self, worker: Any, keep: int = 256) -> None:
+        self.forward_ends: deque[float] = deque(maxlen=keep)
+        self.kv_ready: deque[tuple[float, str]] = deque(maxlen=keep)
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        runner = worker.model_runner
+        execute = runner.execute_model
+
+        def timed_execute(*args: Any, **kwargs: Any) -> Any:
+            out = execute(*args, **kwargs)
+            sched = args[0] if args else kwargs.get("scheduler_output")
+            if int(getattr(sched, "total_num_scheduled_tokens", 0) or 0) > 1:
+                if torch.cuda.is_available():
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    self._events.put(ev)  # its time is taken once the device reached it (no wait here)
+                else:
+                    self.forward_ends.append(time.monotonic())
+            return out
+
+        runner.execute_model = timed_execute
+        threading.Thread(target=self._watch, name="dsa-span-marks", daemon=True).start()
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            conn = get_kv_transfer_group()
+            # the runner asks get_transfer_results (vLLM >= 0.32: an object with finished_recving) or, before,
+            # get_finished ((finished_sending, finished_recving))
+            name = "get_transfer_results" if hasattr(conn, "get_transfer_results") else "get_finished"
+            finished = getattr(conn, name)
+
+            def timed_finished(*args: Any, **kwargs: Any) -> Any:
+                out = finished(*args, **kwargs)
+                recving = out[1] if isinstance(out, tuple) else getattr(out, "finished_recving", None)
+                now = time.monotonic()
+                for req in recving or ():
+                    self.kv_ready.append((now, str(req)))
+                return out
+
+            setattr(conn, name, timed_finished)
+
+    def _watch(self) -> None:
+        while True:
+            ev = self._events.get()
+            ev.synchronize()
+            self.forward_ends.append(time.monotonic())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The marks so far and this worker's clock now."""
+        return {"now": time.monotonic(), "forward_ends": list(self.forward_ends),
+                "kv_ready": [list(x) for x in self.kv_ready]}
+
+
 class KVProbe:
     """Mixed into vLLM's worker by ``--worker-extension-cls`` (methods run on every worker)."""
+
+    def dsa_span_marks(self) -> dict[str, Any]:
+        """The span marks of this worker (the first call hooks it and returns none yet; module docstring)."""
+        marks = getattr(self, "_dsa_span_marks", None)
+        if marks is None:
+            marks = SpanMarks(self)
+            self._dsa_span_marks = marks
+        return marks.snapshot()
 
     def dsa_probe_running(self) -> list[dict[str, Any]]:
         """Every running request: prompt ids, block ids, block size and digests of its full prompt blocks

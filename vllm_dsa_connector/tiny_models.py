@@ -190,6 +190,35 @@ def glm5_2_shape_config() -> Any:
     )
 
 
+#: DeepSeek-V3.2's per-layer widths (its config.json), for a few-layer slice with dense MLPs and dummy weights
+DEEPSEEK_V32_WIDTHS: dict[str, Any] = dict(
+    hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_n_heads=64, index_head_dim=128,
+    index_topk=2048, intermediate_size=18432, vocab_size=129280, max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+)
+
+
+def deepseek_v32_slice_config(num_layers: int = 4) -> Any:
+    """A GLM-MoE-DSA config (the same DSA architecture vLLM serves DeepSeek-V3.2 with) at DeepSeek-V3.2's
+    per-layer widths: ``num_layers`` layers, each with its own indexer (V3.2 has no IndexCache masking) and a
+    dense MLP (no experts: P, D and a plain engine fit on one GPU). No weights: serve it with
+    ``--load-format dummy``. Per-layer costs scale to the 61 layers of the real model."""
+    return glm_dsa_config(num_layers, index_topk_freq=1, **DEEPSEEK_V32_WIDTHS)
+
+
+def make_config_model(path: str | Path, config: Any, *, force: bool = False) -> Path:
+    """A model directory with ``config`` and the DeepSeek tokenizer but no weights (``--load-format dummy``)."""
+    path = Path(path)
+    done = path / ".complete"
+    if done.exists() and not force:
+        return path
+    write_config(config, path)
+    save_tokenizer(path)
+    done.write_text("ok\n")
+    return path
+
+
 def write_config(config: Any, path: str | Path) -> Path:
     """Write a transformers config as ``config.json`` into a directory (no weights)."""
     path = Path(path)

@@ -14,13 +14,13 @@ RAM each) they run at the same time and the requests are interleaved (request i 
 an order that rotates with i, before request i+1), so a load change on the host hits all of them
 alike. A warm-up request per pair (UCX connection set-up) is excluded.
 
-Transfer time (the same definition for all three): NIXL's own telemetry ``xferDuration`` of the
-request's transfers (NIXL's clock from posting a transfer to the moment it is seen DONE), summed per
-request, read from the side that posts them: P for the WRITEs of DSAConnector
-(``vllm:dsa_kv_transfer_seconds``) and of NixlPushConnector, D for NixlConnector's READs
-(``vllm:nixl_xfer_time_seconds``). It covers the copy and any wait for the peer inside the transfer,
-not the control messages around it; TTFT (``*_ttft_ms``, first streamed token at the client) covers
-everything. Prints a table; ``--json`` adds a last line::
+Transfer time (one unit for all three: the time from posting a request's transfer to seeing it done, per
+(request, destination rank), summed per request), read from the side that posts: P for DSAConnector
+(``vllm:dsa_kv_transfer_seconds``: its post to the last WRITE's completion, one observation however many
+pools or layers it wrote) and NixlPushConnector, D for NixlConnector's READs (``vllm:nixl_xfer_time_seconds``:
+NIXL's telemetry ``xferDuration`` of the request's one READ). It covers the copy and any wait for the peer
+inside the transfer, not the control messages around it; TTFT (``*_ttft_ms``, first streamed token at the
+client) covers everything. Prints a table; ``--json`` adds a last line::
 
     {"dsa_transfer_ms": ..., "nixl_transfer_ms": ..., "nixl_push_transfer_ms": ..., "outputs_match": true,
      "dsa_ttft_ms": ..., "nixl_ttft_ms": ..., "nixl_push_ttft_ms": ..., "ttft_single_ms": ..., ...}
@@ -74,9 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "The same requests through a DSAConnector, a NixlConnector and a NixlPushConnector P/D pair and one "
         "engine without P/D (one after the other; --together: all at once, requests interleaved). Transfer time, the same for all "
-        "three: NIXL's telemetry xferDuration (post to DONE) of a request's transfers, summed, from the side "
-        "that posts them (P for the WRITEs of DSAConnector and NixlPushConnector, D for NixlConnector's "
-        "READs); TTFT at the client covers everything else. Medians; outputs compared request by request.")
+        "three: post to done of a request's transfers, one per (request, destination rank), summed per request, "
+        "from the side that posts them (P for DSAConnector's WRITEs, its post to the last one's completion, and "
+        "NixlPushConnector's, D for NixlConnector's READs: NIXL's telemetry xferDuration); TTFT at the client covers "
+        "everything else. Medians; "
+        "outputs compared request by request.")
     parser.add_argument("--requests", type=int, default=10, help="measured requests per connector")
     parser.add_argument("--words", type=int, default=1000, help="words per prompt (~1.06 tokens each)")
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -133,19 +133,32 @@ def render_gpu_pd(data: dict[str, Any]) -> list[str]:
                              " / ".join(fmt(int(t["recv_bytes"])) for t in turns), turns[0]["layers"]])
         return table(["mode", "turns", "pages equal every turn", "bytes D received per turn", "layers compared"], rows)
     rows = []
+    per_write = data.get("transfer_unit") != "request"  # results before issue 49: one observation per WRITE
+    spans = any(s.get("span_ms_median") is not None for pair in data["pairs"].values()
+                for s in pair.get("timing", {}).get("summary", {}).values())
     for name, pair in data["pairs"].items():
         turns = pair.get("pages", {}).get("turns", [])
         equal = f"{sum(t.get('pages_equal') is True for t in turns)}/{len(turns)}" if turns else ""
         table_ok = all(v.get("equal") for v in pair.get("page_table", {}).values()) if "page_table" in pair else None
         for blocks, s in pair.get("timing", {}).get("summary", {}).items():
-            rows.append([name, pair["connector"], pair["kv_cache_dtype"], pair["mode"], blocks, _mb(s["bytes"]),
-                         s["transfer_ms_median"], s["ttft_ms_median"], fmt(s.get("ttft_ratio_vs_single")),
-                         s["d_first_token_ms_median"], fmt(s["descriptors"]), fmt(s.get("bounce_bytes")),
-                         fmt(s.get("ipc_bytes")), fmt(s.get("layered_bytes")), equal,
-                         "" if table_ok is None else table_ok])
-    lines = table(["pair", "connector", "KV dtype", "mode", "blocks", "bytes", "transfer (ms)", "TTFT (ms)",
-                   "TTFT / one engine", "D first token (ms)", "descriptors", "bounced bytes", "ipc bytes",
-                   "layered bytes", "turns with pages equal", "page table = offline"], rows)
+            row = [name, pair["connector"], pair["kv_cache_dtype"], pair["mode"], blocks, _mb(s["bytes"]),
+                   s["transfer_ms_median"], fmt(_observations(pair, blocks, s))]
+            row += [fmt(s.get("span_ms_median"))] if spans else []
+            rows.append(row + [s["ttft_ms_median"], fmt(s.get("ttft_ratio_vs_single")),
+                               s["d_first_token_ms_median"], fmt(s["descriptors"]), fmt(s.get("bounce_bytes")),
+                               fmt(s.get("ipc_bytes")), fmt(s.get("layered_bytes")), equal,
+                               "" if table_ok is None else table_ok])
+    lines = table(["pair", "connector", "KV dtype", "mode", "blocks", "bytes",
+                   "transfer per WRITE (ms)" if per_write else "transfer per request (ms)", "observations / request"]
+                  + (["span P prefill end -> D KV ready (ms)"] if spans else [])
+                  + ["TTFT (ms)", "TTFT / one engine", "D first token (ms)", "descriptors", "bounced bytes",
+                     "ipc bytes", "layered bytes", "turns with pages equal", "page table = offline"], rows)
+    if per_write:
+        lines += ["", "Transfer here is the connector metric's sum over its count. DSAConnector observed each "
+                  "WRITE then (before issue 49), so its figure is the mean per WRITE: a direct request is one WRITE "
+                  "per pool (2, posted at once), and its span from post to the last WRITE's completion lies between "
+                  "that mean and twice it; NixlConnector's (one READ per request), the ipc pairs' and the working "
+                  "bounce pairs' (one copy or WRITE) are per request. Compare TTFT, not these transfer figures."]
     side = data.get("side_by_side")
     if side:
         # one level per DSAConnector pair ({pair: {blocks: ratios}}), or the older {blocks: ratios}
@@ -154,7 +167,9 @@ def render_gpu_pd(data: dict[str, Any]) -> list[str]:
         for pair_name, by_blocks in per_pair.items():
             label = f" (against `{pair_name}`)" if pair_name else ""
             lines += ["", f"NixlConnector / DSAConnector{label}, medians: " + "; ".join(
-                f"{b} blocks: transfer {fmt(v['transfer_nixl_over_dsa'])}x, TTFT {fmt(v['ttft_nixl_over_dsa'])}x"
+                f"{b} blocks: transfer {fmt(v['transfer_nixl_over_dsa'])}x"
+                + (f", span {fmt(v['span_nixl_over_dsa'])}x" if v.get("span_nixl_over_dsa") else "")
+                + f", TTFT {fmt(v['ttft_nixl_over_dsa'])}x"
                 for b, v in by_blocks.items()) + "."]
     bursts = [(name, pair["burst"]) for name, pair in data["pairs"].items() if pair.get("burst")]
     if bursts:  # --burst: N requests at once on each fresh pair
@@ -164,6 +179,17 @@ def render_gpu_pd(data: dict[str, Any]) -> list[str]:
               f"{fmt(b['ttft_ms_median'])} / {fmt(b['ttft_ms_max'])}", "; ".join(b["errors"]) or "none"]
              for name, b in bursts])
     return lines
+
+
+def _observations(pair: dict[str, Any], blocks: str, summary: dict[str, Any]) -> Any:
+    """Transfer-time observations per request of one shape (``transfers_per_request``, else the first timed
+    request's count)."""
+    if summary.get("transfers_per_request") is not None:
+        return summary["transfers_per_request"]
+    for r in pair.get("timing", {}).get("requests", []):
+        if str(r.get("blocks")) == str(blocks) and not r.get("warmup") and "error" not in r:
+            return r.get("xfers")
+    return None
 
 
 def render_first_pair(data: dict[str, Any]) -> list[str]:

@@ -391,10 +391,7 @@ class SendSide:
                 if not self.transport.progress(group.post):
                     continue
                 send.groups.remove(group)
-                for st in group.post.stats:
-                    self.stats.observe("transfer_s", st.xfer_us / 1e6 if st.xfer_us >= 0 else st.seconds)
-                    if st.desc_count >= 0:
-                        self.stats.add("send_descriptors", st.desc_count)
+                self._observe(group.post)
                 if group.post.state is PostState.FAILED:  # every part is over: D may give up now
                     logger.error("DSAConnector: %s", group.post.error)
                     send.failed = True
@@ -405,6 +402,17 @@ class SendSide:
                 if self.reported.add(req_id):
                     self._done.add(req_id)
         self.remove_retired()
+
+    def _observe(self, post: Post) -> None:
+        """Record one finished post: its NIXL descriptors, and (DONE) ONE ``transfer_s`` observation, the
+        post's span from posting to its last part's completion (``Post.seconds``), whatever the route and
+        however many WRITEs or copies it took (one per pool pair, per layer): one per (request, destination
+        rank), the unit of NixlConnector's ``nixl_xfer_time`` (one READ per request and remote rank)."""
+        for st in post.stats:
+            if st.desc_count >= 0:
+                self.stats.add("send_descriptors", st.desc_count)
+        if post.state is PostState.DONE and (seconds := post.seconds) is not None:
+            self.stats.observe("transfer_s", seconds)
 
     def release(self, req_ids: Iterable[str]) -> None:
         """P's scheduler released these leases without a push (expired): report each as finished_sending

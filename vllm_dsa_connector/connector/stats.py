@@ -11,7 +11,9 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
 - ``vllm:dsa_kv_bounce_bytes_total``: bytes that went through the bounce staging path
 - ``vllm:dsa_kv_ipc_bytes_total``: bytes P copied into D's pools through CUDA IPC (same host)
 - ``vllm:dsa_kv_layered_bytes_total``: bytes P posted layer by layer while its prefill ran (``layer_push``)
-- ``vllm:dsa_kv_transfer_seconds``: histogram, NIXL post-to-completion per (request, destination rank)
+- ``vllm:dsa_kv_transfer_seconds``: histogram, ONE observation per (request, destination rank) that completed:
+  P's clock from the post to its last part's completion (every WRITE or copy of every pool pair; a
+  layer-by-layer post from its close, the forward's last layer, on), on every route (direct, bounce, ipc)
 - ``vllm:dsa_kv_requests_total{side,outcome}``: requests sent/received ok, failed, timed out, expired
 - ``vllm:dsa_kv_checksum_mismatches_total``: verify_transfers mismatches (each is a load failure)
 - ``vllm:dsa_kv_unusable_params_total{reason}``: D requests whose ``kv_transfer_params`` D could not use
@@ -202,7 +204,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
             name="vllm:dsa_kv_transfer_seconds",
-            documentation="NIXL post-to-completion time per (request, destination rank) WRITE",
+            documentation="Post to last part's completion per (request, destination rank), P side",
             buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
             labelnames=labelnames,
         )

@@ -111,7 +111,10 @@ class _Pending:
 
 @dataclass(eq=False)
 class LayeredPost(Post):
-    """A post fed layer by layer (see the module docstring); ``stats``: one TransferStats per WRITE / copy."""
+    """A post fed layer by layer (see the module docstring); ``stats``: one TransferStats per WRITE / copy;
+    ``seconds``: one span, from its close (the last layer added) or, on CUDA, the post of a layer whose kernels
+    finished after the close (the CPU runs ahead of the device) to its last part's completion, i.e. the
+    transfer time left after P's last layer was computed."""
 
     slot: StagingSlot | None = None
     deadline: float | None = None
@@ -129,7 +132,7 @@ def open_post(host: LayerHost, peer: str, parts: Sequence[Part], *, writer: int,
               deadline: float | None = None) -> LayeredPost:
     """Open a layered post of the WHOLE request's ``parts``; nothing is written. Never raises: a route that
     cannot be followed is a FAILED post naming why (as ``RoutedTransport.post``)."""
-    post = LayeredPost(peer, writer, tag, path, slot=slot, deadline=deadline)
+    post = LayeredPost(peer, writer, tag, path, started=host.clock(), slot=slot, deadline=deadline)
     try:
         if path not in _PATHS:
             raise TransferError(f"unknown path {path!r} (known: {', '.join(_PATHS)})", peer=peer)
@@ -331,8 +334,10 @@ def _flush(host: LayerHost, post: LayeredPost) -> None:
                                     peer=post.peer)
             return
         post._pending.pop(0)
+        if post.closed:  # a layer whose pages became final after the close: the post's span starts at its post
+            post.started = max(post.started, now)
         if pend.copied is not None:
-            post.stats.append(TransferStats(*pend.copied, now - pend.started, 0))
+            post.completed(TransferStats(*pend.copied, now - pend.started, 0), now)
         if not post.error:
             for src, dst, runs in pend.writes:
                 check_deadline(pend.deadline, f"layered {post.path} WRITE to {post.peer!r}")
@@ -347,7 +352,7 @@ def close_post(host: LayerHost, post: LayeredPost) -> None:
     if post.closed:
         return
     post.closed = True
-    post._closed_at = host.clock()
+    post._closed_at = post.started = host.clock()  # its span runs from here: the layers before were computing
     if post.path == "ipc" and post.state is PostState.IN_FLIGHT:
         post._close_event = _event_after([p.src.tensor for p in post._parts])
 
@@ -361,7 +366,7 @@ def _settle_writes(host: LayerHost, post: LayeredPost) -> None:
             remaining.append(t)
             continue
         try:
-            post.stats.append(host.engine.wait(t, host.timeout_s))
+            post.completed(host.engine.wait(t, host.timeout_s), host.clock())
         except TransferError as e:
             post.error = post.error or str(e)
             post._poisoned = True  # the WRITE may still read the reservation
@@ -407,6 +412,7 @@ def progress(host: LayerHost, post: LayeredPost) -> bool:
                       f"{missing[0]} got {int(p.got.sum())} of {p.merged.total_bytes} B")
         return _finish(host, post, PostState.FAILED)
     if not post._noticed:
+        post.finished = max(post.finished, host.clock())  # closed, every part seen complete (ipc: its event)
         try:
             post._noticed = True
             host.engine.send_notification(post.peer, encode_notif(post.path, post.writer, post.tag))

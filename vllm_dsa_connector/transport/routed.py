@@ -135,7 +135,7 @@ class RoutedTransport:
         """
         if path == "direct":
             return self.direct.post(peer, parts, writer=writer, tag=tag, deadline=deadline)
-        post = Post(peer, writer, tag, path)
+        post = Post(peer, writer, tag, path, started=self.clock())
         try:
             if path == "bounce":
                 post._inflight.append(self._bounce(peer, parts, writer, tag, slot, deadline))  # type: ignore[arg-type]
@@ -248,7 +248,7 @@ class RoutedTransport:
             if self.engine.state(x.transfer) == "PROC" and now - x.transfer.started < self.timeout_s:
                 return False
             try:
-                post.stats.append(self.engine.wait(x.transfer, self.timeout_s))
+                post.completed(self.engine.wait(x.transfer, self.timeout_s), self.clock())
             except BaseException:
                 if x.res is not None and self.arena is not None:
                     self.arena.quarantine(x.res)  # the WRITE may still read it
@@ -266,7 +266,7 @@ class RoutedTransport:
                 return False
             raise TransferError(f"ipc copy to {post.peer!r} not done after {self.timeout_s} s", peer=post.peer)
         x.sent = self.engine.send_notification(post.peer, x.notif)
-        post.stats.append(TransferStats(x.num_runs, x.total_bytes, now - x.started, 0))
+        post.completed(TransferStats(x.num_runs, x.total_bytes, now - x.started, 0), now)
         return not x.sent
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:

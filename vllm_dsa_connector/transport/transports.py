@@ -10,6 +10,7 @@ A caller describes one writer's part of a request as ``parts``: ``[(local Region
     post = transport.post(peer, parts, writer=rank, tag=tag, slot=slot_or_None, deadline=t_or_None)
     while not transport.progress(post): ...      # from the engine's loop; never raises
     post.state, post.error, post.stats           # DONE or FAILED, why, the WRITEs' TransferStats
+    post.seconds                                 # the post to its last part's completion (one span)
 
 The receiver (:class:`~.receiver.Receiver`) learns of the writer through ONE ``dsa1:`` notification
 carrying ``tag``, whatever the path: the direct transport sends ``dsa1:d<writer>:<tag>`` on its own once
@@ -77,7 +78,10 @@ class Post:
     """One writer's part of a request, posted: the handle every transport returns.
 
     ``path`` is what was used (``"direct"`` / ``"bounce"``, or the bounce sender's fallback); ``stats`` the
-    completed WRITEs; ``error`` why it FAILED (the first failure).
+    completed WRITEs; ``error`` why it FAILED (the first failure). ``started`` is the post (the transport's
+    clock; a layer-by-layer post: its close, when its last layer was added) and ``finished`` when its last
+    part (WRITE or copy) was seen complete (0.0: none yet): :attr:`seconds` is the post's one span, however
+    many parts it has.
     """
 
     peer: str
@@ -88,9 +92,21 @@ class Post:
     error: str = ""
     stats: list[TransferStats] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    finished: float = 0.0
     _inflight: list[Any] = field(default_factory=list, repr=False)  # the path's handles (Transfer for direct)
     _notify: bool = field(default=False, repr=False)  # send dsa1:d<writer>:<tag> once all parts are DONE
     _noticed: bool = field(default=False, repr=False)  # its completion notice was sent (may still be flushing)
+
+    def completed(self, stats: TransferStats, now: float) -> None:
+        """One part (a WRITE or a copy) was seen complete at ``now`` (the transport's clock)."""
+        self.stats.append(stats)
+        self.finished = max(self.finished, now)
+
+    @property
+    def seconds(self) -> float | None:
+        """From the post to its last part's completion (``None``: no part completed): one span per post, i.e.
+        per (request, destination rank), whatever the route and however many parts (pools, layers) it had."""
+        return max(0.0, self.finished - self.started) if self.finished else None
 
 
 class Transport(Protocol):
@@ -126,7 +142,7 @@ class DirectTransport:
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
              slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
         """Post every part at once (a multi-part post never blocks a step), none at or after ``deadline``."""
-        post = Post(peer, writer, tag, self.path, _notify=True)
+        post = Post(peer, writer, tag, self.path, started=self.clock(), _notify=True)
         for src, dst, runs in parts:  # a part that fails to post leaves the posted ones tracked
             try:
                 check_deadline(deadline, f"post to {peer!r}")
@@ -148,7 +164,7 @@ class DirectTransport:
                 remaining.append(x)
                 continue
             try:  # DONE, ERR or past the write timeout (then released, i.e. aborted)
-                post.stats.append(self._wait(x))
+                post.completed(self._wait(x), self.clock())
             except TransferError as e:
                 post.error = post.error or str(e)
         post._inflight = remaining
