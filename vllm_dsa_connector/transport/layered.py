@@ -336,7 +336,7 @@ def _flush(host: LayerHost, post: LayeredPost) -> None:
         if not post.error:
             for src, dst, runs in pend.writes:
                 check_deadline(pend.deadline, f"layered {post.path} WRITE to {post.peer!r}")
-                post._inflight.append(host.engine.write(post.peer, src, dst, runs))
+                post._inflight.append(host.engine.write(post.peer, src, dst, runs, deadline=pend.deadline))
 
 
 def close_post(host: LayerHost, post: LayeredPost) -> None:

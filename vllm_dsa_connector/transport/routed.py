@@ -169,8 +169,8 @@ class RoutedTransport:
             sync(self.arena.buffer)
             check_deadline(deadline, f"bounce to {peer!r}")
             one = Runs(np.array([res.offset]), np.array([slot.offset]), np.array([total]))
-            return _Bounced(self.engine.write(peer, self.region, slot.region, one, encode_notif("bounce", writer, tag)),
-                            res)
+            return _Bounced(self.engine.write(peer, self.region, slot.region, one, encode_notif("bounce", writer, tag),
+                                              deadline=deadline), res)
         except BaseException:
             self.arena.release(res)  # nothing was posted from it
             raise

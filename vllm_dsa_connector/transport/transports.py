@@ -25,9 +25,10 @@ leaves only while the sender's agent progresses (:mod:`.agent`): the post then s
 (:meth:`~.agent.NixlAgent.notification_pending`), so the caller keeps driving it; :meth:`~Transport.notify`
 progresses for that window itself (no later call would).
 
-``deadline`` (``time.monotonic()``): no WRITE is posted at or after it. It is checked right before each
-WRITE, after any wait for staging space, so a post that waited past it fails (``post.error`` says so)
-instead of writing into blocks the receiver may have given back.
+``deadline`` (``time.monotonic()``): no WRITE is posted at or after it. It is checked before each WRITE,
+after any wait for staging space, and again by :meth:`~.engine.NixlEngine.write` immediately before every
+post attempt (after a reconnect, which can take seconds), so a post that waited past it fails
+(``post.error`` says so) instead of writing into blocks the receiver may have given back.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class DirectTransport:
         for src, dst, runs in parts:  # a part that fails to post leaves the posted ones tracked
             try:
                 check_deadline(deadline, f"post to {peer!r}")
-                post._inflight.append(self.engine.write(peer, src, dst, runs))
+                post._inflight.append(self.engine.write(peer, src, dst, runs, deadline=deadline))
             except Exception as e:  # noqa: BLE001 - a failed post is a failed transfer, never a crash
                 post.error = str(e)
                 break
