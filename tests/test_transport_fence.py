@@ -4,6 +4,12 @@
   so the next post meets a dead connection and reconnects (remove + add the remote agent, post again). The
   reconnect is slowed past the deadline (``add_remote_agent`` wrapped to sleep: the one mock, a slow
   metadata load cannot be caused otherwise); the WRITE is refused, not posted after its deadline.
+- No byte of a given-up WRITE lands in blocks D reused: D never progresses while P's WRITE is in flight (a
+  stalled or partitioned D: UCX over TCP applies the bytes only when the target progresses), P aborts it at
+  its write timeout and sends its failure notice, which goes as a fence (NIXL flushes the connection before a
+  transfer's notification); D gives the load up (``Receiver.give_up``) and "reuses" the block (zeroes it) only
+  once the receiver settles the load, then keeps progressing for other loads: the block stays zero. Without
+  the fence D handed the block back at once and all 65,536 B of the aborted WRITE landed in it later.
 - P's staging arena does not leak on failed bounces: bounced WRITEs to a receiver that never progresses
   (UCX TCP: the bytes wait for the target) time out, more of them than the arena holds; every one's space
   comes back once its connection is fenced, and the next bounce finds room.
@@ -19,9 +25,17 @@ import pytest
 import torch
 
 from tests.test_transport_nixl import _kill_connections, _kill_unavailable
-from vllm_dsa_connector.transport import NixlEngine, PostState
+from vllm_dsa_connector.transport import (
+    NixlEngine,
+    PostState,
+    Receiver,
+    RecvState,
+    StagingArena,
+    WriterSpec,
+)
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import runs_from_blocks
+from vllm_dsa_connector.transport.staging import StagingSlot
 
 PAGE = 4096
 
@@ -86,6 +100,86 @@ def test_post_deadline_is_checked_after_a_reconnect_right_before_the_post(tcp: N
         _until_done(p, d, p.write(peer, rs, rd.desc(), runs_from_blocks([0], [2], PAGE),
                                   deadline=time.monotonic() + 10))
         assert bool((dst[2 * PAGE:3 * PAGE] == 7).all())
+    finally:
+        p.close()
+        d.close()
+
+
+def _drive_until(cond, *engines: NixlEngine, timeout_s: float = 10.0, what: str = "") -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        for e in engines:
+            e.progress()
+        assert time.monotonic() < end, what
+
+
+def test_a_given_up_write_never_lands_in_a_reused_block(tcp: None) -> None:
+    p, d = _pair("fence")
+    try:
+        n = 1 << 16
+        src = torch.full((2 * n,), 7, dtype=torch.uint8)
+        dst = torch.zeros(2 * n, dtype=torch.uint8)
+        rs, rd = p.register(src), d.register(dst)
+        peer = p.add_peer(d.metadata())
+        rcv = Receiver(d)
+        _until_done(p, d, p.write(peer, rs, rd.desc(), runs_from_blocks([0], [0], 4096)))  # a warm connection
+        rcv.pump()
+        transport = RoutedTransport(p, 0.3)
+        rcv.arm(b"req", {0: WriterSpec(peer=p.name, path="direct")})
+        post = transport.post(peer, [(rs, rd.desc(), runs_from_blocks([0], [1], n))], writer=0, tag=b"req")
+        _drive_until(lambda: transport.progress(post), p, what="the WRITE was never aborted")  # D stalls
+        assert post.state is PostState.FAILED and "timed out" in post.error, post.error
+        assert not bool(dst[n:].any())  # nothing landed yet: D did not progress
+        transport.notify(peer, 0, b"req")  # P's failure notice (a fence after the aborted WRITE)
+        assert rcv.give_up(b"req", fence_timeout_s=30.0) is None  # a WRITE may be in flight: not yet
+        reused_at = None
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:  # D progresses for other loads; P confirms its fence
+            rcv.pump()
+            for r in rcv.collect():
+                assert r.key == b"req" and r.state is not RecvState.TIMED_OUT
+                dst[n:].zero_()  # D hands the block back; vLLM reuses it
+                reused_at = time.monotonic()
+            transport.poll_fences()
+            if reused_at is not None and time.monotonic() - reused_at > 1.0:
+                break
+        assert reused_at is not None, "the given-up load never settled (P's fence did not arrive)"
+        landed = int((dst[n:] == 7).sum())
+        assert landed == 0, f"{landed} B of the given-up WRITE landed in the reused block"
+        assert transport.fences.fenced == 1 and transport.fences.resets == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_timed_out_bounces_do_not_exhaust_the_staging_arena(tcp: None) -> None:
+    p, d = _pair("arena")
+    try:
+        n = 1 << 16
+        src = torch.full((n,), 5, dtype=torch.uint8)
+        rs = p.register(src)
+        recv_arena = StagingArena(n)
+        rslot = d.register(recv_arena.buffer)
+        peer = p.add_peer(d.metadata())
+        arena = StagingArena(4 * n)  # four bounces' worth
+        transport = RoutedTransport(p, 0.2, arena=arena, reserve_timeout_s=0.0)
+        slot = StagingSlot(rslot.desc(), 0, n)
+        for i in range(8):  # twice what the arena holds; D progresses for every other one only
+            stalled = i % 2 == 0
+            post = transport.post(peer, [(rs, rslot.desc(), runs_from_blocks([0], [0], n))], writer=0,
+                                  tag=f"b{i}".encode(), path="bounce", slot=slot)
+            assert post.state is PostState.IN_FLIGHT, f"bounce {i}: {post.error}"
+            _drive_until(lambda post=post: transport.progress(post), p, what=f"bounce {i} never ended")
+            if post.state is PostState.DONE:  # D progressed before the timeout: nothing to fence
+                continue
+            assert "timed out" in post.error, post.error
+            transport.notify(peer, 0, f"b{i}".encode())  # its failure notice: a fence
+            engines = (p,) if stalled else (p, d)
+            _drive_until(lambda: (transport.poll_fences(), arena.quarantined_bytes == 0)[1], *engines,
+                         what=f"bounce {i}'s staging was never given back")
+        assert arena.free_bytes == arena.size and arena.quarantined_bytes == 0
+        print(f"fences confirmed {transport.fences.fenced}, connections reset {transport.fences.resets}")
+        assert transport.fences.resets >= 1  # a stalled D: the connection was closed instead
     finally:
         p.close()
         d.close()

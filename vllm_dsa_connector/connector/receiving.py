@@ -57,6 +57,12 @@ _RECV_POLL_MAX_S = 0.002
 _RECV_POLL_GROWTH = 0.05
 
 
+#: How long a given-up load keeps its blocks waiting for P's fence (its writers' notices, sent only after P
+#: fenced the connection): above Linux's default TCP retransmission give-up (tcp_retries2=15, ~924 s), after
+#: which a connection partitioned meanwhile is reset and cannot deliver its queued bytes any more.
+FENCE_TIMEOUT_S = 960.0
+
+
 def recv_poll_period(waited_s: float) -> float:
     """Seconds between two receiver progress calls after ``waited_s`` of waiting for an expected WRITE."""
     return min(_RECV_POLL_MAX_S, max(_RECV_POLL_S, waited_s * _RECV_POLL_GROWTH))
@@ -77,6 +83,9 @@ class ReportedIds:
         if len(self._ids) > self._cap:
             del self._ids[next(iter(self._ids))]
         return True
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._ids
 
 
 class SourceRecord(Protocol):
@@ -118,6 +127,7 @@ class ReceiveSide:
         self.reported = ReportedIds()  # loads reported to vLLM (finished_recving), each once
         self._done: set[str] = set()  # finished_recving since the last take_results
         self._failed: set[str] = set()  # failed_recving since the last take_results
+        self._fencing: set[str] = set()  # given up, reported once P fenced (or FENCE_TIMEOUT_S)
         self._error_blocks: set[int] = set()  # blocks of CORRUPT loads since the last take_error_blocks
         self._progress_stop = threading.Event()
         self._progress_wake = threading.Event()
@@ -295,10 +305,20 @@ class ReceiveSide:
             self._progress_thread.start()
         self._progress_wake.set()
 
-    def fail(self, req_id: str) -> bool:
+    def fail(self, req_id: str, *, fence: bool = True) -> bool:
         """The scheduler gave the load of ``req_id`` up (``fail_recv``): stop expecting it and report it
-        finished and failed; False when it was reported already (it completed meanwhile)."""
-        self.receiver.cancel(req_id.encode())
+        finished and failed; False when it was reported already (it completed meanwhile).
+
+        ``fence``: a WRITE of P may still be in flight (P did not say it never posted): the report, which
+        hands the blocks back to vLLM, waits until every writer that sent nothing yet sent its notice (P sends
+        it only after fencing the connection, :mod:`~vllm_dsa_connector.transport.fence`), at most
+        :data:`FENCE_TIMEOUT_S`; :meth:`poll` reports it then."""
+        key = req_id.encode()
+        if fence and req_id not in self.reported and self.receiver.give_up(key, FENCE_TIMEOUT_S) is None \
+                and key in self.receiver.pending:
+            self._fencing.add(req_id)
+            return True
+        self.receiver.cancel(key)
         if not self.reported.add(req_id):
             return False
         self.stats.add("recv_failed")
@@ -336,6 +356,17 @@ class ReceiveSide:
             if not self.reported.add(req_id):
                 continue
             self._done.add(req_id)
+            if req_id in self._fencing:  # given up: reported failed once no byte of P can land any more
+                self._fencing.discard(req_id)
+                fenced = r.state is not RecvState.TIMED_OUT
+                self.stats.add("recv_failed")
+                self.stats.add("fenced_loads" if fenced else "fence_timeouts")
+                self._failed.add(req_id)
+                (logger.info if fenced else logger.error)(
+                    "DSAConnector: given-up load of %s handed back %s", req_id,
+                    "after P fenced its connection" if fenced else
+                    f"after {FENCE_TIMEOUT_S:.0f} s without P's fence (a late WRITE may still land)")
+                continue
             if r.state is RecvState.TIMED_OUT:
                 logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",
                              req_id, job.timeout_s, list(r.missing))

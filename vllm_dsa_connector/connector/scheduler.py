@@ -393,6 +393,8 @@ class DSAConnectorScheduler:
         meta.recv, self._pending_recv = self._pending_recv, []
         self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
+        meta.fail_unposted = {r for r in meta.fail_recv if (load := self.consumer.load(r)) is not None
+                              and (load.release_at == 0.0 or load.cancel_confirmed())}
         meta.fail_quiet, self._fail_quiet = self._fail_quiet & meta.fail_recv.keys(), set()
         self.routes.step(self.clock())
         if self.early:

@@ -404,7 +404,17 @@ class SendSide:
                 self.stats.add("send_failed" if send.failed else "send_ok")
                 if self.reported.add(req_id):
                     self._done.add(req_id)
+        self._poll_fences()
         self.remove_retired()
+
+    def _poll_fences(self) -> None:
+        """Confirm the fences of connections with an aborted WRITE (:mod:`~vllm_dsa_connector.transport.fence`)
+        and count them."""
+        fences = self.transport.fences
+        before = (fences.fenced, fences.resets)
+        fences.poll()
+        self.stats.add("fenced_connections", fences.fenced - before[0])
+        self.stats.add("connection_resets", fences.resets - before[1])
 
     def release(self, req_ids: Iterable[str]) -> None:
         """P's scheduler released these leases without a push (expired): report each as finished_sending

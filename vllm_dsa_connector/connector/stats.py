@@ -19,6 +19,9 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   e.g. NixlConnector's ``transfer_mode``), ``malformed`` (missing keys, wrong types or values)
 - ``vllm:dsa_kv_peer_reconnects_total``: NIXL remote agents removed and added again after their connection was
   lost (P side; the next post to that peer then makes a new connection)
+- ``vllm:dsa_kv_fenced_connections_total{outcome}``: connections P fenced after an aborted WRITE
+  (outcome="fenced": the fence was confirmed; "reset": the connection was closed instead), and D's given-up
+  loads handed back (outcome="load_fenced": after P's fence; "load_timeout": after ``FENCE_TIMEOUT_S`` without it)
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -59,6 +62,10 @@ _COUNTERS = (
     "unusable_other_connector",
     "unusable_malformed",
     "peer_reconnects",
+    "fenced_connections",
+    "connection_resets",
+    "fenced_loads",
+    "fence_timeouts",
 )
 _LISTS = ("transfer_s", "recv_wait_s")
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
@@ -186,6 +193,9 @@ class DSAPromMetrics(KVConnectorPromMetrics):
                                     "D requests whose kv_transfer_params D could not use, by reason", ("reason",))
         self._reconnects, _ = counter("vllm:dsa_kv_peer_reconnects",
                                       "NIXL remote agents removed and added again after a lost connection")
+        self._fences, _ = counter("vllm:dsa_kv_fenced_connections",
+                                  "Connections fenced after an aborted WRITE, and given-up loads handed back",
+                                  ("outcome",))
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -215,6 +225,9 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
         self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))
+        for key, outcome in (("fenced_connections", "fenced"), ("connection_resets", "reset"),
+                             ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout")):
+            self._inc(self._fences, engine_idx, d.get(key, 0), outcome)
         for key, side, outcome in (
             ("send_ok", "send", "ok"),
             ("send_failed", "send", "failed"),

@@ -274,7 +274,7 @@ class DSAConnectorWorker:
         for recv in meta.recv:
             self.recv.expect(recv)
         for req_id, reason in meta.fail_recv.items():
-            if not self.recv.fail(req_id):
+            if not self.recv.fail(req_id, fence=req_id not in meta.fail_unposted):
                 continue  # it completed meanwhile: already reported
             # unusable kv_transfer_params: the scheduler logged what it got once per peer, not here per request
             log = logger.debug if req_id in meta.fail_quiet else logger.error

@@ -110,6 +110,40 @@ class NixlEngine(NixlAgent):
         return self._post(peer, tid, name, lambda: Transfer(name, peer, runs.num_runs, runs.total_bytes,
                                                              time.perf_counter()), post, deadline)
 
+    def fence(self, peer: str, remote: RegionDesc | dict[str, Any], notif: bytes) -> Transfer:
+        """Fence the connection to ``peer``: a 1-byte READ of ``remote``'s first byte (nothing of the peer is
+        written) carrying ``notif``.
+
+        NIXL flushes the connection before it sends a transfer's notification, so ``notif`` arriving at the
+        peer, and this transfer's DONE here, prove that every operation posted earlier on this connection,
+        aborted WRITEs included, is over there: none of their bytes can land later, and none of the local
+        memory they read is read any more. Posted like :meth:`write` (reconnects first; no deadline: the
+        fence writes nothing). Tracked: poll :meth:`state` / :meth:`wait`."""
+        remote = RegionDesc.from_dict(remote)
+        if self._scratch is None:
+            import torch
+
+            self._scratch = self.register(torch.zeros(64, dtype=torch.uint8))
+        scratch = self._scratch
+        tid = next(self._ids)
+        name = f"{self.name}#{tid} fence notif={notif[:48]!r}"
+        if peer not in self._peers:
+            raise TransferError(f"fence {name}: unknown peer {peer!r}", peer=peer, transfer=name)
+        zero, one = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+
+        def post(xfer_obj: Transfer) -> str:
+            lh = self._agent.prep_xfer_dlist(LOCAL_AGENT, descriptors(scratch.addr, zero, one, scratch.dev),
+                                             scratch.mem)
+            xfer_obj._dlists = (lh,)
+            rh = self._agent.prep_xfer_dlist(peer, descriptors(remote.addr, zero, one, remote.dev), remote.mem)
+            xfer_obj._dlists = (lh, rh)
+            idx = np.zeros(1, dtype=np.int32)
+            xh = self._agent.make_prepped_xfer("READ", lh, idx, rh, idx, notif)
+            xfer_obj._xfer = xh
+            return self._agent.transfer(xh)
+
+        return self._post(peer, tid, name, lambda: Transfer(name, peer, 1, 1, time.perf_counter()), post)
+
     def _post(self, peer: str, tid: int, name: str, make: Callable[[], Transfer],
               post: Callable[[Transfer], str], deadline: float | None = None) -> Transfer:
         """Reconnect ``peer`` if it is marked disconnected, then ``post`` a fresh ``make()``; a post that fails
