@@ -123,6 +123,7 @@ class _Send:
     dst_req: str
     groups: list[_Group] = field(default_factory=list)
     failed: bool = False
+    fenced: set[str] = field(default_factory=set)  # agents its failure notice went to as a fence
 
 
 class SendSide:
@@ -386,6 +387,7 @@ class SendSide:
     def poll(self) -> None:
         """Progress every post; a request whose posts are all over is finished_sending (once), a failed post
         sends its failure notice; then remove the retired agents no post uses any more."""
+        self._poll_fences()
         for req_id, send in list(self._sends.items()):
             for group in list(send.groups):
                 if not self.transport.progress(group.post):
@@ -398,13 +400,15 @@ class SendSide:
                 if group.post.state is PostState.FAILED:  # every part is over: D may give up now
                     logger.error("DSAConnector: %s", group.post.error)
                     send.failed = True
+                    if self.transport.fences.needed(group.agent):
+                        send.fenced.add(group.agent)
                     self._notify_failure(group.agent, send.dst_req, group.post.error)
-            if not send.groups:
+            if not send.groups and not any(self.transport.fences.pending_for(a) for a in send.fenced):
+                # (a failure notice that went as a fence: the request is over once D got it, P steps meanwhile)
                 del self._sends[req_id]
                 self.stats.add("send_failed" if send.failed else "send_ok")
                 if self.reported.add(req_id):
                     self._done.add(req_id)
-        self._poll_fences()
         self.remove_retired()
 
     def _poll_fences(self) -> None:

@@ -10,8 +10,10 @@ connection). The notice's arrival at the receiver therefore proves that no byte 
 any more, and the fence's DONE here that none of them reads local memory any more: the staging reservations
 those WRITEs read from (:meth:`Fences.hold`, quarantined meanwhile) go back to the arena then. A fence that
 is not DONE within ``timeout_s`` (the link is down) closes the connection (the remote agent is removed and added
-again: UCX destroys the endpoint with its queued operations; the next post uses a new connection) and the
-staging space goes back too. A fence that fails (ERR) means the connection is gone: likewise.
+again: UCX destroys the endpoint with its queued operations and P's kernel drops the socket's unsent bytes)
+and the staging space goes back too; a fence that fails (ERR) means the connection is gone: likewise. The
+notice is then fenced again on the new connection (retried, under the engine's reconnect backoff, until it is
+confirmed or the peer is forgotten): the receiver keeps the given-up blocks until a notice arrives.
 
 Invariant: a staging reservation an aborted WRITE may still read is never handed out again before its
 connection is fenced or closed.
@@ -40,9 +42,11 @@ class _Fence:
     """One posted fence and the staging reservations it frees once confirmed."""
 
     peer: str
-    transfer: Transfer
+    transfer: Transfer | None  # None: to be posted again (its connection was closed)
     held: list[Reservation]
     posted: float
+    notif: bytes
+    remote: RegionDesc
 
 
 @dataclass(eq=False)
@@ -62,6 +66,7 @@ class Fences:
     _dirty: dict[str, RegionDesc] = field(default_factory=dict)  # peer -> a region of it a fence may READ
     _held: dict[str, list[Reservation]] = field(default_factory=dict)  # quarantined until the next fence
     _posted: list[_Fence] = field(default_factory=list)
+    _reset_at: dict[str, float] = field(default_factory=dict)  # peer -> when a fence last closed its connection
 
     def aborted(self, peer: str, remote: RegionDesc | dict[str, Any]) -> None:
         """A WRITE to ``remote`` (a region of ``peer``) was aborted while in flight: fence before the next
@@ -93,35 +98,60 @@ class Fences:
             self._restore(held)
             self.engine.send_notification(peer, notif)
             return
+        f = _Fence(peer, None, held, self.clock(), notif, remote)
+        self._posted.append(f)
         try:
-            x = self.engine.fence(peer, remote, notif)
-        except TransferError:
-            self._restore(held)
+            f.transfer = self.engine.fence(peer, remote, notif)
+        except TransferError:  # the connection is gone: nothing of it reads the staging; post it again later
+            self._restore(f.held)
+            f.held = []
             self.resets += 1
             raise
-        self._posted.append(_Fence(peer, x, held, self.clock()))
+
+    def pending_for(self, peer: str) -> bool:
+        """Whether a fence to ``peer`` is not confirmed yet."""
+        return any(f.peer == peer for f in self._posted)
 
     def poll(self) -> None:
-        """Confirm the fences that are DONE; close the connections of those that failed or are overdue."""
+        """Confirm the fences that are DONE; close the connections of those that failed or are overdue (their
+        notices, and those of every other fence posted on the closed connection, are fenced again on the next
+        one)."""
         left = []
         for f in self._posted:
+            if f.peer not in self.engine.peers:  # forgotten (its engine restarted or went idle): nobody waits
+                self._restore(f.held)
+                continue
+            if f.transfer is None:  # its connection was closed: fence the notice on a new one
+                try:
+                    f.transfer, f.posted = self.engine.fence(f.peer, f.remote, f.notif), self.clock()
+                except TransferError as e:  # unreachable, backing off: try again on a later poll
+                    logger.debug("transport: fence to %r not posted again yet: %s", f.peer, e)
+                left.append(f)
+                continue
             st = self.engine.state(f.transfer)
-            if st == "PROC" and self.clock() - f.posted < self.timeout_s:
+            stale = f.posted <= self._reset_at.get(f.peer, float("-inf"))  # on a connection closed since
+            if st == "PROC" and not stale and self.clock() - f.posted < self.timeout_s:
                 left.append(f)
                 continue
             try:
                 self.engine.wait(f.transfer, 0.0)
                 self.fenced += 1
+                self._restore(f.held)
+                continue
             except TransferError as e:
-                self.resets += 1
-                why = f"fence not confirmed ({e}): connection closed"
-                logger.warning("transport: %s", why)
-                if st == "PROC" and f.peer in self.engine.peers:
-                    try:  # drop the endpoint with whatever it still has queued; the next post reconnects
-                        self.engine.reconnect(f.peer, why)
-                    except TransferError as e2:
-                        logger.warning("transport: closing the connection to %r: %s", f.peer, e2)
+                if not stale:
+                    self.resets += 1
+                    why = f"fence not confirmed ({e}): connection closed"
+                    logger.warning("transport: %s", why)
+                    if st == "PROC":
+                        try:  # drop the endpoint with whatever it still has queued; the next post reconnects
+                            self.engine.reconnect(f.peer, why)
+                        except TransferError as e2:
+                            logger.warning("transport: closing the connection to %r: %s", f.peer, e2)
+                    self._reset_at[f.peer] = self.clock()
             self._restore(f.held)
+            f.held, f.transfer = [], None
+            left.append(f)
         self._posted = left
 
     def _restore(self, held: list[Reservation]) -> None:
