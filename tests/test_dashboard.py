@@ -17,7 +17,7 @@ COMMON_LABELS = {"model_name", "engine", "instance", "job"}
 
 
 def exported() -> dict[str, set[str]]:
-    """``{series name: its labels}`` as Prometheus exposes them: counters with ``_total``, the histogram's
+    """``{series name: its labels}`` as Prometheus exposes them: counters with ``_total``, gauges as named, the histogram's
     ``_bucket`` (with ``le``), ``_sum`` and ``_count``."""
     series: dict[str, set[str]] = {}
     for node in ast.walk(ast.parse(STATS.read_text())):
@@ -29,6 +29,8 @@ def exported() -> dict[str, set[str]]:
             if len(node.args) > 2 and isinstance(node.args[2], ast.Tuple):
                 labels = {e.value for e in node.args[2].elts if isinstance(e, ast.Constant)}
             series[f"{node.args[0].value}_total"] = labels | COMMON_LABELS
+        elif fn == "_gauge_cls":
+            series[next(k.value.value for k in node.keywords if k.arg == "name")] = set(COMMON_LABELS)
         elif fn == "_histogram_cls":
             name = next(k.value.value for k in node.keywords if k.arg == "name")
             for suffix in ("_sum", "_count"):

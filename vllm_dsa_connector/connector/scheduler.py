@@ -48,7 +48,7 @@ from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
-from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, staging_full, unusable_key
 from vllm_dsa_connector.handoff.consumer import Consumer
 from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
 from vllm_dsa_connector.handoff.messages import (
@@ -291,7 +291,7 @@ class DSAConnectorScheduler:
                 # an early registration's src blocks stand in for P's: D could not scatter a bounce by them
                 routes, held = self.routes.plan(peer.plan, peer.meta.payloads, src, dst,
                                               first_token=pairing.first_token, num_tokens=pairing.num_tokens,
-                                              bounce=not rp.early)
+                                              bounce=not rp.early and not peer.staging_full)
             except Exception as e:  # noqa: BLE001 - no route means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no routes planned for %s (every pair direct): %s", req_id, e)
         epoch = peer.meta.epoch if peer.meta is not None else 0
@@ -427,6 +427,10 @@ class DSAConnectorScheduler:
             output.finished_sending = sending
         if sending:
             self.producer.finished_sending(sending)
+        if output.kv_connector_stats is not None:  # the workers' staging arenas (P)
+            full = staging_full(output.kv_connector_stats.data)
+            if full is not None:
+                self.producer.staging_full = full
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
             load = self.consumer.finished(req_id)

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
+#: P's staging arena counts as full (D routes P's next requests direct) with less than this share of it free
+_STAGING_FULL = 0.125
 _SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
 
 
@@ -155,6 +157,7 @@ class SendSide:
         self._layered_step = False  # this step opened layer-by-layer posts (wait_for_save drives them)
         self._done: set[str] = set()  # finished_sending since the last take_done
         self.retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
+        self._staging_last: tuple[int, bool] = (0, False)  # the staging arena's last sample (held bytes, full)
 
     def attach_arena(self, arena: StagingArena | None, reserve_timeout_s: float) -> None:
         """The transport this side posts with: bounced posts stage through ``arena`` (None: no bouncing),
@@ -419,6 +422,13 @@ class SendSide:
         fences.poll()
         self.stats.add("fenced_connections", fences.fenced - before[0])
         self.stats.add("connection_resets", fences.resets - before[1])
+        arena = self.transport.arena
+        if arena is not None:  # a sample when it changed: the gauge, and whether D should route direct
+            free = arena.free_bytes
+            now = (arena.size - free, free < arena.size * _STAGING_FULL)
+            if now != self._staging_last:
+                self._staging_last = now
+                self.stats.staging(self._rank(), *now)
 
     def release(self, req_ids: Iterable[str]) -> None:
         """P's scheduler released these leases without a push (expired): report each as finished_sending

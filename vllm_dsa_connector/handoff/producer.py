@@ -102,6 +102,7 @@ class Producer:
         self._peers = DRecords()  # the D engine starts P knows (one record per engine id)
         self._by_transfer: dict[str, str] = {}  # transfer id -> P request id (early leases)
         self._held = HeldRegistrations()  # early registrations for requests P has not seen yet
+        self.staging_full = False  # the workers' staging arenas are (nearly) full: told to D in every accept
 
     # ------------------------------------------------------------ engine thread
 
@@ -361,7 +362,8 @@ class Producer:
             lease.reg_epoch = sender.epoch
             lease.to(LeaseState.REGISTERED)
             lease.deadline = max(lease.deadline, reg.post_deadline)
-        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s,
+                     staging_full=self.staging_full)
 
     def _known_sender(self, reg: RegReq, sender: Origin) -> DPeer | Reply:
         """The record of the registration's sender start (learnt or replaced from its payloads), or the reply
@@ -396,7 +398,8 @@ class Producer:
             return peer
         check_routes(reg, peer)
         self._held.put(tid, reg, sender.epoch)
-        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s,
+                     staging_full=self.staging_full)
 
     def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:
         """The one place a D record changes: ``peer`` becomes the record of ``d_engine``; registrations of the
