@@ -57,12 +57,6 @@ _RECV_POLL_MAX_S = 0.002
 _RECV_POLL_GROWTH = 0.05
 
 
-#: How long a given-up load keeps its blocks waiting for P's fence (its writers' notices, sent only after P
-#: fenced the connection): above Linux's default TCP retransmission give-up (tcp_retries2=15, ~924 s), after
-#: which a connection partitioned meanwhile is reset and cannot deliver its queued bytes any more.
-FENCE_TIMEOUT_S = 960.0
-
-
 def recv_poll_period(waited_s: float) -> float:
     """Seconds between two receiver progress calls after ``waited_s`` of waiting for an expected WRITE."""
     return min(_RECV_POLL_MAX_S, max(_RECV_POLL_S, waited_s * _RECV_POLL_GROWTH))
@@ -112,13 +106,15 @@ class ReceiveSide:
     ``nixl`` and ``lock``: the worker's NIXL engine and the lock every NIXL call holds (the progress thread
     takes it too); ``stats``: the worker's stats; ``rank`` and ``regions``: this rank and its registered KV
     pools (read when needed: both are known only once the worker registered its caches); ``sources``: the
-    worker's records of the engines that write to it, by engine id (the worker keeps them current).
+    worker's records of the engines that write to it, by engine id (the worker keeps them current);
+    ``fence_timeout_s``: how long a given-up load waits for P's fence at most (option ``fence_timeout_s``).
     """
 
     def __init__(self, nixl: NixlEngine, lock: threading.RLock, stats: DSAKVConnectorStats, *,
                  rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
-                 sources: Mapping[str, SourceRecord]) -> None:
+                 sources: Mapping[str, SourceRecord], fence_timeout_s: float = 960.0) -> None:
         self._lock = lock
+        self.fence_timeout_s = fence_timeout_s
         self.stats = stats
         self._rank = rank
         self._regions = regions
@@ -127,7 +123,7 @@ class ReceiveSide:
         self.reported = ReportedIds()  # loads reported to vLLM (finished_recving), each once
         self._done: set[str] = set()  # finished_recving since the last take_results
         self._failed: set[str] = set()  # failed_recving since the last take_results
-        self._fencing: set[str] = set()  # given up, reported once P fenced (or FENCE_TIMEOUT_S)
+        self._fencing: set[str] = set()  # given up, reported once P fenced (or after fence_timeout_s)
         self._error_blocks: set[int] = set()  # blocks of CORRUPT loads since the last take_error_blocks
         self._progress_stop = threading.Event()
         self._progress_wake = threading.Event()
@@ -312,9 +308,9 @@ class ReceiveSide:
         ``fence``: a WRITE of P may still be in flight (P did not say it never posted): the report, which
         hands the blocks back to vLLM, waits until every writer that sent nothing yet sent its notice (P sends
         it only after fencing the connection, :mod:`~vllm_dsa_connector.transport.fence`), at most
-        :data:`FENCE_TIMEOUT_S`; :meth:`poll` reports it then."""
+        ``fence_timeout_s``; :meth:`poll` reports it then."""
         key = req_id.encode()
-        if fence and req_id not in self.reported and self.receiver.give_up(key, FENCE_TIMEOUT_S) is None \
+        if fence and req_id not in self.reported and self.receiver.give_up(key, self.fence_timeout_s) is None \
                 and key in self.receiver.pending:
             self._fencing.add(req_id)
             return True
@@ -365,7 +361,7 @@ class ReceiveSide:
                 (logger.info if fenced else logger.error)(
                     "DSAConnector: given-up load of %s handed back %s", req_id,
                     "after P fenced its connection" if fenced else
-                    f"after {FENCE_TIMEOUT_S:.0f} s without P's fence (a late WRITE may still land)")
+                    f"after {self.fence_timeout_s:.0f} s without P's fence (a late WRITE may still land)")
                 continue
             if r.state is RecvState.TIMED_OUT:
                 logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",

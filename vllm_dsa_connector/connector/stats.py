@@ -21,7 +21,7 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   lost (P side; the next post to that peer then makes a new connection)
 - ``vllm:dsa_kv_fenced_connections_total{outcome}``: connections P fenced after an aborted WRITE
   (outcome="fenced": the fence was confirmed; "reset": the connection was closed instead), and D's given-up
-  loads handed back (outcome="load_fenced": after P's fence; "load_timeout": after ``FENCE_TIMEOUT_S`` without it)
+  loads handed back (outcome="load_fenced": after P's fence; "load_timeout": after `option `fence_timeout_s`` without it)
 - ``vllm:dsa_kv_staging_held_bytes`` (gauge): bytes of P's staging arenas in use (reserved by bounces in
   flight, or held for an aborted bounce until its connection is fenced), summed over P's workers
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which

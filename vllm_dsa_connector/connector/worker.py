@@ -104,7 +104,8 @@ class DSAConnectorWorker:
         # NIXL agents are not thread-safe: every NIXL call below holds this lock.
         self._lock = threading.RLock()
         self.recv = ReceiveSide(self.nixl, self._lock, self.stats, rank=lambda: self.rank,
-                                regions=lambda: self.regions, sources=self.sources)
+                                regions=lambda: self.regions, sources=self.sources,
+                                fence_timeout_s=options.fence_timeout_s)
         self.send = SendSide(self.nixl, self.stats, options.transfer_timeout_s, engine_id=engine_id,
                              rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
                              remotes=self.remotes)
