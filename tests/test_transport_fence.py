@@ -10,6 +10,9 @@
   transfer's notification); D gives the load up (``Receiver.give_up``) and "reuses" the block (zeroes it) only
   once the receiver settles the load, then keeps progressing for other loads: the block stays zero. Without
   the fence D handed the block back at once and all 65,536 B of the aborted WRITE landed in it later.
+- D's wait for P's fence ends early only when P's start is gone (``handoff.fence_waits``): its side channel
+  refuses connections (a real listening socket closed), or P answers from another start; a P that still
+  listens (stalled, or just slow) keeps it waiting.
 - P's staging arena does not leak on failed bounces: bounced WRITEs to a receiver that never progresses
   (UCX TCP: the bytes wait for the target) time out, more of them than the arena holds; every one's space
   comes back once its connection is fenced, and the next bounce finds room.
@@ -186,3 +189,35 @@ def test_timed_out_bounces_do_not_exhaust_the_staging_arena(tcp: None) -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_fence_waits_end_only_when_p_is_gone() -> None:
+    import socket
+
+    from vllm_dsa_connector.handoff.fence_waits import FenceWaits
+
+    alive = socket.create_server(("127.0.0.1", 0))  # a P that listens (its engine may be stalled)
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()  # a P whose process is gone: nothing listens on its port any more
+    epochs = {"p-alive": 5, "p-dead": 7, "p-restarted": 9}
+    waits = FenceWaits(probe_every_s=0.0)
+    try:
+        waits.add("r1", "p-alive", "127.0.0.1", alive.getsockname()[1], 5)
+        waits.add("r2", "p-dead", "127.0.0.1", dead_port, 7)
+        waits.add("r3", "p-restarted", "127.0.0.1", alive.getsockname()[1], 8)  # D now knows start 9
+        void: set[str] = set()
+        end = time.monotonic() + 10
+        while "r2" not in void:
+            void |= waits.step(epochs.get)
+            assert time.monotonic() < end, void
+            time.sleep(0.05)
+        for _ in range(5):  # probed again and again: a P that listens is never given up on
+            void |= waits.step(epochs.get)
+            time.sleep(0.05)
+        assert void == {"r2", "r3"} and len(waits) == 1
+        waits.done("r1")
+        assert len(waits) == 0
+    finally:
+        alive.close()
+        waits.shutdown()

@@ -322,6 +322,20 @@ class ReceiveSide:
         self._failed.add(req_id)
         return True
 
+    def unfence(self, req_id: str) -> None:
+        """The given-up load of ``req_id`` stops waiting for P's fence: P's start is gone (nothing of it can
+        land any more), so it is reported finished and failed now."""
+        if req_id not in self._fencing:
+            return
+        self._fencing.discard(req_id)
+        self.receiver.cancel(req_id.encode())
+        if self.reported.add(req_id):
+            self.stats.add("recv_failed")
+            self.stats.add("fence_peer_gone")
+            self._done.add(req_id)
+            self._failed.add(req_id)
+            logger.info("DSAConnector: given-up load of %s handed back: its P is gone (no fence needed)", req_id)
+
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call."""
         out = (self._done, self._failed)

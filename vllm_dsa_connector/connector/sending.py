@@ -203,6 +203,7 @@ class SendSide:
                          job.req_id)
             send.failed = True
             self.stats.add("send_late")
+            self._notify_unposted(job, "P's post deadline passed before the push reached its workers")
             return
         remote = self.remotes.get(job.dst_engine)
         if remote is None or remote.error or remote.plan is None:
@@ -253,6 +254,17 @@ class SendSide:
                              dst.rank, e)
                 send.failed = True
                 self._notify_failure(agent, job.dst_req_id, str(e))
+
+    def _notify_unposted(self, job: PushJob, why: str) -> None:
+        """Tell every destination rank this rank feeds that ``job`` was not written (D's workers keep a given-up
+        load's blocks until each writer's notice: :mod:`~vllm_dsa_connector.transport.fence`)."""
+        remote = self.remotes.get(job.dst_engine)
+        me = self._payload()
+        if remote is None or remote.plan is None or me is None or (job.dst_epoch and job.dst_epoch != remote.epoch):
+            return
+        for dst in remote.payloads:
+            if remote.plan.for_pair(me.rank, dst.rank) and dst.rank in remote.agents:
+                self._notify_failure(remote.agents[dst.rank], job.dst_req_id, why)
 
     def _checks(self, parts: list[tuple[int, int, Runs]]) -> list[tuple[int, int, int, int]]:
         """``verify_transfers``: a CRC32 of every run (destination pool, offset, length, crc)."""

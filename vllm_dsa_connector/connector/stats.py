@@ -21,7 +21,8 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   lost (P side; the next post to that peer then makes a new connection)
 - ``vllm:dsa_kv_fenced_connections_total{outcome}``: connections P fenced after an aborted WRITE
   (outcome="fenced": the fence was confirmed; "reset": the connection was closed instead), and D's given-up
-  loads handed back (outcome="load_fenced": after P's fence; "load_timeout": after `option `fence_timeout_s`` without it)
+  loads handed back (outcome="load_fenced": after P's fence; "load_timeout": after option ``fence_timeout_s``
+  without it; "load_peer_gone": P's start is gone, its side channel refuses connections or it restarted)
 - ``vllm:dsa_kv_staging_held_bytes`` (gauge): bytes of P's staging arenas in use (reserved by bounces in
   flight, or held for an aborted bounce until its connection is fenced), summed over P's workers
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
@@ -68,6 +69,7 @@ _COUNTERS = (
     "connection_resets",
     "fenced_loads",
     "fence_timeouts",
+    "fence_peer_gone",
 )
 _LISTS = ("transfer_s", "recv_wait_s")
 _STAGING = "staging"  # gauge samples, lists keyed "staging:<held|full>:<rank>" (the last one is current)
@@ -264,7 +266,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
         self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))
         for key, outcome in (("fenced_connections", "fenced"), ("connection_resets", "reset"),
-                             ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout")):
+                             ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
+                             ("fence_peer_gone", "load_peer_gone")):
             self._inc(self._fences, engine_idx, d.get(key, 0), outcome)
         for key, side, outcome in (
             ("send_ok", "send", "ok"),

@@ -280,6 +280,8 @@ class DSAConnectorWorker:
             # unusable kv_transfer_params: the scheduler logged what it got once per peer, not here per request
             log = logger.debug if req_id in meta.fail_quiet else logger.error
             log("DSAConnector: load of %s failed: %s", req_id, reason)
+        for req_id in meta.fence_void:
+            self.recv.unfence(req_id)
         self.send.release(meta.release)
 
     def save_layer(self, layer_name: str) -> None:
