@@ -124,17 +124,20 @@ def test_pairing_with_different_block_sizes_follows_the_runs_convention(bp: int,
 
 
 def test_older_protocol_peers_are_refused() -> None:
-    """Protocol 7 registrations name a route per pair (6 sent bare staging slots and let P's gate choose the
-    path), 6 envelopes name their sender's engine id and epoch (5's had neither; 4's had no ``reply_to``
-    either): an older peer is refused, both its envelopes and its handshake payloads, naming both versions."""
-    assert PROTOCOL_VERSION == 7
-    for version, env in ((6, [6, 0.0, b"n" * 16, b"", b"", "D", 1, msgspec.msgpack.encode({"type": "meta"})]),
+    """Protocol 8 peers fence a connection after an aborted WRITE and say when P's staging arena is full (7 did
+    neither: its D hands blocks back without waiting for the fence), 7 registrations name a route per pair (6
+    sent bare staging slots and let P's gate choose the path), 6 envelopes name their sender's engine id and
+    epoch (5's had neither; 4's had no ``reply_to`` either): an older peer is refused, both its envelopes and its
+    handshake payloads, naming both versions."""
+    assert PROTOCOL_VERSION == 8
+    for version, env in ((7, [7, 0.0, b"n" * 16, b"", b"", "D", 1, msgspec.msgpack.encode({"type": "meta"})]),
+                         (6, [6, 0.0, b"n" * 16, b"", b"", "D", 1, msgspec.msgpack.encode({"type": "meta"})]),
                          (5, [5, 0.0, b"n" * 16, b"", b"", msgspec.msgpack.encode({"type": "meta"})]),
                          (4, [4, 0.0, b"n" * 16, b"", msgspec.msgpack.encode({"type": "meta"})])):
-        with pytest.raises(MessageError, match=f"peer speaks {version}, this side 7"):
+        with pytest.raises(MessageError, match=f"peer speaks {version}, this side 8"):
             Authenticator(None).open(msgspec.msgpack.encode(env))
         old = encode(RankPayload("D", 0, 0, 0, "agent-d", b"", {}, [], {}, protocol=version))
-        with pytest.raises(ValueError, match=f"peer speaks {version}, this side 7"):
+        with pytest.raises(ValueError, match=f"peer speaks {version}, this side 8"):
             decode_payload(old)
 
 

@@ -177,6 +177,7 @@ def test_give_up_before_dispatch_releases_at_once_and_p_never_writes(pd) -> None
     _wait(d.consumer.loads["d-stall"].cancel)
     meta = d.build_connector_meta(None)
     assert "P confirmed nothing was written" in meta.fail_recv["d-stall"]
+    assert "d-stall" in meta.fail_unposted  # nothing in flight: D's workers need no fence from P
     p_meta = p.build_connector_meta(None)  # P's engine resumes: the registration is dropped
     assert not p_meta.push and "p-stall" in p_meta.release
     p.update_connector_output(_output(sending={"p-stall"}))
@@ -198,9 +199,46 @@ def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
     assert "d-slow" not in d.build_connector_meta(None).fail_recv  # still inside give-up + write timeout
     assert d.has_pending_push_work()
     clock.t += 1.0 + SAFETY_MARGIN_S
-    assert "write bound passed" in d.build_connector_meta(None).fail_recv["d-slow"]
+    meta = d.build_connector_meta(None)
+    assert "write bound passed" in meta.fail_recv["d-slow"]
+    assert "d-slow" not in meta.fail_unposted  # a WRITE may be in flight: the workers wait for P's fence
     p.update_connector_output(_output(sending={"p-slow"}))
     d.update_connector_output(_output(recving={"d-slow"}, failed={"d-slow"}))
+
+
+def test_p_tells_d_its_staging_arena_is_full_and_d_routes_direct(pd) -> None:
+    """P's workers report their staging arenas in their stats (``staging:<held|full>:<rank>``); P's scheduler
+    reads them from the connector output and says so in its answer to the next registration; D then plans
+    that P's next requests without bounce (``RoutePlanner.plan(bounce=False)``), and again with it once P's
+    arena has room."""
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
+
+    p, d, clock = pd
+    planned: list[bool] = []
+    real_plan = d.routes.plan
+
+    def spy(*args, **kwargs):
+        planned.append(kwargs.get("bounce", True))
+        return real_plan(*args, **kwargs)
+
+    d.routes.plan = spy
+    try:
+        for name, full in (("full", True), ("after-full", False), ("room", False)):
+            stats = DSAKVConnectorStats()
+            stats.staging(0, 7 << 20 if full else 0, full)
+            out = _output()
+            out.kv_connector_stats = stats
+            if name != "after-full":  # no new sample: the last one holds
+                p.update_connector_output(out)
+            _registered(p, d, clock, f"arena-{name}", [28, 29], [56, 57])
+            assert d.consumer.peers.get("P").staging_full is (name != "room"), name
+            p.build_connector_meta(None)
+            p.update_connector_output(_output(sending={f"p-arena-{name}"}))
+            d.update_connector_output(_output(recving={f"d-arena-{name}"}))
+    finally:
+        d.routes.plan = real_plan
+    # each registration is planned with P's previous answer: before the first none, then full, full
+    assert planned == [True, False, False], planned
 
 
 def test_abort_while_loading_keeps_blocks_until_safe(pd) -> None:

@@ -126,6 +126,45 @@ def test_peer_reconnects_are_counted_and_exported() -> None:
     assert registry.get_sample_value("vllm:dsa_kv_peer_reconnects_total", {"engine": "0"}) == 3
 
 
+def test_fences_and_staging_arena_are_exported() -> None:
+    """Fences (P: confirmed, reset; D: loads handed back after P's fence or its timeout) reach
+    ``vllm:dsa_kv_fenced_connections_total{outcome}``; the staging samples of P's workers (the latest per rank,
+    over intervals and workers) set ``vllm:dsa_kv_staging_held_bytes``, and say whether an arena is full."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from prometheus_client import CollectorRegistry
+
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, DSAPromMetrics, staging_full
+
+    registry = CollectorRegistry()
+    types = {cls: partial(cls, registry=registry) for cls in (prometheus_client.Gauge, prometheus_client.Counter,
+                                                            prometheus_client.Histogram)}
+    prom = DSAPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    a, b = DSAKVConnectorStats(), DSAKVConnectorStats()
+    a.add("fenced_connections", 2)
+    a.add("connection_resets")
+    b.add("fenced_loads")
+    b.add("fence_timeouts")
+    a.staging(0, 4096, False)
+    a.staging(0, 1 << 20, True)  # the latest sample of rank 0
+    assert not DSAKVConnectorStats(data={"staging:held:1": [5.0]}).is_empty()
+    b.staging(1, 512, False)
+    data = a.aggregate(b).data
+    assert staging_full(data) is True and staging_full({}) is None
+    prom.observe(data, 0)
+    for outcome, n in (("fenced", 2), ("reset", 1), ("load_fenced", 1), ("load_timeout", 1)):
+        assert registry.get_sample_value("vllm:dsa_kv_fenced_connections_total",
+                                         {"engine": "0", "outcome": outcome}) == n
+    assert registry.get_sample_value("vllm:dsa_kv_staging_held_bytes", {"engine": "0"}) == (1 << 20) + 512
+    later = DSAKVConnectorStats()
+    later.staging(0, 0, False)  # rank 0's arena emptied; rank 1 sent nothing new: its last value holds
+    prom.observe(later.data, 0)
+    assert registry.get_sample_value("vllm:dsa_kv_staging_held_bytes", {"engine": "0"}) == 512
+    assert staging_full(later.data) is False
+
+
 def test_notice_and_payload_round_trip() -> None:
     from vllm_dsa_connector.handoff.wire import (
         PROTOCOL_VERSION,

@@ -17,7 +17,7 @@ COMMON_LABELS = {"model_name", "engine", "instance", "job"}
 
 
 def exported() -> dict[str, set[str]]:
-    """``{series name: its labels}`` as Prometheus exposes them: counters with ``_total``, the histogram's
+    """``{series name: its labels}`` as Prometheus exposes them: counters with ``_total``, gauges as named, the histogram's
     ``_bucket`` (with ``le``), ``_sum`` and ``_count``."""
     series: dict[str, set[str]] = {}
     for node in ast.walk(ast.parse(STATS.read_text())):

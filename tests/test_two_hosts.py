@@ -13,10 +13,12 @@ CMA included, cross network namespaces, so with UCX's defaults the KV bytes woul
    D's veth (``rx_bytes`` inside its namespace) at least the KV bytes D counted;
 2. ``tc netem`` 20 ms delay, then 1% loss (skipped with the reason where the kernel has no netem), and a slow
    link (``tbf`` 8 Mbit/s) that runs everywhere: same replies, latency printed;
-3. the link taken down in the middle of a WRITE (bytes flowing on P's veth), kept down past D's give-up: with
-   ``recompute`` D answers the right reply, with ``fail`` the proxy answers an error within the bounds, no
-   hang; D ``fail``'s whole KV cache is byte-identical before and after the link comes back (no WRITE lands
-   in blocks D gave back); both pairs then serve the next request with P's KV;
+3. the link taken down in the middle of a WRITE (bytes flowing on P's veth): with ``recompute`` (link back
+   after 9 s) D answers the right reply within the bounds; with ``fail`` the link stays down past D's give-up
+   and write bound: D keeps the given-up request's blocks (no fence from P yet) while it serves a second
+   request on its own, the link comes back, P's fence arrives and the request fails cleanly, a third request
+   reuses the blocks, and D's whole KV cache stays byte-identical while TCP delivers what P still had queued
+   (no WRITE lands in blocks D gave back); both pairs then serve the next request with P's KV;
 4. the link down ~45 s while idle (UCX fails P's endpoints to D): P re-adds D's remote agents on its next post
    (``vllm:dsa_kv_peer_reconnects_total``) and the next requests on both pairs are served with P's KV.
 
@@ -220,9 +222,9 @@ def test_slow_link_tbf(hosts: Hosts) -> None:
     _with_qdisc(hosts, TBF, "tbf 8mbit")
 
 
-def _down_mid_write(h: Hosts, x: str, prompt: str, down_s: float | None) -> tuple[int, dict, float, float]:
-    """Send ``prompt`` through ``x`` on a slow link; take the wire down once KV bytes flow on P's veth; bring it
-    up after ``down_s`` (None: it stays down, the caller brings it up). (status, body, latency, when it went down)."""
+def _start_down_mid_write(h: Hosts, x: str, prompt: str) -> tuple[threading.Thread, dict[str, Any], float]:
+    """Send ``prompt`` through ``x`` on a slow link (``TBF``, the caller clears it) and take the wire down once
+    KV bytes flow on P's veth. (the request's thread, its result holder ``["r"]``, when the wire went down)."""
     wire = h.th.p.wire
     for end in (h.th.p.wire, h.th.d.wire):
         end.qdisc(*TBF)
@@ -236,17 +238,25 @@ def _down_mid_write(h: Hosts, x: str, prompt: str, down_s: float | None) -> tupl
     t0 = time.monotonic()
     t.start()
     down_at = None
+    while time.monotonic() - t0 < 60 and t.is_alive():
+        if wire.stat("tx_bytes") - tx0 > 96 * 1024:  # the WRITE is under way
+            wire.down()
+            down_at = time.monotonic() - t0
+            break
+        time.sleep(0.02)
+    assert down_at is not None, "no KV bytes flowed before the request ended"
+    result["t0"] = t0
+    return t, result, down_at
+
+
+def _down_mid_write(h: Hosts, x: str, prompt: str, down_s: float) -> tuple[int, dict, float, float]:
+    """Send ``prompt`` through ``x`` on a slow link; take the wire down once KV bytes flow on P's veth; bring it
+    up after ``down_s``. (status, body, latency, when it went down)."""
+    wire = h.th.p.wire
     try:
-        while time.monotonic() - t0 < 60 and t.is_alive():
-            if wire.stat("tx_bytes") - tx0 > 96 * 1024:  # the WRITE is under way
-                wire.down()
-                down_at = time.monotonic() - t0
-                break
-            time.sleep(0.02)
-        assert down_at is not None, "no KV bytes flowed before the request ended"
-        if down_s is not None:
-            time.sleep(down_s)
-            wire.up()
+        t, result, down_at = _start_down_mid_write(h, x, prompt)
+        time.sleep(down_s)
+        wire.up()
         t.join(180)
         assert not t.is_alive(), "the request hangs"
     except BaseException:
@@ -275,26 +285,55 @@ def test_link_down_mid_write_recompute_answers(hosts: Hosts) -> None:
         _served_with_p_kv(h, h.xr, h.dr, _prompt(21), "next after link down (recompute)"), 3)
 
 
+def _fenced(url: str, outcome: str) -> float:
+    return metric(scrape(url), "vllm:dsa_kv_fenced_connections_total", outcome=outcome)
+
+
 def test_link_down_mid_write_fail_fails_cleanly_and_no_late_write(hosts: Hosts) -> None:
+    """The wire goes down in the middle of P's WRITE and stays down past D's give-up and write bound: D keeps
+    the given-up request's blocks (it waits for P's fence: its failure notice, sent after the aborted WRITE
+    and only after NIXL flushed the connection) and meanwhile serves a second request on its own. The wire
+    comes back: the fence arrives, the request fails cleanly (HTTP error or finish_reason error), a third
+    request reuses the freed blocks, and D's whole KV cache then stays byte-identical while TCP delivers
+    whatever P still had queued (before the fence D handed the blocks back at its write bound and such bytes
+    landed in blocks it had given back)."""
     h = hosts
-    prompt = _prompt(30)
-    _reference(h, prompt)
+    prompt, second, third = _prompt(30), _prompt(32), _prompt(33)
+    for q in (prompt, second, third):
+        _reference(h, q)
     wire = h.th.p.wire
-    # the link stays down until the request answered, so any byte P still had queued arrives after D gave up
-    status, out, dt, down_at = _down_mid_write(h, h.xf, prompt, None)
-    assert status != 200 or out["choices"][0].get("finish_reason") == "error", (status, out)
-    assert dt < HOLD_BOUND_S + 15, dt
-    try:  # still down: nothing can land while the snapshot is taken
-        before = _kv_digest(h.df)
+    fenced0, resets0 = _fenced(h.df.url, "load_fenced"), _fenced(h.p.url, "reset") + _fenced(h.p.url, "fenced")
+    try:
+        t, result, down_at = _start_down_mid_write(h, h.xf, prompt)
+        time.sleep(max(0.0, result["t0"] + HOLD_BOUND_S + 8.0 - time.monotonic()))
+        held = t.is_alive()  # past D's write bound: still holding the blocks, waiting for P's fence
+        status2, out2, _ = _complete(h, h.df.url, second)  # D serves another request meanwhile, on its own
     finally:
         wire.up()
+        for end in (h.th.p.wire, h.th.d.wire):
+            end.clear_qdisc()
+    t.join(180)
+    assert not t.is_alive(), "the given-up request never ended after the link came back"
+    status, out, dt = result["r"]
+    assert held, f"D handed the given-up request's blocks back after {dt:.1f} s without P's fence"
+    assert status2 == 200 and out2["choices"][0]["text"] == h.reference[second], (status2, out2)
+    assert status != 200 or out["choices"][0].get("finish_reason") == "error", (status, out)
+    status3, out3, _ = _complete(h, h.df.url, third)  # reuses blocks the given-up request held
+    assert status3 == 200 and out3["choices"][0]["text"] == h.reference[third], (status3, out3)
+    before = _kv_digest(h.df)
     time.sleep(15.0)  # TCP retransmits whatever P's socket still held
     after = _kv_digest(h.df)
+    fenced = _fenced(h.df.url, "load_fenced") - fenced0
+    p_fences = _fenced(h.p.url, "reset") + _fenced(h.p.url, "fenced") - resets0
     RESULTS["link down mid-WRITE, fail"] = {"latency_s": round(dt, 2), "status": status,
-                                             "down_at_s": round(down_at, 2), "kv_unchanged": after == before}
-    print(f"link down mid-WRITE (fail): HTTP {status} in {dt:.2f} s (down at {down_at:.2f} s); "
-          f"D's KV unchanged after the link came back: {after == before}")
-    assert after == before, "a WRITE landed in D's KV cache after D gave up"
+                                             "down_at_s": round(down_at, 2), "held_past_bound": held,
+                                             "kv_unchanged": after == before, "d_fenced_loads": fenced,
+                                             "p_fences": p_fences}
+    print(f"link down mid-WRITE (fail): HTTP {status} in {dt:.2f} s (down at {down_at:.2f} s, blocks held past "
+          f"the write bound: {held}); D's KV unchanged after the link came back: {after == before}; "
+          f"fenced loads {fenced:.0f}, P fences {p_fences:.0f}")
+    assert after == before, "a WRITE landed in D's KV cache after D gave the blocks back"
+    assert fenced == 1 and p_fences >= 1, (fenced, p_fences)
     RESULTS["next request after link down, fail"] = round(
         _served_with_p_kv(h, h.xf, h.df, _prompt(31), "next after link down (fail)"), 3)
 

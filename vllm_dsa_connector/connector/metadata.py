@@ -40,6 +40,10 @@ class DSAConnectorMetadata(KVConnectorMetadata):
     fail_recv: dict[str, str] = field(default_factory=dict)  # D req -> reason
     # fail_recv entries the scheduler already logged (unusable kv_transfer_params: once per peer, not per request)
     fail_quiet: set[str] = field(default_factory=set)
+    # fail_recv entries P never posted (it refused the registration or confirmed the cancel): no fence to wait for
+    fail_unposted: set[str] = field(default_factory=set)
+    # given-up loads whose workers wait for P's fence, moot now: P's start is gone (handoff/fence_waits.py)
+    fence_void: set[str] = field(default_factory=set)
     release: list[str] = field(default_factory=list)  # P reqs whose lease ended without a push
     forget: list[str] = field(default_factory=list)  # idle D engines we write to: drop them (before ``peers``)
     forget_sources: list[str] = field(default_factory=list)  # idle P engines that write to us: drop them
@@ -48,5 +52,5 @@ class DSAConnectorMetadata(KVConnectorMetadata):
         """Nothing for the workers to do."""
         return not (
             self.peers or self.local or self.push or self.recv or self.fail_recv or self.release or self.forget
-            or self.forget_sources
+            or self.forget_sources or self.fence_void
         )

@@ -68,6 +68,13 @@ class ConnectorOptions:
         "transfer_timeout_s", _seconds, 30.0,
         doc="D gives up on a transfer (load failure, kv_load_failure_policy applies) after this (s)",
     )
+    fence_timeout_s: float = option(
+        "fence_timeout_s", _seconds, 960.0,
+        doc="D keeps a given-up load's blocks until P's fence (its notice after an aborted WRITE) arrives, at "
+        "most this long; the default is above Linux's TCP retransmission give-up (tcp_retries2=15, ~924 s), after "
+        "which a partitioned connection cannot deliver queued bytes any more; shorter risks a late WRITE in a "
+        "reused block (s)",
+    )
     handshake_timeout_s: float = option(
         "handshake_timeout_s", _seconds, 10.0,
         doc="side-channel request timeout (s); an unanswered handshake is tried again while the waiting "

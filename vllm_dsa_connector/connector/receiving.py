@@ -78,6 +78,9 @@ class ReportedIds:
             del self._ids[next(iter(self._ids))]
         return True
 
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._ids
+
 
 class SourceRecord(Protocol):
     """What D knows of an engine that writes to it (the worker's record of that peer start)."""
@@ -103,13 +106,15 @@ class ReceiveSide:
     ``nixl`` and ``lock``: the worker's NIXL engine and the lock every NIXL call holds (the progress thread
     takes it too); ``stats``: the worker's stats; ``rank`` and ``regions``: this rank and its registered KV
     pools (read when needed: both are known only once the worker registered its caches); ``sources``: the
-    worker's records of the engines that write to it, by engine id (the worker keeps them current).
+    worker's records of the engines that write to it, by engine id (the worker keeps them current);
+    ``fence_timeout_s``: how long a given-up load waits for P's fence at most (option ``fence_timeout_s``).
     """
 
     def __init__(self, nixl: NixlEngine, lock: threading.RLock, stats: DSAKVConnectorStats, *,
                  rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
-                 sources: Mapping[str, SourceRecord]) -> None:
+                 sources: Mapping[str, SourceRecord], fence_timeout_s: float = 960.0) -> None:
         self._lock = lock
+        self.fence_timeout_s = fence_timeout_s
         self.stats = stats
         self._rank = rank
         self._regions = regions
@@ -118,6 +123,7 @@ class ReceiveSide:
         self.reported = ReportedIds()  # loads reported to vLLM (finished_recving), each once
         self._done: set[str] = set()  # finished_recving since the last take_results
         self._failed: set[str] = set()  # failed_recving since the last take_results
+        self._fencing: set[str] = set()  # given up, reported once P fenced (or after fence_timeout_s)
         self._error_blocks: set[int] = set()  # blocks of CORRUPT loads since the last take_error_blocks
         self._progress_stop = threading.Event()
         self._progress_wake = threading.Event()
@@ -295,16 +301,40 @@ class ReceiveSide:
             self._progress_thread.start()
         self._progress_wake.set()
 
-    def fail(self, req_id: str) -> bool:
+    def fail(self, req_id: str, *, fence: bool = True) -> bool:
         """The scheduler gave the load of ``req_id`` up (``fail_recv``): stop expecting it and report it
-        finished and failed; False when it was reported already (it completed meanwhile)."""
-        self.receiver.cancel(req_id.encode())
+        finished and failed; False when it was reported already (it completed meanwhile).
+
+        ``fence``: a WRITE of P may still be in flight (P did not say it never posted): the report, which
+        hands the blocks back to vLLM, waits until every writer that sent nothing yet sent its notice (P sends
+        it only after fencing the connection, :mod:`~vllm_dsa_connector.transport.fence`), at most
+        ``fence_timeout_s``; :meth:`poll` reports it then."""
+        key = req_id.encode()
+        if fence and req_id not in self.reported and self.receiver.give_up(key, self.fence_timeout_s) is None \
+                and key in self.receiver.pending:
+            self._fencing.add(req_id)
+            return True
+        self.receiver.cancel(key)
         if not self.reported.add(req_id):
             return False
         self.stats.add("recv_failed")
         self._done.add(req_id)
         self._failed.add(req_id)
         return True
+
+    def unfence(self, req_id: str) -> None:
+        """The given-up load of ``req_id`` stops waiting for P's fence: P's start is gone (nothing of it can
+        land any more), so it is reported finished and failed now."""
+        if req_id not in self._fencing:
+            return
+        self._fencing.discard(req_id)
+        self.receiver.cancel(req_id.encode())
+        if self.reported.add(req_id):
+            self.stats.add("recv_failed")
+            self.stats.add("fence_peer_gone")
+            self._done.add(req_id)
+            self._failed.add(req_id)
+            logger.info("DSAConnector: given-up load of %s handed back: its P is gone (no fence needed)", req_id)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call."""
@@ -336,6 +366,17 @@ class ReceiveSide:
             if not self.reported.add(req_id):
                 continue
             self._done.add(req_id)
+            if req_id in self._fencing:  # given up: reported failed once no byte of P can land any more
+                self._fencing.discard(req_id)
+                fenced = r.state is not RecvState.TIMED_OUT
+                self.stats.add("recv_failed")
+                self.stats.add("fenced_loads" if fenced else "fence_timeouts")
+                self._failed.add(req_id)
+                (logger.info if fenced else logger.error)(
+                    "DSAConnector: given-up load of %s handed back %s", req_id,
+                    "after P fenced its connection" if fenced else
+                    f"after {self.fence_timeout_s:.0f} s without P's fence (a late WRITE may still land)")
+                continue
             if r.state is RecvState.TIMED_OUT:
                 logger.error("DSAConnector: %s timed out after %.1f s waiting for rank(s) %s",
                              req_id, job.timeout_s, list(r.missing))

@@ -48,8 +48,9 @@ from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
-from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, staging_full, unusable_key
 from vllm_dsa_connector.handoff.consumer import Consumer
+from vllm_dsa_connector.handoff.fence_waits import FenceWaits
 from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
 from vllm_dsa_connector.handoff.messages import (
     Authenticator,
@@ -125,6 +126,7 @@ class DSAConnectorScheduler:
         self._pending_recv: list[RecvJob] = []
         self._fail: dict[str, str] = {}
         self._fail_quiet: set[str] = set()  # of _fail: already logged (unusable params, once per peer)
+        self.fence_waits = FenceWaits()  # given-up loads whose workers wait for P's fence (moot once P is gone)
         self._unusable: dict[str, str] = {}  # D req claimed with unusable kv_transfer_params -> why (until alloc)
         self._unusable_logged: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, reason) logged
         self.stats = DSAKVConnectorStats()  # what only the scheduler sees (unusable params, P's refusals)
@@ -296,7 +298,7 @@ class DSAConnectorScheduler:
                 # an early registration's src blocks stand in for P's: D could not scatter a bounce by them
                 routes, held = self.routes.plan(peer.plan, peer.meta.payloads, src, dst,
                                               first_token=pairing.first_token, num_tokens=pairing.num_tokens,
-                                              bounce=not rp.early)
+                                              bounce=not rp.early and not peer.staging_full)
             except Exception as e:  # noqa: BLE001 - no route means a direct WRITE, never a failure
                 logger.warning("DSAConnector: no routes planned for %s (every pair direct): %s", req_id, e)
         epoch = peer.meta.epoch if peer.meta is not None else 0
@@ -398,6 +400,14 @@ class DSAConnectorScheduler:
         meta.recv, self._pending_recv = self._pending_recv, []
         self.consumer.step(self._fail)
         meta.fail_recv, self._fail = self._fail, {}
+        meta.fail_unposted = {r for r in meta.fail_recv if (load := self.consumer.load(r)) is not None
+                              and (load.release_at == 0.0 or load.cancel_confirmed())}
+        for req_id in meta.fail_recv.keys() - meta.fail_unposted:  # the workers wait for P's fence
+            if (load := self.consumer.load(req_id)) is not None and (
+                    peer := self.consumer.known_peer(load.engine)) is not None:
+                self.fence_waits.add(req_id, load.engine, peer.host, peer.port, load.epoch)
+        if len(self.fence_waits):
+            meta.fence_void = self.fence_waits.step(self._epoch_of)
         meta.fail_quiet, self._fail_quiet = self._fail_quiet & meta.fail_recv.keys(), set()
         self.routes.step(self.clock())
         if self.early:
@@ -419,6 +429,11 @@ class DSAConnectorScheduler:
             self.pacer.busy()
         return meta
 
+    def _epoch_of(self, engine: str) -> int | None:
+        """The start of P ``engine`` D knows now (None: not known)."""
+        peer = self.consumer.known_peer(engine)
+        return peer.meta.epoch if peer is not None and peer.meta is not None else None
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Forget finished transfers (P: leases; D: loads and their staging slots: a failed load's slots
         come back once no WRITE can land in them, :meth:`Consumer.writes_over_at`)."""
@@ -430,8 +445,13 @@ class DSAConnectorScheduler:
             output.finished_sending = sending
         if sending:
             self.producer.finished_sending(sending)
+        if output.kv_connector_stats is not None:  # the workers' staging arenas (P)
+            full = staging_full(output.kv_connector_stats.data)
+            if full is not None:
+                self.producer.staging_full = full
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
+            self.fence_waits.done(req_id)
             load = self.consumer.finished(req_id)
             if load is not None:
                 self.routes.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
@@ -460,3 +480,4 @@ class DSAConnectorScheduler:
         """Stop the side channel and the background threads."""
         self.server.close()
         self.consumer.shutdown()
+        self.fence_waits.shutdown()

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
+#: P's staging arena counts as full (D routes P's next requests direct) with less than this share of it free
+_STAGING_FULL = 0.125
 _SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
 
 
@@ -123,6 +125,7 @@ class _Send:
     dst_req: str
     groups: list[_Group] = field(default_factory=list)
     failed: bool = False
+    fenced: set[str] = field(default_factory=set)  # agents its failure notice went to as a fence
 
 
 class SendSide:
@@ -154,6 +157,7 @@ class SendSide:
         self._layered_step = False  # this step opened layer-by-layer posts (wait_for_save drives them)
         self._done: set[str] = set()  # finished_sending since the last take_done
         self.retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
+        self._staging_last: tuple[int, bool] = (0, False)  # the staging arena's last sample (held bytes, full)
 
     def attach_arena(self, arena: StagingArena | None, reserve_timeout_s: float) -> None:
         """The transport this side posts with: bounced posts stage through ``arena`` (None: no bouncing),
@@ -199,6 +203,7 @@ class SendSide:
                          job.req_id)
             send.failed = True
             self.stats.add("send_late")
+            self._notify_unposted(job, "P's post deadline passed before the push reached its workers")
             return
         remote = self.remotes.get(job.dst_engine)
         if remote is None or remote.error or remote.plan is None:
@@ -249,6 +254,17 @@ class SendSide:
                              dst.rank, e)
                 send.failed = True
                 self._notify_failure(agent, job.dst_req_id, str(e))
+
+    def _notify_unposted(self, job: PushJob, why: str) -> None:
+        """Tell every destination rank this rank feeds that ``job`` was not written (D's workers keep a given-up
+        load's blocks until each writer's notice: :mod:`~vllm_dsa_connector.transport.fence`)."""
+        remote = self.remotes.get(job.dst_engine)
+        me = self._payload()
+        if remote is None or remote.plan is None or me is None or (job.dst_epoch and job.dst_epoch != remote.epoch):
+            return
+        for dst in remote.payloads:
+            if remote.plan.for_pair(me.rank, dst.rank) and dst.rank in remote.agents:
+                self._notify_failure(remote.agents[dst.rank], job.dst_req_id, why)
 
     def _checks(self, parts: list[tuple[int, int, Runs]]) -> list[tuple[int, int, int, int]]:
         """``verify_transfers``: a CRC32 of every run (destination pool, offset, length, crc)."""
@@ -386,6 +402,7 @@ class SendSide:
     def poll(self) -> None:
         """Progress every post; a request whose posts are all over is finished_sending (once), a failed post
         sends its failure notice; then remove the retired agents no post uses any more."""
+        self._poll_fences()
         for req_id, send in list(self._sends.items()):
             for group in list(send.groups):
                 if not self.transport.progress(group.post):
@@ -395,8 +412,11 @@ class SendSide:
                 if group.post.state is PostState.FAILED:  # every part is over: D may give up now
                     logger.error("DSAConnector: %s", group.post.error)
                     send.failed = True
+                    if self.transport.fences.needed(group.agent):
+                        send.fenced.add(group.agent)
                     self._notify_failure(group.agent, send.dst_req, group.post.error)
-            if not send.groups:
+            if not send.groups and not any(self.transport.fences.pending_for(a) for a in send.fenced):
+                # (a failure notice that went as a fence: the request is over once D got it, P steps meanwhile)
                 del self._sends[req_id]
                 self.stats.add("send_failed" if send.failed else "send_ok")
                 if self.reported.add(req_id):
@@ -413,6 +433,22 @@ class SendSide:
                 self.stats.add("send_descriptors", st.desc_count)
         if post.state is PostState.DONE and (seconds := post.seconds) is not None:
             self.stats.observe("transfer_s", seconds)
+
+    def _poll_fences(self) -> None:
+        """Confirm the fences of connections with an aborted WRITE (:mod:`~vllm_dsa_connector.transport.fence`)
+        and count them."""
+        fences = self.transport.fences
+        before = (fences.fenced, fences.resets)
+        fences.poll()
+        self.stats.add("fenced_connections", fences.fenced - before[0])
+        self.stats.add("connection_resets", fences.resets - before[1])
+        arena = self.transport.arena
+        if arena is not None:  # a sample when it changed: the gauge, and whether D should route direct
+            free = arena.free_bytes
+            now = (arena.size - free, free < arena.size * _STAGING_FULL)
+            if now != self._staging_last:
+                self._staging_last = now
+                self.stats.staging(self._rank(), *now)
 
     def release(self, req_ids: Iterable[str]) -> None:
         """P's scheduler released these leases without a push (expired): report each as finished_sending

@@ -25,6 +25,12 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   sender's (a NIXL agent bound to another engine, agent metadata naming another agent, payloads other than those
   the engine start registered with first), and peers a P worker refused for the same reason
 - ``vllm:dsa_kv_early_held``: gauge, early registrations P holds now for requests it has not seen yet
+- ``vllm:dsa_kv_fenced_connections_total{outcome}``: connections P fenced after an aborted WRITE
+  (outcome="fenced": the fence was confirmed; "reset": the connection was closed instead), and D's given-up
+  loads handed back (outcome="load_fenced": after P's fence; "load_timeout": after option ``fence_timeout_s``
+  without it; "load_peer_gone": P's start is gone, its side channel refuses connections or it restarted)
+- ``vllm:dsa_kv_staging_held_bytes`` (gauge): bytes of P's staging arenas in use (reserved by bounces in
+  flight, or held for an aborted bounce until its connection is fenced), summed over P's workers
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -66,10 +72,16 @@ _COUNTERS = (
     "unusable_malformed",
     "peer_reconnects",
     "refused_identities",
+    "fenced_connections",
+    "connection_resets",
+    "fenced_loads",
+    "fence_timeouts",
+    "fence_peer_gone",
 )
 #: gauges: a series of samples (the scheduler adds one when the value changed); the last one is the value
 _GAUGES = ("early_held",)
 _LISTS = ("transfer_s", "recv_wait_s", *_GAUGES)
+_STAGING = "staging"  # gauge samples, lists keyed "staging:<held|full>:<rank>" (the last one is current)
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
 _SIDES = ("send", "recv")
 #: Why D could not use a request's kv_transfer_params: the ``reason`` label of ``vllm:dsa_kv_unusable_params_total``
@@ -89,6 +101,29 @@ def pair_key(side: str, src_rank: int, dst_rank: int) -> str:
     if side not in _SIDES:
         raise ValueError(f"pair bytes side {side!r}: expected one of {list(_SIDES)}")
     return f"{_PAIR}:{side}:{int(src_rank)}:{int(dst_rank)}"
+
+
+def staging_key(what: str, rank: int) -> str:
+    """Key of the samples of a P worker's staging arena: ``what`` is ``held`` (bytes in use) or ``full``
+    (1 when it is nearly full: D should route direct)."""
+    if what not in ("held", "full"):
+        raise ValueError(f"staging sample {what!r}: expected held or full")
+    return f"{_STAGING}:{what}:{int(rank)}"
+
+
+def _latest(data: dict[str, Any], what: str) -> dict[int, float]:
+    """Rank -> the latest ``what`` sample of the staging arenas in a stats dict."""
+    out: dict[int, float] = {}
+    for key, value in data.items():
+        if key.startswith(f"{_STAGING}:{what}:") and isinstance(value, list) and value:
+            out[int(key.rsplit(":", 1)[1])] = float(value[-1])
+    return out
+
+
+def staging_full(data: dict[str, Any]) -> bool | None:
+    """Whether any worker's staging arena is nearly full by the latest samples of a stats dict (None: none)."""
+    latest = _latest(data, "full")
+    return any(v > 0 for v in latest.values()) if latest else None
 
 
 def pair_bytes(data: dict[str, Any]) -> dict[tuple[str, int, int], int]:
@@ -129,6 +164,11 @@ class DSAKVConnectorStats(KVConnectorStats):
         """Append to a series."""
         self.data.setdefault(key, []).append(float(value))
 
+    def staging(self, rank: int, held: int, full: bool) -> None:
+        """A sample of P worker ``rank``'s staging arena: ``held`` bytes in use, ``full`` nearly full."""
+        self.observe(staging_key("held", rank), held)
+        self.observe(staging_key("full", rank), int(full))
+
     def clone_and_reset(self) -> DSAKVConnectorStats:
         """A copy of the current stats; this object starts over."""
         out = DSAKVConnectorStats(data=copy.deepcopy(self.data))
@@ -139,7 +179,7 @@ class DSAKVConnectorStats(KVConnectorStats):
         """True when nothing was recorded."""
         return not any(self.data.get(k) for k in _COUNTERS) and not any(
             self.data.get(k) for k in _LISTS
-        )
+        ) and not any(k.startswith(_STAGING + ":") and v for k, v in self.data.items())
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum counters and concatenate series (other workers, other steps)."""
@@ -200,6 +240,16 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._held = self._gauge_cls(name="vllm:dsa_kv_early_held", documentation="Early registrations P holds for "
                                      "requests it has not seen yet", labelnames=labelnames,
                                      multiprocess_mode="mostrecent")
+        self._fences, _ = counter("vllm:dsa_kv_fenced_connections",
+                                  "Connections fenced after an aborted WRITE, and given-up loads handed back",
+                                  ("outcome",))
+        self._staging = create_metric_per_engine(
+            self._gauge_cls(name="vllm:dsa_kv_staging_held_bytes",
+                            documentation="Bytes of P's staging arenas in use (bounces in flight, or held for an "
+                                          "aborted bounce until its connection is fenced)",
+                            labelnames=labelnames, multiprocess_mode="mostrecent"),
+            per_engine_labelvalues)
+        self._staging_held: dict[int, dict[int, float]] = {}  # engine -> rank -> bytes
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -232,6 +282,10 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._refused, engine_idx, d.get("refused_identities", 0))
         if d.get("early_held"):
             self._held.labels(*self._labels[engine_idx]).set(d["early_held"][-1])
+        for key, outcome in (("fenced_connections", "fenced"), ("connection_resets", "reset"),
+                             ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
+                             ("fence_peer_gone", "load_peer_gone")):
+            self._inc(self._fences, engine_idx, d.get(key, 0), outcome)
         for key, side, outcome in (
             ("send_ok", "send", "ok"),
             ("send_failed", "send", "failed"),
@@ -246,5 +300,9 @@ class DSAPromMetrics(KVConnectorPromMetrics):
             self._inc(self._unusable, engine_idx, d.get(unusable_key(reason), 0), reason)
         for (side, src, dst), nbytes in pair_bytes(d).items():
             self._inc(self._pairs, engine_idx, nbytes, side, str(src), str(dst))
+        held = _latest(d, "held")
+        if held:
+            self._staging_held.setdefault(engine_idx, {}).update(held)
+            self._staging[engine_idx].set(sum(self._staging_held[engine_idx].values()))
         for s in d.get("transfer_s", []):
             self._hist[engine_idx].observe(s)

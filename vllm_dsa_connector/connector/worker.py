@@ -105,7 +105,8 @@ class DSAConnectorWorker:
         # NIXL agents are not thread-safe: every NIXL call below holds this lock.
         self._lock = threading.RLock()
         self.recv = ReceiveSide(self.nixl, self._lock, self.stats, rank=lambda: self.rank,
-                                regions=lambda: self.regions, sources=self.sources)
+                                regions=lambda: self.regions, sources=self.sources,
+                                fence_timeout_s=options.fence_timeout_s)
         self.send = SendSide(self.nixl, self.stats, options.transfer_timeout_s, engine_id=engine_id,
                              rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
                              remotes=self.remotes)
@@ -294,11 +295,13 @@ class DSAConnectorWorker:
         for recv in meta.recv:
             self.recv.expect(recv)
         for req_id, reason in meta.fail_recv.items():
-            if not self.recv.fail(req_id):
+            if not self.recv.fail(req_id, fence=req_id not in meta.fail_unposted):
                 continue  # it completed meanwhile: already reported
             # unusable kv_transfer_params: the scheduler logged what it got once per peer, not here per request
             log = logger.debug if req_id in meta.fail_quiet else logger.error
             log("DSAConnector: load of %s failed: %s", req_id, reason)
+        for req_id in meta.fence_void:
+            self.recv.unfence(req_id)
         self.send.release(meta.release)
 
     def save_layer(self, layer_name: str) -> None:

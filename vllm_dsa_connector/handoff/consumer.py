@@ -340,6 +340,8 @@ class Consumer:
                 self.producers.check_sender(load.engine, sender)
                 if reply.ok:
                     load.to(LoadState.REGISTERED)
+                    if (peer := self.peers.get(load.engine)) is not None:
+                        peer.staging_full = reply.staging_full  # the next requests' routes (no bounce if full)
                 else:  # P refused: it will never write this registration
                     logger.error("DSAConnector: P refused registration of %s: %s", req_id, reply.error)
                     self._fail(fail, req_id, load, f"P refused the registration: {reply.error}")

@@ -196,6 +196,7 @@ class Reply(msgspec.Struct, frozen=True):
     states: Annotated[dict[Id, Annotated[str, msgspec.Meta(max_length=16)]],
                       msgspec.Meta(max_length=MAX_REQS_PER_MESSAGE)] = {}
     unread: bool = False
+    staging_full: bool = False  # P's staging arena is (nearly) full: route its next requests direct
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True):

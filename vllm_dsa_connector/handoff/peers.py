@@ -77,6 +77,7 @@ class Peer:
     epochs_asked: set[int] = field(default_factory=set)  # request epochs that already caused a fresh handshake
     last_used: float = 0.0  # the last step a request used this peer (idle peers are forgotten)
     warned: set[str] = field(default_factory=set)  # caps already logged for this peer (once each)
+    staging_full: bool = False  # P's last accept said its staging arena is (nearly) full: route direct
 
     @property
     def retryable(self) -> bool:

@@ -111,6 +111,7 @@ class Producer:
         self._held = HeldRegistrations(settings.early_held_per_peer, settings.early_held_bytes_per_peer)
         self.refused_identities = 0  # registrations refused for payloads not their sender's (a counter)
         self._own_reserved = False  # this engine's own NIXL agents are bound to it (once its payloads exist)
+        self.staging_full = False  # the workers' staging arenas are (nearly) full: told to D in every accept
 
     @property
     def post_horizon_s(self) -> float:
@@ -395,7 +396,8 @@ class Producer:
             lease.reg_epoch = sender.epoch
             lease.to(LeaseState.REGISTERED)
             lease.deadline = max(lease.deadline, reg.post_deadline)
-        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s,
+                     staging_full=self.staging_full)
 
     def _identify(self, reg: RegReq, sender: Origin) -> DPeer | Reply:
         """The record of the registration's sender start: the one P knows, else a new one from the payloads it
@@ -454,7 +456,8 @@ class Producer:
         if peer is not known:
             self._replace_peer(reg.d_engine, peer, known)
         self._held.put(tid, reg, sender.epoch)
-        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s)
+        return Reply(True, clock=now, write_timeout_s=self.settings.transfer_timeout_s,
+                     staging_full=self.staging_full)
 
     def _replace_peer(self, d_engine: str, peer: DPeer, old: DPeer | None) -> None:
         """The one place a D record changes: ``peer`` becomes the record of ``d_engine``; registrations of the

@@ -41,7 +41,10 @@ import msgspec
 #: 7: D names each (destination rank, source rank) pair's path in the registration (:class:`Route`: bounce with
 #: its slot, or ipc; absent: direct) and P follows it; payloads name their host and GPU and may carry CUDA IPC
 #: exports of the pools (6 sent bare ``[offset, size]`` staging slots and P's gate could go direct).
-PROTOCOL_VERSION = 7
+#: 8: P's answer to a registration says when its staging arena is (nearly) full (``Reply.staging_full``): D
+#: routes that P's next requests direct; a P fences the connection of an aborted WRITE before its failure
+#: notice and D keeps a given-up load's blocks until it arrives (``transport/fence.py``).
+PROTOCOL_VERSION = 8
 #: The ``transfer_mode`` DSAConnector's P hands out in its ``kv_transfer_params`` (they travel through the
 #: router, not the side channel: no protocol bump). Not ``"push"`` (what 0.1.0 handed out; issue 31): vllm-router takes
 #: a returned ``"push"`` for its own push mode and changes the P/D exchange for it.

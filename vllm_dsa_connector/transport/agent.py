@@ -127,6 +127,7 @@ class NixlAgent:
         self._warm: set[str] = set()  # peers whose current connection is warm (see the module docstring)
         self._unflushed: dict[str, float] = {}  # peer -> first untracked notification sent on its cold connection
         self._closed = False
+        self._scratch: Region | None = None  # the local byte a fence READs into (engine.NixlEngine.fence)
 
     # -- memory and peers -------------------------------------------------------------------------
 

@@ -63,13 +63,17 @@ class NixlEngine(NixlAgent):
         remote: RegionDesc | dict[str, Any],
         runs: Runs,
         notif: bytes = b"",
+        *,
+        deadline: float | None = None,
     ) -> Transfer:
         """Post a WRITE of ``runs`` (local offsets -> remote offsets); the peer gets ``notif`` after the data.
 
         An empty transfer posts no descriptor and sends ``notif`` alone, so the target still completes.
         Raises :class:`TransferError` when the peer is unknown or NIXL refuses the request. A peer marked
         disconnected is reconnected first; a post refused because the connection is gone is retried once
-        after a reconnect (see :mod:`.agent`).
+        after a reconnect (see :mod:`.agent`). ``deadline`` (``time.monotonic()``): checked immediately before
+        every post attempt, i.e. after any reconnect, so nothing is posted at or after it (:class:`TransferError`
+        saying so; nothing was posted).
         """
         remote = RegionDesc.from_dict(remote)
         tid = next(self._ids)
@@ -104,18 +108,56 @@ class NixlEngine(NixlAgent):
             return self._agent.transfer(xh)
 
         return self._post(peer, tid, name, lambda: Transfer(name, peer, runs.num_runs, runs.total_bytes,
-                                                             time.perf_counter()), post)
+                                                             time.perf_counter()), post, deadline)
+
+    def fence(self, peer: str, remote: RegionDesc | dict[str, Any], notif: bytes) -> Transfer:
+        """Fence the connection to ``peer``: a 1-byte READ of ``remote``'s first byte (nothing of the peer is
+        written) carrying ``notif``.
+
+        NIXL flushes the connection before it sends a transfer's notification, so ``notif`` arriving at the
+        peer, and this transfer's DONE here, prove that every operation posted earlier on this connection,
+        aborted WRITEs included, is over there: none of their bytes can land later, and none of the local
+        memory they read is read any more. Posted like :meth:`write` (reconnects first; no deadline: the
+        fence writes nothing). Tracked: poll :meth:`state` / :meth:`wait`."""
+        remote = RegionDesc.from_dict(remote)
+        if self._scratch is None:
+            import torch
+
+            self._scratch = self.register(torch.zeros(64, dtype=torch.uint8))
+        scratch = self._scratch
+        tid = next(self._ids)
+        name = f"{self.name}#{tid} fence notif={notif[:48]!r}"
+        if peer not in self._peers:
+            raise TransferError(f"fence {name}: unknown peer {peer!r}", peer=peer, transfer=name)
+        zero, one = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+
+        def post(xfer_obj: Transfer) -> str:
+            lh = self._agent.prep_xfer_dlist(LOCAL_AGENT, descriptors(scratch.addr, zero, one, scratch.dev),
+                                             scratch.mem)
+            xfer_obj._dlists = (lh,)
+            rh = self._agent.prep_xfer_dlist(peer, descriptors(remote.addr, zero, one, remote.dev), remote.mem)
+            xfer_obj._dlists = (lh, rh)
+            idx = np.zeros(1, dtype=np.int32)
+            xh = self._agent.make_prepped_xfer("READ", lh, idx, rh, idx, notif)
+            xfer_obj._xfer = xh
+            return self._agent.transfer(xh)
+
+        return self._post(peer, tid, name, lambda: Transfer(name, peer, 1, 1, time.perf_counter()), post)
 
     def _post(self, peer: str, tid: int, name: str, make: Callable[[], Transfer],
-              post: Callable[[Transfer], str]) -> Transfer:
+              post: Callable[[Transfer], str], deadline: float | None = None) -> Transfer:
         """Reconnect ``peer`` if it is marked disconnected, then ``post`` a fresh ``make()``; a post that fails
-        because the connection is gone reconnects and posts once more. Tracks the posted transfer."""
+        because the connection is gone reconnects and posts once more. Tracks the posted transfer.
+        ``deadline`` is checked immediately before each post attempt (a reconnect can take seconds)."""
         try:
             self._ensure_connected(peer)
         except TransferError as e:
             raise TransferError(f"transfer {name} to peer {peer!r} not posted: {e}", peer=peer,
                                 transfer=name) from e
         for attempt in (0, 1):
+            if deadline is not None and (now := time.monotonic()) >= deadline:
+                raise TransferError(f"transfer {name} to peer {peer!r}: post deadline passed {now - deadline:.3f} s "
+                                    "ago; not writing", peer=peer, transfer=name)
             xfer_obj = make()
             xfer_obj._conn = self._conn.get(peer, 0)
             try:
@@ -167,10 +209,11 @@ class NixlEngine(NixlAgent):
         self._lists.release(plist)
 
     def write_prepared(self, peer: str, local: PreparedList, local_idx: Any, remote: PreparedList,
-                       remote_idx: Any, notif: bytes = b"") -> Transfer:
+                       remote_idx: Any, notif: bytes = b"", *, deadline: float | None = None) -> Transfer:
         """WRITE entries ``local_idx`` of ``local`` to entries ``remote_idx`` of ``remote`` (same lengths).
 
-        Reconnects and retries as :meth:`write` does (``remote`` is prepared again by the reconnect)."""
+        Reconnects and retries as :meth:`write` does (``remote`` is prepared again by the reconnect);
+        ``deadline`` as for :meth:`write`."""
         li = np.ascontiguousarray(local_idx, dtype=np.int32).reshape(-1)
         ri = np.ascontiguousarray(remote_idx, dtype=np.int32).reshape(-1)
         tid = next(self._ids)
@@ -196,7 +239,7 @@ class NixlEngine(NixlAgent):
             return self._agent.transfer(xh)
 
         return self._post(peer, tid, name, lambda: Transfer(name, peer, int(li.size), total, time.perf_counter()),
-                          post)
+                          post, deadline)
 
     def state(self, xfer: Transfer) -> str:
         """``"DONE"``, ``"PROC"`` or ``"ERR"`` (no exception)."""

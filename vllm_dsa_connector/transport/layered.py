@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from vllm_dsa_connector.transport.engine import NixlEngine
+from vllm_dsa_connector.transport.fence import Fences
 from vllm_dsa_connector.transport.local_copy import copy_runs
 from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc, TransferError, TransferStats
 from vllm_dsa_connector.transport.notices import encode_notif
@@ -72,6 +73,7 @@ class LayerHost(Protocol):
     timeout_s: float
     reserve_timeout_s: float
     clock: Callable[[], float]
+    fences: Fences
 
     def mapping(self, peer: str) -> list[torch.Tensor] | None:
         """The peer's pools mapped here for ipc (``None``: not mapped)."""
@@ -341,7 +343,7 @@ def _flush(host: LayerHost, post: LayeredPost) -> None:
         if not post.error:
             for src, dst, runs in pend.writes:
                 check_deadline(pend.deadline, f"layered {post.path} WRITE to {post.peer!r}")
-                post._inflight.append(host.engine.write(post.peer, src, dst, runs))
+                post._inflight.append(host.engine.write(post.peer, src, dst, runs, deadline=pend.deadline))
 
 
 def close_post(host: LayerHost, post: LayeredPost) -> None:
@@ -362,7 +364,8 @@ def _settle_writes(host: LayerHost, post: LayeredPost) -> None:
     now = host.clock()
     remaining = []
     for t in post._inflight:
-        if host.engine.state(t) == "PROC" and now - t.started < host.timeout_s:
+        st = host.engine.state(t)
+        if st == "PROC" and now - t.started < host.timeout_s:
             remaining.append(t)
             continue
         try:
@@ -370,6 +373,8 @@ def _settle_writes(host: LayerHost, post: LayeredPost) -> None:
         except TransferError as e:
             post.error = post.error or str(e)
             post._poisoned = True  # the WRITE may still read the reservation
+            if st == "PROC":  # aborted: its bytes may still land, fence before the failure notice
+                host.fences.aborted(post.peer, post.slot.region if post.slot is not None else post._parts[0].dst)
     post._inflight = remaining
 
 
@@ -377,7 +382,7 @@ def _finish(host: LayerHost, post: LayeredPost, state: PostState) -> bool:
     res, post._res = post._res, None
     if res is not None and host.arena is not None:
         if post._poisoned:
-            host.arena.quarantine(res)
+            host.fences.hold(post.peer, res)  # until the connection is fenced or closed
         else:
             host.arena.release(res)
     post.state = state

@@ -371,6 +371,19 @@ class Receiver:
             time.sleep(0 if time.perf_counter() - started < 0.02 else 5e-5)  # spin briefly, then 50 us naps
         return None
 
+    def give_up(self, key: bytes, fence_timeout_s: float) -> RecvResult | None:
+        """Abandon ``key`` once no byte of its writers can land any more: at once (CANCELLED, as
+        :meth:`cancel`) when every writer is final or ``key`` is not armed; otherwise it stays armed (the
+        caller keeps its blocks) until each writer not final yet sent its notice, which its sender sends only
+        after fencing the connection (:mod:`.fence`: NIXL flushes the connection before a fence's
+        notification), and :meth:`collect` settles it then, or TIMED_OUT after ``fence_timeout_s``. ``None``
+        while it waits (or when not armed)."""
+        exp = self._expected.get(key)
+        if exp is None or set(exp.states.values()) <= _FINAL:
+            return self.cancel(key)
+        exp.deadline = self.clock() + fence_timeout_s
+        return None
+
     def cancel(self, key: bytes) -> RecvResult | None:
         """Abandon ``key``; its staging range is quarantined (a late writer may still write into it)."""
         self.early.forget(key)

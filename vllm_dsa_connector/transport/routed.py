@@ -37,6 +37,7 @@ import torch
 
 from vllm_dsa_connector.transport import layered
 from vllm_dsa_connector.transport.engine import NixlEngine
+from vllm_dsa_connector.transport.fence import Fences
 from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
 from vllm_dsa_connector.transport.local_copy import copy_runs, gather, sync
 from vllm_dsa_connector.transport.nixl_data import Transfer, TransferError, TransferStats
@@ -64,6 +65,7 @@ class _Bounced:
 
     transfer: Transfer
     res: Reservation | None
+    remote: Any = None  # the receiver's slot region (what a fence READs)
 
 
 @dataclass(eq=False)
@@ -76,6 +78,7 @@ class _Copied:
     total_bytes: int
     started: float = field(default_factory=time.perf_counter)
     sent: bool = False  # the notification went out (it may still wait in the agent on a cold connection)
+    late: bool = False  # past the timeout: the post fails, once the copies are over (never before)
 
 
 class RoutedTransport:
@@ -95,6 +98,8 @@ class RoutedTransport:
         self.arena = arena
         self.reserve_timeout_s = reserve_timeout_s
         self.region = engine.register(arena.buffer) if arena is not None else None
+        self.fences = Fences(engine, timeout_s, arena)  # connections with an aborted WRITE (:mod:`.fence`)
+        self.direct.fences = self.fences
         self._maps: dict[str, list[torch.Tensor]] = {}  # peer agent -> its pools mapped here (ipc)
 
     # -- ipc mappings ---------------------------------------------------------------------------------
@@ -169,8 +174,8 @@ class RoutedTransport:
             sync(self.arena.buffer)
             check_deadline(deadline, f"bounce to {peer!r}")
             one = Runs(np.array([res.offset]), np.array([slot.offset]), np.array([total]))
-            return _Bounced(self.engine.write(peer, self.region, slot.region, one, encode_notif("bounce", writer, tag)),
-                            res)
+            return _Bounced(self.engine.write(peer, self.region, slot.region, one, encode_notif("bounce", writer, tag),
+                                              deadline=deadline), res, slot.region)
         except BaseException:
             self.arena.release(res)  # nothing was posted from it
             raise
@@ -222,6 +227,7 @@ class RoutedTransport:
 
     def progress(self, post: Post) -> bool:
         """Drive the post; ``True`` once it is over (``post.state`` DONE or FAILED). Never raises."""
+        self.fences.poll()
         if post.state is not PostState.IN_FLIGHT:
             return True
         if isinstance(post, layered.LayeredPost):
@@ -245,13 +251,16 @@ class RoutedTransport:
         """``True`` once ``x`` is over (its stats recorded); raises what made it fail."""
         now = self.clock()
         if isinstance(x, _Bounced):
-            if self.engine.state(x.transfer) == "PROC" and now - x.transfer.started < self.timeout_s:
+            st = self.engine.state(x.transfer)
+            if st == "PROC" and now - x.transfer.started < self.timeout_s:
                 return False
             try:
                 post.completed(self.engine.wait(x.transfer, self.timeout_s), self.clock())
             except BaseException:
+                if st == "PROC" and x.remote is not None:
+                    self.fences.aborted(post.peer, x.remote)  # its bytes may still land: fence first
                 if x.res is not None and self.arena is not None:
-                    self.arena.quarantine(x.res)  # the WRITE may still read it
+                    self.fences.hold(post.peer, x.res)  # the WRITE may still read it: until fenced
                     x.res = None
                 raise
             if x.res is not None and self.arena is not None:
@@ -262,13 +271,21 @@ class RoutedTransport:
         if x.sent:
             return not self.engine.notification_pending(post.peer)
         if x.event is not None and not x.event.query():
-            if now - x.started < self.timeout_s:
-                return False
-            raise TransferError(f"ipc copy to {post.peer!r} not done after {self.timeout_s} s", peer=post.peer)
+            if now - x.started >= self.timeout_s and not x.late:
+                x.late = True  # fails the post, but only once the copies are over: they write into D's blocks
+                post.error = post.error or f"ipc copy to {post.peer!r} not done after {self.timeout_s} s"
+            return False
+        if x.late:
+            raise TransferError(post.error, peer=post.peer)
         x.sent = self.engine.send_notification(post.peer, x.notif)
         post.completed(TransferStats(x.num_runs, x.total_bytes, now - x.started, 0), now)
         return not x.sent
 
+    def poll_fences(self) -> None:
+        """Confirm posted fences (:class:`~.fence.Fences`); call while any is pending (:attr:`Fences.pending`)."""
+        self.fences.poll()
+
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
-        """A notification ``dsa1:d<writer>:<tag>`` on its own (the caller's failure notice)."""
+        """A notification ``dsa1:d<writer>:<tag>`` on its own (the caller's failure notice); as a fence after
+        an aborted WRITE to ``peer`` (:mod:`.fence`)."""
         self.direct.notify(peer, writer, tag)

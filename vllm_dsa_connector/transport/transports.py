@@ -26,9 +26,10 @@ leaves only while the sender's agent progresses (:mod:`.agent`): the post then s
 (:meth:`~.agent.NixlAgent.notification_pending`), so the caller keeps driving it; :meth:`~Transport.notify`
 progresses for that window itself (no later call would).
 
-``deadline`` (``time.monotonic()``): no WRITE is posted at or after it. It is checked right before each
-WRITE, after any wait for staging space, so a post that waited past it fails (``post.error`` says so)
-instead of writing into blocks the receiver may have given back.
+``deadline`` (``time.monotonic()``): no WRITE is posted at or after it. It is checked before each WRITE,
+after any wait for staging space, and again by :meth:`~.engine.NixlEngine.write` immediately before every
+post attempt (after a reconnect, which can take seconds), so a post that waited past it fails
+(``post.error`` says so) instead of writing into blocks the receiver may have given back.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.nixl_data import (
@@ -51,6 +52,9 @@ from vllm_dsa_connector.transport.nixl_data import (
 from vllm_dsa_connector.transport.notices import encode_notif
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
+
+if TYPE_CHECKING:
+    from vllm_dsa_connector.transport.fence import Fences
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class Post:
     _inflight: list[Any] = field(default_factory=list, repr=False)  # the path's handles (Transfer for direct)
     _notify: bool = field(default=False, repr=False)  # send dsa1:d<writer>:<tag> once all parts are DONE
     _noticed: bool = field(default=False, repr=False)  # its completion notice was sent (may still be flushing)
+    _dst: Any = field(default=None, repr=False)  # a region of the peer its WRITEs go to (what a fence READs)
 
     def completed(self, stats: TransferStats, now: float) -> None:
         """One part (a WRITE or a copy) was seen complete at ``now`` (the transport's clock)."""
@@ -128,25 +133,28 @@ class Transport(Protocol):
 class DirectTransport:
     """Every part as its own NIXL WRITE of the merged runs; one notification once all are DONE.
 
-    ``timeout_s``: a WRITE still in flight after it is aborted (released) and the post FAILED.
+    ``timeout_s``: a WRITE still in flight after it is aborted (released) and the post FAILED; with
+    ``fences`` (:class:`~.fence.Fences`) its connection is fenced by the next :meth:`notify` to that peer.
     """
 
     path = "direct"
 
     def __init__(self, engine: NixlEngine, timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, *, fences: Fences | None = None) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
         self.clock = clock
+        self.fences = fences
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
              slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
         """Post every part at once (a multi-part post never blocks a step), none at or after ``deadline``."""
-        post = Post(peer, writer, tag, self.path, started=self.clock(), _notify=True)
+        post = Post(peer, writer, tag, self.path, started=self.clock(), _notify=True,
+                    _dst=parts[0][1] if parts else None)
         for src, dst, runs in parts:  # a part that fails to post leaves the posted ones tracked
             try:
                 check_deadline(deadline, f"post to {peer!r}")
-                post._inflight.append(self.engine.write(peer, src, dst, runs))
+                post._inflight.append(self.engine.write(peer, src, dst, runs, deadline=deadline))
             except Exception as e:  # noqa: BLE001 - a failed post is a failed transfer, never a crash
                 post.error = str(e)
                 break
@@ -160,13 +168,16 @@ class DirectTransport:
         remaining = []
         for x in post._inflight:
             t = self.transfer_of(x)
-            if self.engine.state(t) == "PROC" and now - t.started < self.timeout_s:
+            st = self.engine.state(t)
+            if st == "PROC" and now - t.started < self.timeout_s:
                 remaining.append(x)
                 continue
             try:  # DONE, ERR or past the write timeout (then released, i.e. aborted)
                 post.completed(self._wait(x), self.clock())
             except TransferError as e:
                 post.error = post.error or str(e)
+                if st == "PROC" and self.fences is not None and post._dst is not None:
+                    self.fences.aborted(post.peer, post._dst)  # its bytes may still land: fence first
         post._inflight = remaining
         if remaining:
             return False
@@ -190,6 +201,10 @@ class DirectTransport:
 
     def notify(self, peer: str, writer: int, tag: bytes) -> None:
         """``dsa1:d<writer>:<tag>`` on its own, progressed until it can be presumed delivered (a failure
-        notice: no later call progresses it)."""
+        notice: no later call progresses it). After an aborted WRITE to ``peer`` it goes as a fence
+        (:class:`~.fence.Fences`): it arrives only once no byte of that WRITE can land any more."""
+        if self.fences is not None and self.fences.needed(peer):
+            self.fences.send(peer, encode_notif("direct", writer, tag))
+            return
         self.engine.send_notification(peer, encode_notif("direct", writer, tag))
         self.engine.flush_notifications(peer)

@@ -174,13 +174,13 @@ class BounceSender(IpcSendPath):
                 one = Runs(
                     np.array([res.offset]), np.array([staging.offset]), np.array([merged.total_bytes])
                 )
-                xfer = self.engine.write(peer, self.region, staging.region, one, notif)
+                xfer = self.engine.write(peer, self.region, staging.region, one, notif, deadline=deadline)
             except BaseException:
                 self.arena.release(res)
                 raise
         else:
             check_deadline(deadline, f"direct write to {peer!r}")
-            xfer = self.engine.write(peer, src, dst, merged, notif)
+            xfer = self.engine.write(peer, src, dst, merged, notif, deadline=deadline)
         return Send(xfer, path, decision, reason, res)
 
     # -- pipelined ----------------------------------------------------------------------------------
