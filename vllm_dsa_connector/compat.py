@@ -32,7 +32,7 @@ __all__ = [
     "warn_if_unsupported",
 ]
 
-SUPPORTED_VLLM = ">=0.32,<0.34"
+SUPPORTED_VLLM = ">=0.32,<0.35"
 """The vLLM releases this plugin supports (a PEP 440 specifier; the pins in pyproject agree)."""
 
 
