@@ -189,6 +189,14 @@ def test_inspect_command_on_glm5_2() -> None:
 # --------------------------------------------------------------------------- runtime fix, patch
 
 
+def _skip_without_v1_draft_loop() -> None:
+    """vLLM 0.34: no V1 draft loop, fix and patch 0001 retired (tests/test_mtp_fix.py proves it)."""
+    from vllm_dsa_connector.fixes.mtp_stale_caches import NO_DRAFT_LOOP, draft_loop_modules
+
+    if not draft_loop_modules():
+        pytest.skip(f"{NO_DRAFT_LOOP}: fix and patch 0001 retired on this release")
+
+
 @pytest.fixture
 def stock_metadata(monkeypatch: pytest.MonkeyPatch):
     """vLLM's CommonAttentionMetadata without the runtime fix; the fix state is restored after."""
@@ -197,6 +205,7 @@ def stock_metadata(monkeypatch: pytest.MonkeyPatch):
     from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
     from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
 
+    _skip_without_v1_draft_loop()
     monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
     was_installed = is_installed(CommonAttentionMetadata)
     revert_runtime_fixes()
@@ -219,7 +228,7 @@ def _draft_step_map(cls: type) -> list[int]:
 
 
 def test_mtp_fix_on_real_common_attention_metadata(stock_metadata: type) -> None:
-    """The draft-loop bug is still in 0.33: the probe sees it, the fix removes it."""
+    """The draft-loop bug is still in 0.33: the probe sees it, the fix removes it (0.34: skipped)."""
     from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for
     from vllm_dsa_connector.fixes.mtp_stale_caches import (
         FIX_NAME,
@@ -315,6 +324,7 @@ def _patched_backend(tmp_path: Path) -> type:
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_patch_applies_without_fuzz(tmp_path: Path) -> None:
     """``git apply --check`` (offsets allowed, no fuzz) against the running vLLM's sources."""
+    _skip_without_v1_draft_loop()
     _copy_for_patch(tmp_path)
     proc = subprocess.run(
         ["git", "apply", "--check", "-v", str(PATCH)], cwd=tmp_path, capture_output=True, text=True
@@ -438,6 +448,90 @@ def test_dsa_connector_class() -> None:
         assert KVConnectorBase_V1.supports_sleep_mode(kvc) is True
     for name in ("build_kv_connector_stats", "build_prom_metrics"):
         assert isinstance(inspect.getattr_static(DSAConnector, name), classmethod), name
+
+
+def _kv_transfer_config(role: str, **extra: Any) -> Any:
+    from vllm.config import KVTransferConfig
+
+    from vllm_dsa_connector import register
+
+    register()
+    return KVTransferConfig(
+        kv_connector="DSAConnector", kv_role=role, kv_connector_extra_config=dict(extra)
+    )
+
+
+def test_dsa_connector_declares_its_kv_cache_access() -> None:
+    """0.34: how the extensible KV cache is allocated follows ``kv_cache_access``; DSAConnector
+    declares NIXL's registration and UCX cuda_ipc (as NixlConnector), plus legacy CUDA IPC where D
+    exports its pools (``ipc_mode``). Asked through vLLM's own config method and factory."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorBase_V1, "kv_cache_access"):  # 0.32, 0.33: nothing asks
+        return
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    nixl = KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+    cases = [
+        ("kv_consumer", "never", nixl),
+        ("kv_consumer", "auto", nixl | KVCacheAccess.LEGACY_IPC),
+        ("kv_both", "auto", nixl | KVCacheAccess.LEGACY_IPC),
+        ("kv_producer", "auto", nixl),  # P opens D's handles, exports none
+    ]
+    for role, ipc_mode, want in cases:
+        access = _kv_transfer_config(role, ipc_mode=ipc_mode).kv_cache_access()
+        assert access == want, (role, ipc_mode, access)
+        assert access.needs_single_chunk()
+
+
+@pytest.mark.parametrize("imex", [True, False])
+def test_extensible_kv_cache_follows_ipc_mode(monkeypatch: pytest.MonkeyPatch, imex: bool) -> None:
+    """0.34's own decision on a CUDA host (the platform and IMEX probe are the only stand-ins):
+    ``ipc_mode`` never -> the extensible KV cache is on where an IMEX channel exists (as for
+    NixlConnector), off without; ``auto`` on D -> off, and an explicit request is refused."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, VllmConfig
+
+    resolve = getattr(VllmConfig, "_resolve_extensible_kv_cache", None)
+    if resolve is None:  # 0.32, 0.33: no extensible KV cache
+        return
+    import vllm.utils.vmm_driver as vmm
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(vmm, "imex_channel_available", lambda: imex)
+
+    def decide(ipc_mode: str, requested: bool | None) -> bool:
+        cache = CacheConfig()
+        cache.enable_extensible_kv_cache = requested
+        vc = SimpleNamespace(
+            cache_config=cache,
+            kv_transfer_config=_kv_transfer_config("kv_consumer", ipc_mode=ipc_mode),
+            parallel_config=SimpleNamespace(enable_elastic_ep=False),
+        )
+        resolve(vc)
+        return bool(cache.enable_extensible_kv_cache)
+
+    assert decide("never", None) is imex
+    assert decide("auto", None) is False
+    with pytest.raises(ValueError, match="legacy CUDA IPC"):
+        decide("auto", True)
+
+
+def test_hooks_of_vllm_034() -> None:
+    """0.34's new hooks: lookahead block hashes are fine (KV moves by token position, never by
+    block hash); ``may_load_async`` is True exactly for the requests D claims asynchronously."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from vllm_dsa_connector.connector import DSAConnector
+
+    kvc = _kv_transfer_config("kv_consumer")
+    assert DSAConnector.supports_lookahead_block_hashes(kvc) is True
+    for name in ("kv_cache_access", "supports_lookahead_block_hashes"):
+        assert isinstance(inspect.getattr_static(DSAConnector, name), classmethod), name
+    if hasattr(KVConnectorBase_V1, "may_load_async"):
+        assert "may_load_async" in vars(DSAConnector)
 
 
 def test_cpu_sparse_mla_cache_write_as_vllm_calls_it() -> None:
