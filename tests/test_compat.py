@@ -534,6 +534,21 @@ def test_hooks_of_vllm_034() -> None:
         assert "may_load_async" in vars(DSAConnector)
 
 
+def test_prompt_digest_of_vllms_request_is_the_same_on_every_release() -> None:
+    """P and D compare prompt digests; a 0.33 peer and a 0.34 peer must agree. 0.34 keeps a
+    request's ``prompt_token_ids`` as a ``TokenBuffer`` (an int32 array), 0.32/0.33 as a list: the
+    digest of vLLM's own ``Request`` is pinned, the same on each release."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_dsa_connector.handoff.ids import prompt_digest
+
+    ids = [*range(100, 140), 2**31 - 1, 0]
+    request = Request("r", ids, SamplingParams(max_tokens=1), None)
+    assert prompt_digest(request.prompt_token_ids) == "398ab07a59e18b8616583cb15f775267"
+    assert prompt_digest(request.prompt_token_ids) == prompt_digest(ids)
+
+
 def test_cpu_sparse_mla_cache_write_as_vllm_calls_it() -> None:
     """0.33 passes ``skip_scale`` as a 7th positional argument."""
     from vllm_dsa_connector.cpu_dsa.backend import CpuSparseMLAImpl

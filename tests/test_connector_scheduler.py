@@ -99,9 +99,14 @@ def _blocks(hit: int, new: list[int]):
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from vllm_dsa_connector.compat import dataclass_has_field
+
+    # A prefix-cache hit is a hashed block: the field is ``_block_hash`` (read through a property)
+    # in vLLM 0.32/0.33, ``block_hash`` in 0.34.
+    field = "block_hash" if dataclass_has_field(KVCacheBlock, "block_hash") else "_block_hash"
     cached = [KVCacheBlock(block_id=200 + i) for i in range(hit)]
     for b in cached:
-        b._block_hash = b"h" * 8  # a prefix-cache hit is a hashed block
+        setattr(b, field, b"h" * 8)
     return KVCacheBlocks(blocks=(cached + [KVCacheBlock(block_id=b) for b in new],))
 
 
