@@ -33,7 +33,7 @@ assert any(str(f).endswith("LICENSE") for f in dist.files), "LICENSE not in the 
 extras = dist.metadata.get_all("Provides-Extra")
 assert {"cpu", "gpu", "test", "lint"} <= set(extras), extras
 reqs = " ".join(dist.requires or [])
-assert "vllm<0.34,>=0.32" in reqs.replace(" ", "") or "vllm>=0.32,<0.34" in reqs.replace(" ", ""), reqs
+assert "vllm<0.35,>=0.32" in reqs.replace(" ", "") or "vllm>=0.32,<0.35" in reqs.replace(" ", ""), reqs
 print(f"[wheel] vllm-dsa-connector {dist.version}: entry points, data, LICENSE, extras ok")
 PY
 )

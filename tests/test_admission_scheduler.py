@@ -3,7 +3,8 @@
 Requests carry the ``kv_transfer_params`` a P/D proxy sends to the decode instance; transfer completion
 is reported through ``update_from_output`` (``kv_connector_output.finished_recving``), as the worker
 side of the connector would. Nothing here is mocked: the scheduler, KV cache manager and connector are
-vLLM's own classes.
+vLLM's own classes. ``compat``: ``ci/compat.sh`` runs the module on each release's sources too (vLLM 0.34:
+``ModelRunnerOutput`` has no ``req_id_to_index``; ``--max-num-inflight-kv-loads`` queues).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from vllm_dsa_connector.admission.harness import (
     remote_request,
 )
 from vllm_dsa_connector.options import OptionError
+
+pytestmark = pytest.mark.compat
 
 BS = 16  # CPU MLA block size
 
@@ -309,3 +312,32 @@ def test_admission_budget_timeout_stops_counting(vllm_config) -> None:
     assert totals["expired"] == 1 and totals["admitted"] == 2 and totals["completed"] == 2
     assert res.finished == {"stuck", "b"}
     assert sched.admission_stats().in_flight_blocks == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.34's --max-num-inflight-kv-loads
+
+
+@pytest.mark.parametrize(("cap", "budget_blocks", "most"), [(1, 10, 1), (3, 8, 2)])
+def test_budget_and_inflight_load_cap_both_apply(
+    tiny_mla_dir, cap: int, budget_blocks: int, most: int
+) -> None:
+    """Both limits hold at once, the tighter one binds: vLLM's count of requests holding blocks for
+    a load (``--max-num-inflight-kv-loads``) and the budget's tokens in flight (0.34 only)."""
+    from vllm.config import SchedulerConfig
+
+    if "max_num_inflight_kv_loads" not in SchedulerConfig.__dataclass_fields__:
+        pytest.skip("vLLM < 0.34 has no --max-num-inflight-kv-loads")
+    spec = [(1, rid, 4 * BS, True) for rid in "abcdef"] + [(1, "l", 30, False)]
+    config = build_vllm_config(str(tiny_mla_dir), block_size=BS)
+    config.scheduler_config.max_num_inflight_kv_loads = cap
+    sched = build_scheduler(
+        config, DSAScheduler, extra_config=budget(budget_blocks * BS), num_blocks=1024
+    )
+    res = drive(sched, stream_of(spec)(), transfers=fixed_latency(2))
+    assert res.finished == set("abcdefl")
+    assert res.first_scheduled["l"] == 1
+    # A transfer started at step s is in flight during steps s..s+1 (received at s+2).
+    steps = {s for s, _ in res.started}
+    concurrent = max(sum(1 for t, _ in res.started if t <= s < t + 2) for s in steps)
+    assert concurrent == most, res.started

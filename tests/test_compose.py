@@ -65,7 +65,7 @@ def _check(factory, children: list[dict[str, Any]], dsa_model: bool = False, **t
                       dsa_model, environ={})
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_dsa_first_with_a_cache_connector_is_accepted(factory) -> None:
     _check(factory, [_dsa(), _example()])
     _check(factory, [_dsa("kv_producer"), _example()], role="kv_producer")
@@ -81,7 +81,7 @@ def test_dsa_first_with_a_cache_connector_is_accepted(factory) -> None:
     _check(factory, [_example(), {"kv_connector": "NixlConnector", "kv_role": "kv_both"}], dsa_model=True)
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 @pytest.mark.parametrize(("children", "kwargs", "match"), [
     ([_example(), _dsa()], {}, "DSAConnector is entry 1, after ExampleConnector: put it FIRST"),
     ([_dsa(), _dsa()], {}, "appears 2 times"),
@@ -89,8 +89,6 @@ def test_dsa_first_with_a_cache_connector_is_accepted(factory) -> None:
     ([_dsa(), {**_example(), "kv_load_failure_policy": "recompute"}], {},
      r"kv_load_failure_policy='recompute' in ExampleConnector .* top level \('fail'\)"),
     ([{**_dsa(), "kv_load_failure_policy": "fail"}, _example()], {"policy": "recompute"}, "set it at the top level"),
-    ([_dsa("kv_consumer"), _example()], {"role": "kv_producer"}, "needs a top-level kv_role that is a consumer"),
-    ([_dsa("kv_both"), _example()], {"role": "kv_consumer"}, "that is a producer"),
     ([_dsa(), _example()], {"dsa_model": True},
      "ExampleConnector .* cannot store KV of a DSA model: ExampleConnector.save_kv_layer stores KV layer by layer"),
     ([_dsa(), {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
@@ -105,7 +103,25 @@ def test_compositions_that_cannot_work_are_refused_by_name(factory, children, kw
     assert "Composing with other connectors" in str(err.value)
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # against each release (ci/compat.sh): 0.34 takes the roles from the children
+@pytest.mark.parametrize(("dsa_role", "top_role", "match"), [
+    ("kv_consumer", "kv_producer", "needs a top-level kv_role that is a consumer"),
+    ("kv_both", "kv_consumer", "that is a producer"),
+])
+def test_top_level_role_rule_follows_vllm(factory, dsa_role: str, top_role: str, match: str) -> None:
+    """Refused where vLLM reads the top-level role (0.32, 0.33); accepted where it reads the children's
+    (0.34): the engine is a consumer/producer by DSAConnector's own role there, so the config works."""
+    children = [_dsa(dsa_role), _example()]
+    top = _top(children, role=top_role)
+    from_children = top.is_kv_consumer and top.is_kv_producer  # ExampleConnector is kv_both
+    if from_children:
+        _check(factory, children, role=top_role)
+        return
+    with pytest.raises(CompositionError, match=match):
+        _check(factory, children, role=top_role)
+
+
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_layer_hook_stores_are_told_apart(factory, tmp_path: Path) -> None:
     assert is_dsa_connector(_cls(factory, "DSAConnector"))
     assert not is_dsa_connector(_cls(factory, "ExampleConnector"))
@@ -143,7 +159,7 @@ def _vllm_config(children: list[dict[str, Any]], dsa_model: bool, **top: Any) ->
                            model_config=SimpleNamespace(hf_config=hf, hf_text_config=hf))
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_guard_checks_where_vllm_resolves_the_children(guard) -> None:
     from vllm_dsa_connector.fixes import multi_connector as g
 
@@ -162,7 +178,7 @@ def test_guard_checks_where_vllm_resolves_the_children(guard) -> None:
     assert g.install(guard) and not g.install(guard)
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_guard_is_installed_with_the_runtime_fixes_and_off_with_them(guard, monkeypatch) -> None:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -188,7 +204,7 @@ def test_guard_is_installed_with_the_runtime_fixes_and_off_with_them(guard, monk
         g.install(guard)
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_foreign_handshake_entries_are_skipped_and_none_of_ours_is_an_error() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
@@ -208,7 +224,7 @@ def test_foreign_handshake_entries_are_skipped_and_none_of_ours_is_an_error() ->
         DSAConnector.set_xfer_handshake_metadata_pp_aware(stub, {(0, 0): Foreign()})
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_admission_keys_are_read_where_users_put_them() -> None:
     from vllm_dsa_connector.admission.policy import AdmissionConfig
     from vllm_dsa_connector.connector.options import ConnectorOptions
@@ -283,7 +299,7 @@ def _names(cfg: dict[str, Any]) -> list[str]:
     return [c["kv_connector"] for c in cfg["kv_connector_extra_config"]["connectors"]]
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_docs_have_the_composition_configs() -> None:
     configs = readme_configs()
     assert [_names(c) for c in configs] == [["DSAConnector", "ExampleConnector"],
@@ -304,7 +320,7 @@ def _check_readme_config(factory, cfg: dict[str, Any], classes: dict[str, type],
     ConnectorOptions.from_config(children[0].extra, environ={"VLLM_DSA_AUTH_SECRET": "the-guides-secret-0123"})
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_readme_lmcache_configs_pass_our_validation_by_class_name(factory) -> None:
     """Runs everywhere: the rules decide LMCache children by class name and LMCache settings, so the
     MP connector (whose vLLM module imports lmcache) is stood in for by a class of the same name."""
@@ -318,7 +334,7 @@ def test_readme_lmcache_configs_pass_our_validation_by_class_name(factory) -> No
             _check_readme_config(factory, cfg, {"LMCacheMPConnector": stand_in}, dsa_model)
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_readme_lmcache_configs_pass_with_the_real_lmcache(factory, guard) -> None:
     lmcache_config = pytest.importorskip("lmcache.v1.config", reason=LMCACHE_SKIP)
     known = set(lmcache_config._CONFIG_DEFINITIONS)
@@ -343,7 +359,7 @@ def dynamo_configs() -> list[dict[str, Any]]:
     return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", section, re.S)]
 
 
-@pytest.mark.compat  # also against vLLM 0.33's sources (ci/compat.sh)
+@pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_deployment_dynamo_config_passes_the_composition_check_and_resolves(factory, guard) -> None:
     """The MultiConnector[DSAConnector] block the guide gives for Dynamo passes our composition check and
     DSAConnector's option validation (MLA and DSA models), vLLM resolves its child to DSAConnector, and the

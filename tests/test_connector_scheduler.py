@@ -99,9 +99,14 @@ def _blocks(hit: int, new: list[int]):
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from vllm_dsa_connector.compat import dataclass_has_field
+
+    # A prefix-cache hit is a hashed block: the field is ``_block_hash`` (read through a property)
+    # in vLLM 0.32/0.33, ``block_hash`` in 0.34.
+    field = "block_hash" if dataclass_has_field(KVCacheBlock, "block_hash") else "_block_hash"
     cached = [KVCacheBlock(block_id=200 + i) for i in range(hit)]
     for b in cached:
-        b._block_hash = b"h" * 8  # a prefix-cache hit is a hashed block
+        setattr(b, field, b"h" * 8)
     return KVCacheBlocks(blocks=(cached + [KVCacheBlock(block_id=b) for b in new],))
 
 
@@ -916,3 +921,28 @@ def test_a_finished_load_sends_p_no_cancel(pd, monkeypatch: pytest.MonkeyPatch) 
         assert d.request_finished(req, ([],)) == (False, None)
     assert not sent
     p.producer.finished_sending({"p-done"})
+
+
+@pytest.mark.parametrize(("params", "loads_async"), [
+    ({}, False),
+    ({"do_remote_decode": True}, False),
+    ({**_NIXL_PULL, "remote_engine_id": "nixl-P-async"}, True),
+    ({**_ROUTER_NULLS, "remote_engine_id": "P-async-nulls"}, True),
+], ids=["none", "prefill-leg", "other-connector", "router-nulls"])
+def test_may_load_async_names_the_requests_claimed_async(pd, request, params: dict, loads_async: bool) -> None:
+    """vLLM 0.34 asks ``may_load_async`` when a request enters the waiting queues (with
+    ``--max-num-inflight-kv-loads`` such requests may start loading while the running batch is full): the
+    facade says yes for exactly the requests D's scheduler then claims with ``load_kv_async=True``."""
+    from vllm_dsa_connector.connector import DSAConnector
+
+    _, d, _ = pd
+    facade = object.__new__(DSAConnector)  # the facade's scheduler half is the D above
+    facade._scheduler = d
+    req = _request(f"d-may-async-{request.node.callspec.id}", 2 * BLOCK + 3, dict(params))
+    assert facade.may_load_async(req) is loads_async
+    count, is_async = d.get_num_new_matched_tokens(req, BLOCK)
+    assert is_async is loads_async
+    if is_async:  # claimed: failed at allocation (unusable params), as the test above
+        d.update_state_after_alloc(req, _blocks(1, [90, 91]), count)
+        d.build_connector_meta(None)
+        d.get_stats()

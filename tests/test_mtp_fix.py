@@ -293,10 +293,177 @@ def test_token_map_matches_repeat_interleave() -> None:
         assert compute_token_to_req_indices(qsl, buf, total, total + 3).tolist() == got.tolist()
 
 
+def _skip_without_v1_draft_loop() -> None:
+    """vLLM 0.34: fix and patch 0001 retired (test_retired_where_no_draft_loop_rewrites_metadata)."""
+    from vllm_dsa_connector.fixes.mtp_stale_caches import NO_DRAFT_LOOP, draft_loop_modules
+
+    if not draft_loop_modules():
+        pytest.skip(f"{NO_DRAFT_LOOP}: fix and patch 0001 retired on this release")
+
+
+@pytest.fixture
+def stock_state(monkeypatch: pytest.MonkeyPatch):
+    """The stock class (fix reverted) with the CPU kernel; the fix state is restored after."""
+    import vllm.v1.attention.ops.metadata as ops
+
+    from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
+    from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
+
+    monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
+    was_installed = is_installed(_metadata_cls())
+    kernel = ops.compute_token_to_req_indices
+    revert_runtime_fixes()
+    substitute_cpu_kernel()
+    yield
+    ops.compute_token_to_req_indices = kernel
+    revert_runtime_fixes()
+    if was_installed:
+        apply_runtime_fixes()
+
+
+def layout_rewrite_modules(root: Path) -> set[str]:
+    """Modules under vLLM's package ``root`` that rewrite a built batch's query layout in place.
+
+    A function that assigns both ``num_actual_tokens`` and ``query_start_loc`` of one object other
+    than ``self`` (the V1 draft loop's rewrite of the target forward's ``CommonAttentionMetadata``
+    for draft steps >= 1): the only path on which the stale caches are read.
+    """
+    import ast
+    import re
+
+    fields = {"num_actual_tokens", "query_start_loc"}
+    quick = re.compile(r"\.query_start_loc\s*=[^=]")
+    found = set()
+    for path in root.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        if not quick.search(text):
+            continue
+        for func in ast.walk(ast.parse(text)):
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            assigned: dict[str, set[str]] = {}
+            for node in ast.walk(func):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for t in targets:
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and t.attr in fields
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                    ):
+                        assigned.setdefault(ast.unparse(t.value), set()).add(t.attr)
+            if any(attrs == fields for attrs in assigned.values()):
+                rel = path.relative_to(root.parent).with_suffix("")
+                found.add(".".join(rel.parts))
+    return found
+
+
+def test_layout_rewrite_scan_sees_the_v1_loop(tmp_path: Path) -> None:
+    """The scan finds the rewrite as the V1 proposer writes it, and not a builder's own fields."""
+    pkg = tmp_path / "vllm" / "v1"
+    pkg.mkdir(parents=True)
+    (pkg / "loop.py").write_text(
+        "def propose(self, common_attn_metadata, batch_size):\n"
+        "    common_attn_metadata.num_actual_tokens = batch_size\n"
+        "    common_attn_metadata.query_start_loc = self.arange[: batch_size + 1]\n"
+    )
+    (pkg / "builder.py").write_text(
+        "def build(self, md, cm):\n"
+        "    self.query_start_loc = cm.query_start_loc\n"
+        "    md.query_start_loc = cm.query_start_loc\n"
+    )
+    assert layout_rewrite_modules(tmp_path / "vllm") == {"vllm.v1.loop"}
+
+
+def test_retired_where_no_draft_loop_rewrites_metadata(stock_state: None) -> None:
+    """Which releases need the fix: exactly those with a V1 draft loop (0.32, 0.33; not 0.34).
+
+    The scan of the running vLLM's sources must find the in-place rewrite in the modules the fix
+    names and nowhere else; where it finds none (0.34), the fix reports ``not-needed``.
+    """
+    import vllm
+
+    from vllm_dsa_connector.fixes import apply_runtime_fixes, report_for
+    from vllm_dsa_connector.fixes.mtp_stale_caches import (
+        FIX_NAME,
+        NO_DRAFT_LOOP,
+        draft_loop_modules,
+        is_installed,
+    )
+
+    present = draft_loop_modules()
+    assert layout_rewrite_modules(Path(vllm.__file__).resolve().parent) == set(present)
+    report = report_for(apply_runtime_fixes(), FIX_NAME)
+    if present:  # 0.32, 0.33
+        assert report.status == "applied", report
+        return
+    assert (report.status, report.detail) == ("not-needed", NO_DRAFT_LOOP), report
+    assert not is_installed(_metadata_cls())
+
+
+def test_v2_draft_steps_build_fresh_metadata(stock_state: None) -> None:
+    """vLLM's V2 ``build_attn_metadata`` (called once per draft step by its speculators) makes a
+    new ``CommonAttentionMetadata`` each call, so the stock class's map follows each step's layout
+    even when the step rewrites the same ``query_start_loc`` buffer in place, as the speculators do.
+    Its second KV cache group reuses the first group's map of the same call."""
+    import types
+
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+
+    buffer = torch.zeros(32, dtype=torch.int32)
+    seen: list[tuple[int, list[int]]] = []
+
+    class Builder:
+        supports_update_block_table = False
+
+    class Group:
+        """One attention group: hands vLLM's metadata to the map, as the DSA builders do."""
+
+        def __init__(self, name: str) -> None:
+            self.layer_names = [name]
+            self.kv_cache_spec = None
+
+        def get_metadata_builder(self, ubatch_idx: int = 0) -> Builder:
+            return Builder()
+
+        def build_metadata(self, cm: Any, ubatch_idx: int = 0, **kwargs: Any) -> Any:
+            seen.append((id(cm), cm.token_to_req_indices(buffer).tolist()))
+            return cm
+
+    groups = [[Group("a")], [Group("b")]]
+    config = types.SimpleNamespace(kv_cache_groups=[object(), object()])
+    qsl = torch.zeros(4, dtype=torch.int32)  # the speculator's persistent input buffer
+    seq_lens = torch.full((3,), 20, dtype=torch.int32)
+    block_table = torch.zeros((3, 2), dtype=torch.int32)
+    kept = []
+    for per_req in (3, 1, 1):  # target forward (3 tokens a request), then two draft steps
+        qsl.copy_(torch.arange(4, dtype=torch.int32) * per_req)
+        kept.append(
+            build_attn_metadata(
+                groups,
+                3,
+                3 * per_req,
+                qsl,
+                qsl.clone(),
+                per_req,
+                seq_lens,
+                20,
+                [block_table, block_table],
+                torch.zeros((2, 3 * per_req), dtype=torch.int64),
+                config,
+            )
+        )
+        seq_lens += 1
+    maps = [m for _, m in seen]
+    assert maps == [[0, 0, 0, 1, 1, 1, 2, 2, 2]] * 2 + [[0, 1, 2]] * 4, maps
+    assert len({i for i, _ in seen}) == 6  # a new object per group and step
+
+
 @pytest.fixture
 def fix_state(monkeypatch: pytest.MonkeyPatch):
     """Run with the env var unset; restore the process-wide fix state afterwards."""
     import vllm.v1.attention.ops.metadata as ops
+
+    _skip_without_v1_draft_loop()
 
     from vllm_dsa_connector.fixes import apply_runtime_fixes, revert_runtime_fixes
     from vllm_dsa_connector.fixes.mtp_stale_caches import is_installed
@@ -384,6 +551,7 @@ def test_env_disables_runtime_fix(script_runs: dict[str, object]) -> None:
 
 
 def test_register_applies_once(script_runs: dict[str, object]) -> None:
+    _skip_without_v1_draft_loop()
     on = _result(script_runs["on"])
     # register() applied it first
     assert _report(on, "mtp-draft-token-map")["status"] == "already-applied"
@@ -392,6 +560,7 @@ def test_register_applies_once(script_runs: dict[str, object]) -> None:
 
 
 def test_patch_applies_and_fixes_a_copy_of_vllm(script_runs: dict[str, object]) -> None:
+    _skip_without_v1_draft_loop()
     result = _result(script_runs["off"])
     assert "vllm/v1/attention/backend.py" in script_runs["patched_files"]
     assert result["patched_file"].endswith("vllm/v1/attention/backend.py")

@@ -53,6 +53,8 @@ def stock_runner(monkeypatch: pytest.MonkeyPatch):
     """vLLM's CPUModelRunner without the fix; the process-wide fix state is restored afterwards."""
     from vllm_dsa_connector.fixes import pp_intermediate as fix
 
+    if not fix.runner_module_exists():  # vLLM 0.34: retired, see the test below
+        pytest.skip(f"{fix.NO_V1_RUNNER}: fix and patch retired on this release")
     monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
     cls = _runner_cls()
     was_installed = fix.uninstall(cls)
@@ -149,6 +151,56 @@ def test_register_applies_the_fix(stock_runner: type) -> None:
     finally:
         if others_were_installed:
             fixes.apply_runtime_fixes()  # the PP fix's own state is restored by stock_runner
+
+
+def allocates_at_load(cls: type) -> bool:
+    """Whether ``cls.load_model`` (as resolved on ``cls``) allocates the receive buffer.
+
+    Looks in vLLM's own source of the method for ``self.intermediate_tensors =
+    self.model.make_empty_intermediate_tensors(...)``: allocated when the model loads, a stage
+    needs no warm-up run to receive.
+    """
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.load_model)))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        func = node.value.func
+        targets = [t for t in node.targets if isinstance(t, ast.Attribute)]
+        if (
+            any(t.attr == "intermediate_tensors" for t in targets)
+            and isinstance(func, ast.Attribute)
+            and func.attr == "make_empty_intermediate_tensors"
+        ):
+            return True
+    return False
+
+
+@pytest.mark.compat  # the proof that retires fix and patch on vLLM 0.34 (ci/compat.sh)
+def test_retired_where_the_v1_cpu_runner_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.34 deleted ``cpu_model_runner.py``; its CPU runners allocate the buffer at load.
+
+    On 0.32/0.33 the V1 runner is there and does not (the bug the fix and patch 0002 remove);
+    on 0.34 the fix reports ``not-needed`` instead of waiting for a module that never comes.
+    """
+    from vllm_dsa_connector.fixes import pp_intermediate as fix
+
+    monkeypatch.delenv("VLLM_DSA_DISABLE_RUNTIME_FIXES", raising=False)
+    if fix.runner_module_exists():
+        assert not allocates_at_load(_runner_cls())  # V1: only _dummy_run allocates it
+        return
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu.standalone_model_runner import StandaloneCPUModelRunner
+
+    for cls in (CPUModelRunner, StandaloneCPUModelRunner):  # what CPUWorker builds
+        assert allocates_at_load(cls), cls
+    fix.remove_deferred()
+    report = fix.apply("test")
+    assert (report.status, report.detail) == ("not-needed", fix.NO_V1_RUNNER), report
+    assert not fix.deferred()
 
 
 def test_fix_names_and_report_lookup() -> None:

@@ -1,6 +1,6 @@
 """Differences between the vLLM releases the plugin supports, in one place.
 
-Supported: vLLM 0.32 and 0.33 (``SUPPORTED_VLLM``). Each shim detects the API it needs (an
+Supported: vLLM 0.32, 0.33 and 0.34 (``SUPPORTED_VLLM``). Each shim detects the API it needs (an
 import, a parameter, a dataclass field) instead of comparing version strings, so a patch
 release that backports a change keeps working.
 
@@ -16,6 +16,20 @@ MLA ``do_kv_cache_update``    6 arguments                       7: ``skip_scale`
 CPU block size                set in ``check_and_update_        reset later by ``update_block_
                               config``                          size_for_backend`` (128)
 ============================  ================================  =================================
+
+vLLM 0.34 (as 0.33, plus; each detected where it is used):
+
+* the V1 model runner and its proposers are gone (``cpu_model_runner``, ``llm_base_proposer``): the
+  fixes ``mtp-draft-token-map`` and ``cpu-pp-intermediate-tensors`` find no such module and report
+  ``not-needed`` (``fixes/``);
+* ``ModelRunnerOutput`` has no ``req_id_to_index`` (the admission harness passes it only where the field
+  exists, :func:`dataclass_has_field`); ``KVCacheBlock._block_hash`` is the field ``block_hash``;
+* ``Request.prompt_token_ids`` is a ``TokenBuffer`` (an int32 ``array``): the prompt digest is the same;
+* connector hooks ``kv_cache_access``, ``supports_lookahead_block_hashes``, ``may_load_async``
+  (``connector/connector.py``); MultiConnector's producer/consumer come from the children's roles
+  (``connector/compose.py`` asks vLLM's own ``is_kv_consumer``/``is_kv_producer``);
+* on x86 CPUs ``CpuPlatform`` requires Triton; vLLM keeps an installed Triton with no active driver only
+  when ``CUDA_VISIBLE_DEVICES`` is set empty (``ci/compat.sh``).
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ __all__ = [
     "warn_if_unsupported",
 ]
 
-SUPPORTED_VLLM = ">=0.32,<0.34"
+SUPPORTED_VLLM = ">=0.32,<0.35"
 """The vLLM releases this plugin supports (a PEP 440 specifier; the pins in pyproject agree)."""
 
 

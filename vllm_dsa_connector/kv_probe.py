@@ -77,9 +77,9 @@ def block_digests(caches: dict[str, torch.Tensor], block_ids: list[int]) -> tupl
 def _running_requests(runner: Any) -> list[tuple[str, list[int], list[int]]]:
     """(request id, prompt token ids, block ids of the first KV cache group) of every request the runner holds.
 
-    vLLM's V1 runner (vLLM CPU's) keeps a ``requests`` dict of per-request states; the GPU build's default
-    runner keeps ``req_states`` (request id -> row) and ``block_tables`` (per group, a device table and a block
-    count per row)."""
+    vLLM's V1 runner (vLLM CPU's, 0.32 and 0.33) keeps a ``requests`` dict of per-request states; the V2
+    runner (the GPU build's default, and every runner of vLLM 0.34, which deleted V1) keeps ``req_states``
+    (request id -> row) and ``block_tables`` (per group, a device table and a block count per row)."""
     if hasattr(runner, "requests"):
         return [(str(r), list(st.prompt_token_ids or []), [int(b) for b in st.block_ids[0]])
                 for r, st in list(runner.requests.items())]

@@ -204,6 +204,9 @@ def drive(
     """
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+    from vllm_dsa_connector.compat import dataclass_has_field
+
+    has_row_index = dataclass_has_field(ModelRunnerOutput, "req_id_to_index")
     transfers = transfers if transfers is not None else fixed_latency(2)
     res = DriveResult()
     tracked: dict[str, Request] = {}
@@ -230,11 +233,14 @@ def drive(
             res.first_scheduled.setdefault(rid, step)
             # schedule() already advanced num_computed_tokens and set is_prefill_chunk
             sampled.append([] if scheduler.requests[rid].is_prefill_chunk else [SAMPLED_TOKEN])
+        rows: dict[str, Any] = {}
+        if has_row_index:  # vLLM 0.32, 0.33 (0.34 dropped the field: rows follow req_ids)
+            rows["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         mro = ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_recving=done) if done else None,
+            **rows,
         )
         t2 = perf()
         scheduler.update_from_output(out, mro)

@@ -15,8 +15,11 @@ vLLM's MultiConnector (``{"kv_connector": "MultiConnector", "kv_connector_extra_
   by that child. DSAConnector therefore never decides it: a load it cannot do (peer refused or
   unreachable, timeout, bad pairing) is always reported as a failed load and vLLM applies the top-level
   policy. A child that sets a different value is refused, naming where it must go.
-- ``kv_role``: vLLM reads the top-level role too (a consumer defers block frees under async scheduling),
-  so the top level must allow what DSAConnector's role does.
+- ``kv_role``: vLLM asks the top-level config whether the engine is a producer/consumer (a consumer defers
+  block frees under async scheduling), so that answer must allow what DSAConnector's role does. vLLM 0.32
+  and 0.33 answer from the top-level ``kv_role``, which then must allow it; vLLM 0.34 answers from the
+  children's roles (MultiConnector does not pass its own), so any top-level role works there. The rule
+  asks vLLM's own ``is_kv_consumer``/``is_kv_producer`` of the top-level config, so it follows the release.
 - DSA models: the indexer K caches are written by the indexer op, which has no connector hook; a child
   that stores KV from ``save_kv_layer`` never sees them and would store MLA pages without their indexer
   pages (a later hit would attend with stale or missing top-k keys). Such a child is refused for models
@@ -179,6 +182,13 @@ def _overrides_handshake(cls: type) -> bool:
     return fn is not None and owner is not None and owner.__name__ != "KVConnectorBase_V1"
 
 
+def _top_is(top: Any, kind: str, roles: tuple[str, ...]) -> bool:
+    """Whether vLLM takes the engine for a ``kind`` (``consumer``/``producer``): its own
+    ``is_kv_<kind>`` of the top-level config where it has one, else the top-level ``kv_role``."""
+    answer = getattr(top, f"is_kv_{kind}", None)
+    return answer if isinstance(answer, bool) else getattr(top, "kv_role", None) in roles
+
+
 def check_composition(top: Any, children: Sequence[Child], dsa_model: bool,
                       environ: Mapping[str, str] | None = None) -> None:
     """Refuse a MultiConnector composition with DSAConnector that cannot work (see the module doc).
@@ -228,11 +238,11 @@ def check_composition(top: Any, children: Sequence[Child], dsa_model: bool,
     top_role = getattr(top, "kv_role", None)
     role = first.config.get("kv_role")
     needs = [kind for kind, roles in (("consumer", _CONSUMES), ("producer", _PRODUCES))
-             if role in roles and top_role not in roles]
+             if role in roles and not _top_is(top, kind, roles)]
     if needs:
         problems.append(
             f"DSAConnector's kv_role {role!r} needs a top-level kv_role that is a {' and '.join(needs)} "
-            f"(vLLM reads the top-level role), got {top_role!r}; use {role!r} or 'kv_both' there")
+            f"(this vLLM reads the top-level role), got {top_role!r}; use {role!r} or 'kv_both' there")
     if problems:
         raise CompositionError(
             "DSAConnector in MultiConnector: " + "; ".join(problems)

@@ -139,6 +139,35 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         return False  # vLLM >= 0.33 asks; NIXL registrations are not dropped/redone across sleep
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """How the workers reach the device KV cache (vLLM >= 0.34 asks; it decides how its extensible
+        KV cache is allocated, or whether it can be used).
+
+        NIXL registers the pools (``REGISTERS``: one physical allocation per segment) and a peer on the
+        host reaches them through UCX cuda_ipc (``EXPORTS_FABRIC``), as vLLM's NixlConnector declares. A D
+        with ``ipc_mode`` on also exports them through torch's legacy CUDA IPC (``LEGACY_IPC``), which
+        cannot export driver-mapped memory: vLLM then keeps the extensible KV cache off.
+        """
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        opts = ConnectorOptions.from_config(kv_transfer_config.kv_connector_extra_config)
+        access = KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+        if opts.exports_cuda_ipc(str(kv_transfer_config.kv_role)):
+            access |= KVCacheAccess.LEGACY_IPC
+        return access
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """True (vLLM >= 0.34 asks): KV moves per request and token position, never by block hash."""
+        return True
+
+    def may_load_async(self, request: Request) -> bool:
+        """D (vLLM >= 0.34 asks, for ``--max-num-inflight-kv-loads``): exactly the requests with
+        ``do_remote_prefill`` set, which :meth:`get_num_new_matched_tokens` claims asynchronously."""
+        params = request.kv_transfer_params
+        return self._scheduler is not None and bool(params and params.get("do_remote_prefill"))
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

@@ -159,6 +159,11 @@ class ConnectorOptions:
         """Effective heartbeat period."""
         return self.heartbeat_interval_s or max(self.kv_lease_duration / 6.0, 0.05)
 
+    def exports_cuda_ipc(self, kv_role: str) -> bool:
+        """Whether a worker of this ``kv_role`` exports its KV pools through CUDA IPC: a D
+        (``kv_consumer``/``kv_both``) with ``ipc_mode`` on."""
+        return self.ipc_mode != "never" and kv_role in ("kv_consumer", "kv_both")
+
     @classmethod
     def from_config(
         cls, config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None

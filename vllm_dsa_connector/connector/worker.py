@@ -169,7 +169,7 @@ class DSAConnectorWorker:
         reach = [gpu] + [device_uuid(i) for i in range(torch.cuda.device_count())
                          if i != device.index and torch.cuda.can_device_access_peer(device.index or 0, i)]
         ipc = None
-        if self.opts.ipc_mode != "never" and self.role in ("kv_consumer", "kv_both"):
+        if self.opts.exports_cuda_ipc(self.role):
             try:
                 ipc = [WireIpcExport.of(export_region(r.tensor).to_dict()) for r in self.regions]
             except Exception as e:  # noqa: BLE001 - no ipc path then: NIXL carries every pair

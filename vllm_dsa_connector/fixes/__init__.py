@@ -12,12 +12,14 @@ Fixes:
 
 * ``mtp-draft-token-map`` (:mod:`.mtp_stale_caches`): the MTP/EAGLE draft loop reuses the
   target forward's token->request map (and num_computed_tokens) after rewriting the batch
-  to one token per request.
+  to one token per request. vLLM 0.32, 0.33: applies; 0.34: not needed (no V1 draft loop).
 * ``cpu-pp-intermediate-tensors`` (:mod:`.pp_intermediate`): vLLM's CPU runner has no pipeline
-  receive buffer on stages after the first when the warm-up run is skipped.
+  receive buffer on stages after the first when the warm-up run is skipped. vLLM 0.32, 0.33:
+  applies (CPU platform); 0.34: not needed (no V1 CPU runner).
 * ``deep-gemm-mqa-logits-api`` (:mod:`.deep_gemm_api`): vLLM's DeepGEMM MQA-logits wrappers call
   ``clean_logits=`` kernels while the DeepGEMM they resolve takes ``max_seqlen_k`` and returns
-  compressed rows (the DSA indexer then dies on the first prefill).
+  compressed rows (the DSA indexer then dies on the first prefill). Decided by its probe on
+  each release (GPU hosts with DeepGEMM only).
 
 :func:`apply_runtime_fixes` returns one :class:`FixReport` per fix (:func:`report_for` picks
 one by name); :func:`revert_runtime_fixes` undoes all of them and the guards.
@@ -129,6 +131,16 @@ def _apply_mtp_stale_caches(version: str) -> FixReport:
 
     if fix.is_installed(CommonAttentionMetadata):
         return FixReport(fix.FIX_NAME, "already-applied", version, "")
+    if not fix.draft_loop_modules():  # vLLM 0.34: nothing rewrites the metadata in place
+        log_once(
+            fix.FIX_NAME,
+            "debug",
+            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
+            version,
+            fix.FIX_NAME,
+            fix.NO_DRAFT_LOOP,
+        )
+        return FixReport(fix.FIX_NAME, "not-needed", version, fix.NO_DRAFT_LOOP)
     result = fix.probe(CommonAttentionMetadata)
     if not result.buggy:
         log_once(

@@ -19,11 +19,19 @@ at run time:
   matches, and the map has the same values as vLLM's kernel.
 * ``compute_num_computed_tokens`` is recomputed on every call: the drafter also advances
   ``seq_lens`` in place with a Triton kernel, which torch's version counter does not see.
+
+Per release: the class-level caches are the same in 0.32, 0.33 and 0.34, but only a V1 draft loop
+(:data:`V1_DRAFT_LOOP_MODULES`) rewrites a built ``CommonAttentionMetadata`` in place. vLLM 0.32 and 0.33
+have it (the fix applies); vLLM 0.34 deleted the V1 runner and its proposers, and its V2 speculators build
+a new ``CommonAttentionMetadata`` for every draft step (``vllm.v1.worker.gpu.attn_utils.build_attn_metadata``),
+so where none of those modules exists the fix reports ``"not-needed"``
+(``tests/test_mtp_fix.py::test_retired_where_no_draft_loop_rewrites_metadata`` proves it on 0.34's sources).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import torch
@@ -40,12 +48,25 @@ REQUIRED_FIELDS: tuple[str, ...] = (
     "num_actual_tokens",
     "_token_to_req_indices_cache",
 )
+# vLLM's V1 draft loops: each rewrites the target forward's CommonAttentionMetadata in place
+# (num_actual_tokens, query_start_loc) for draft steps >= 1, the path that hits the stale caches.
+V1_DRAFT_LOOP_MODULES: tuple[str, ...] = (
+    "vllm.v1.spec_decode.llm_base_proposer",
+    "vllm.v1.spec_decode.step3p5",
+)
+NO_DRAFT_LOOP = (
+    "vLLM has no V1 draft loop that rewrites CommonAttentionMetadata in place "
+    f"({', '.join(V1_DRAFT_LOOP_MODULES)}); its speculators build it afresh for each draft step"
+)
 _KEY_ATTR = "_vllm_dsa_layout_key"
 _MARK_ATTR = "_vllm_dsa_fix"
 
 __all__ = [
     "FIX_NAME",
+    "NO_DRAFT_LOOP",
     "REQUIRED_FIELDS",
+    "V1_DRAFT_LOOP_MODULES",
+    "draft_loop_modules",
     "ProbeResult",
     "install",
     "is_installed",
@@ -67,6 +88,18 @@ class ProbeResult:
     def buggy(self) -> bool:
         """True if either cache survives a draft-loop layout rewrite."""
         return self.token_map_stale or self.num_computed_stale
+
+
+def draft_loop_modules() -> tuple[str, ...]:
+    """The :data:`V1_DRAFT_LOOP_MODULES` this vLLM has (found, not imported)."""
+    found = []
+    for name in V1_DRAFT_LOOP_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                found.append(name)
+        except ImportError:  # a parent package is missing
+            pass
+    return tuple(found)
 
 
 def missing_fields(cls: type) -> tuple[str, ...]:

@@ -27,6 +27,13 @@ does not import it: when ``vllm.v1.worker.cpu_model_runner`` is not imported yet
 ``"deferred"`` and leaves a one-shot import hook (:class:`_AfterImport`) that probes and installs the fix
 right after vLLM imports the module (in the workers); the API server and engine-core processes never pay
 for it. Where the module is already imported the fix is applied at once, as before.
+
+Per release: vLLM 0.32 and 0.33 have the bug (the fix applies). vLLM 0.34 deleted the V1 runner
+(``vllm.v1.worker.cpu_model_runner`` no longer exists): its CPU runners (``vllm.v1.worker.cpu``, V2-based,
+and the standalone one) allocate the receive buffer in ``load_model`` on every stage after the first, so
+:func:`apply` reports ``"not-needed"`` where the module cannot be found (never ``"deferred"`` for a module
+that will not come); ``tests/test_pp_fix.py::test_retired_where_the_v1_cpu_runner_is_gone`` proves it on
+0.34's sources.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from collections.abc import Sequence
@@ -50,8 +58,14 @@ _MARK_ATTR = "_vllm_dsa_fix"
 _PROBE_WIDTH = 4
 _PROBE_ROWS = 8
 
+NO_V1_RUNNER = (
+    f"vLLM has no V1 CPU runner ({RUNNER_MODULE}); its CPU runners allocate the pipeline "
+    "receive buffer in load_model"
+)
+
 __all__ = [
     "FIX_NAME",
+    "NO_V1_RUNNER",
     "RUNNER_MODULE",
     "apply",
     "deferred",
@@ -61,6 +75,7 @@ __all__ = [
     "is_installed",
     "probe",
     "runner_class",
+    "runner_module_exists",
     "supported",
     "uninstall",
 ]
@@ -89,6 +104,14 @@ def runner_class() -> type | None:
     except ImportError:
         return None
     return CPUModelRunner
+
+
+def runner_module_exists() -> bool:
+    """Whether this vLLM has the V1 CPU runner module the bug lives in (found, not imported)."""
+    try:
+        return importlib.util.find_spec(RUNNER_MODULE) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def supported(cls: type) -> bool:
@@ -240,17 +263,28 @@ def apply(version: str) -> Any:
     Called by :func:`vllm_dsa_connector.fixes.apply_runtime_fixes` (which holds its lock and has
     already checked ``VLLM_DSA_DISABLE_RUNTIME_FIXES``), which returns this
     :class:`~vllm_dsa_connector.fixes.FixReport` among its reports; ``"not-needed"`` off vLLM's
-    CPU platform; ``"deferred"`` when vLLM has not imported its CPU runner yet (the fix is then
-    applied by an import hook when it does, see the module docstring).
+    CPU platform or where vLLM has no V1 CPU runner (0.34); ``"deferred"`` when vLLM has not
+    imported its CPU runner yet (the fix is then applied by an import hook when it does, see the
+    module docstring).
     :func:`~vllm_dsa_connector.fixes.revert_runtime_fixes` undoes it.
     """
-    from vllm_dsa_connector.fixes import FixReport
+    from vllm_dsa_connector.fixes import FixReport, log_once
 
     if RUNNER_MODULE not in sys.modules:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             return FixReport(FIX_NAME, "not-needed", version, "not vLLM's CPU platform")
+        if not runner_module_exists():
+            log_once(
+                FIX_NAME,
+                "debug",
+                "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
+                version,
+                FIX_NAME,
+                NO_V1_RUNNER,
+            )
+            return FixReport(FIX_NAME, "not-needed", version, NO_V1_RUNNER)
         if not deferred():
             sys.meta_path.insert(0, _AfterImport(version))
         return FixReport(
