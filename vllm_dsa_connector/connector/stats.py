@@ -19,6 +19,8 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   e.g. NixlConnector's ``transfer_mode``), ``malformed`` (missing keys, wrong types or values)
 - ``vllm:dsa_kv_peer_reconnects_total``: NIXL remote agents removed and added again after their connection was
   lost (P side; the next post to that peer then makes a new connection)
+- ``vllm:dsa_kv_setup_waits_total``: pushes P held because their destination's set-up (its NIXL remote
+  agents, loaded on the worker's set-up thread) was not over yet; posted once it is, without blocking a step
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -59,6 +61,7 @@ _COUNTERS = (
     "unusable_other_connector",
     "unusable_malformed",
     "peer_reconnects",
+    "setup_waits",
 )
 _LISTS = ("transfer_s", "recv_wait_s")
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
@@ -186,6 +189,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
                                     "D requests whose kv_transfer_params D could not use, by reason", ("reason",))
         self._reconnects, _ = counter("vllm:dsa_kv_peer_reconnects",
                                       "NIXL remote agents removed and added again after a lost connection")
+        self._setup_waits, _ = counter("vllm:dsa_kv_setup_waits",
+                                       "Pushes held until their destination's peer set-up was over")
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -215,6 +220,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._mismatch, engine_idx, d.get("checksum_mismatches", 0))
         self._inc(self._checked, engine_idx, d.get("checksummed_runs", 0))
         self._inc(self._reconnects, engine_idx, d.get("peer_reconnects", 0))
+        self._inc(self._setup_waits, engine_idx, d.get("setup_waits", 0))
         for key, side, outcome in (
             ("send_ok", "send", "ok"),
             ("send_failed", "send", "failed"),
