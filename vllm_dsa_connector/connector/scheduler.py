@@ -90,7 +90,8 @@ def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
     """The core's settings from the connector's options."""
     return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
                            handshake_timeout_s=options.handshake_timeout_s, heartbeat_s=options.heartbeat_s,
-                           verify_transfers=options.verify_transfers, peer_idle_s=options.peer_idle_s)
+                           verify_transfers=options.verify_transfers, peer_idle_s=options.peer_idle_s,
+                           peer_setup_s=options.peer_setup_timeout_s)
 
 
 class DSAConnectorScheduler:
@@ -428,6 +429,8 @@ class DSAConnectorScheduler:
         failed = getattr(output, "failed_recving", None) or set()
         for req_id in output.finished_recving or ():
             load = self.consumer.finished(req_id)
+            if load is not None and req_id not in failed:
+                self.consumer.loaded(load)
             if load is not None:
                 self.routes.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
 

@@ -19,9 +19,14 @@ class HandoffSettings:
     heartbeat_s: float = 5.0  #: D renews P's leases this often
     verify_transfers: bool = False  #: checksum every transferred run
     peer_idle_s: float = 300.0  #: a peer with no request for this long is forgotten (handshakes again on use)
+    #: added to a load's budget while its P start has delivered no load to this engine yet: P's one-time
+    #: set-up of this D (NIXL remote agents, the first connection) is not spent from ``transfer_timeout_s``
+    peer_setup_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "heartbeat_s", "peer_idle_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"HandoffSettings.{name} must be > 0 seconds, got {value!r}")
+        if not self.peer_setup_s >= 0:
+            raise ValueError(f"HandoffSettings.peer_setup_s must be >= 0 seconds, got {self.peer_setup_s!r}")
