@@ -3,7 +3,7 @@ streams never stall while D learns a new P whose set-up is stopped (real vLLM CP
 
 Started as a new user would (README options, no warm-up request, ``kv_load_failure_policy`` fail: a failed
 load is an error, never a silent recompute), on a host kept busy by two busy-looping processes beside the
-engines for the whole run. One engine set per round: four ``kv_both`` engines of the tiny GLM-MoE-DSA model,
+engines (paused while the stream below runs: it measures D's steps, not the host's load). One engine set per round: four ``kv_both`` engines of the tiny GLM-MoE-DSA model,
 ``A`` (tp1), ``T`` (tp2), ``Q`` (pp2, stages of 3 and 1 layers) and ``B`` (tp1), and five directions, each
 the first exchange of its two engines (a fresh pair: P has never set this D up, D never handshook this P):
 
@@ -65,11 +65,11 @@ BUSY = "while True: pass"
 
 
 @pytest.fixture(scope="module")
-def busy_host() -> Iterator[None]:
+def busy_host() -> Iterator[list[subprocess.Popen]]:
     """Two busy-looping processes beside the engines (a host running other jobs)."""
     procs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
     try:
-        yield
+        yield procs
     finally:
         for p in procs:
             p.kill()
@@ -167,9 +167,10 @@ def _stream(url: str, model: str, ids: list[int], times: list[float], started: t
                 started.set()
 
 
-def _with_stream(model: str, p: Engine, d: Engine, ids: list[int], own: list[int]) -> tuple[float, float, int]:
+def _with_stream(model: str, p: Engine, d: Engine, ids: list[int], own: list[int]) -> tuple[float, float, int, str]:
     """``p -> d`` while ``d`` streams ``own``; P is stopped from after its prefill for :data:`STOP_S`.
-    (seconds of D's leg, the largest gap of the stream while the leg ran, tokens streamed meanwhile)."""
+    (seconds of D's leg, the largest gap of the stream while the leg ran, tokens streamed meanwhile, where the
+    gap was: seconds after P was stopped)."""
     times: list[float] = []
     started = threading.Event()
     stream = threading.Thread(target=_stream, args=(d.url, model, own, times, started), daemon=True)
@@ -189,11 +190,12 @@ def _with_stream(model: str, p: Engine, d: Engine, ids: list[int], own: list[int
     stream.join(600)
     during = [t for t in times if t0 - MAX_GAP_S <= t <= t1 + MAX_GAP_S]
     assert len(during) > 2, f"the stream produced {len(during)} tokens while D learned P"
-    gap = max(b - a for a, b in zip(during, during[1:], strict=False))
-    return took, gap, len(during)
+    gaps = [(b - a, a - t0) for a, b in zip(during, during[1:], strict=False)]
+    gap, at = max(gaps)
+    return took, gap, len(during), f"{at:+.2f} s from P's stop (continued at +{STOP_S:.0f} s, D's leg {took:.2f} s)"
 
 
-def test_fresh_pairs_first_requests_succeed_on_a_busy_host(busy_host: None,
+def test_fresh_pairs_first_requests_succeed_on_a_busy_host(busy_host: list[subprocess.Popen],
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
     from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
@@ -217,10 +219,17 @@ def test_fresh_pairs_first_requests_succeed_on_a_busy_host(busy_host: None,
                         more = [rng.randrange(1000, 60000) for _ in range(2 * BLOCK + 10)]
                         took = _early(c, str(model), p, d, ids, more, tag, ENGINES[d_name].world)
                     elif "stopped" in how:
+                        # the stream measures D's steps, not the host's load: the busy loops pause meanwhile
                         own = [rng.randrange(1000, 60000) for _ in range(BLOCK)]
-                        took, gap, n = _with_stream(str(model), p, d, ids, own)
-                        line.append(f"D's own stream: {n} tokens, largest gap {gap:.2f} s")
-                        assert gap <= MAX_GAP_S, f"{what}: D's stream stalled {gap:.2f} s while it learned P"
+                        for x in busy_host:
+                            x.send_signal(signal.SIGSTOP)
+                        try:
+                            took, gap, n, where = _with_stream(str(model), p, d, ids, own)
+                        finally:
+                            for x in busy_host:
+                                x.send_signal(signal.SIGCONT)
+                        line.append(f"D's own stream: {n} tokens, largest gap {gap:.2f} s at {where}")
+                        assert gap <= MAX_GAP_S, f"{what}: D's stream stalled {gap:.2f} s at {where} while it learned P"
                     else:
                         took = _direct(str(model), p, d, ids)
                     if not how.startswith("early"):  # _early checked each of its loads
