@@ -137,3 +137,18 @@ def test_start_load_kv_never_polls_the_write_it_posted(pd, monkeypatch) -> None:
     assert not failed and not d.get_block_ids_with_load_errors()
     assert any(not on_step for on_step in polls), "nothing but the step polled the WRITE"
     _sent(p, "p-nospin", 10.0)
+
+
+def test_ucx_fail_fast_knobs_are_set_unless_the_environment_sets_them(pd) -> None:
+    """A dead peer fails fast: the agent set UCX's TCP connect and keepalive knobs before UCX read its
+    configuration (the workers above made real agents), and a value the environment gives wins."""
+    import os
+
+    from vllm_dsa_connector.transport.agent import UCX_FAIL_FAST, ucx_fail_fast_defaults
+
+    assert all(os.environ.get(k) for k in UCX_FAIL_FAST)  # set in this process by the agents made above
+    env = {"UCX_TCP_SYN_CNT": "6"}
+    added = ucx_fail_fast_defaults(env)
+    assert env["UCX_TCP_SYN_CNT"] == "6" and "UCX_TCP_SYN_CNT" not in added
+    assert env["UCX_TCP_KEEPIDLE"] == UCX_FAIL_FAST["UCX_TCP_KEEPIDLE"] and set(added) == set(UCX_FAIL_FAST) - {
+        "UCX_TCP_SYN_CNT"}
