@@ -55,7 +55,7 @@ def pd(tiny_mla_dir: Path):
 
     vllm.plugins.load_general_plugins()
     clock = Clock()
-    base = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "handshake_timeout_s": 2.0,
+    base = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "handshake_timeout_s": 2.0,
             "heartbeat_interval_s": 1.0, "peer_idle_s": IDLE_S}
     p_extra, d_extra = {**base, "bounce_mode": "never"}, {**base, "bounce_mode": "always"}
     p = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", p_extra), "P-gc",

@@ -261,7 +261,7 @@ def test_refused_peer_is_a_failed_load_whatever_the_childs_policy(tiny_mla_dir: 
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
 
     # a dead P is retried inside the request's transfer budget (2 s here), then the load fails
-    extra = {"handshake_timeout_s": 0.5, "transfer_timeout_s": 2.0, "bounce_mode": "never"}
+    extra = {"handshake_timeout_s": 0.5, "transfer_timeout_s": 2.0, "peer_setup_timeout_s": 0.0, "bounce_mode": "never"}
     config = EngineArgs(model=str(tiny_mla_dir), enforce_eager=True, dtype="float32", max_model_len=2048,
                         kv_transfer_config=KVTransferConfig(
                             kv_connector="DSAConnector", kv_role="kv_consumer", kv_load_failure_policy="recompute",

@@ -66,7 +66,7 @@ pytestmark = pytest.mark.slow
 
 BASE = 24300
 SECRET = "module-secret-0123456789"
-TIMEOUTS = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 6.0, "kv_lease_duration": 20.0}
+TIMEOUTS = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 6.0, "peer_setup_timeout_s": 0.0, "kv_lease_duration": 20.0}
 # D holds given-up blocks at most: its timeout + P's write timeout + margin
 HOLD_BOUND_S = 2 * TIMEOUTS["transfer_timeout_s"] + 1.0
 

@@ -209,6 +209,7 @@ def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> N
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
                                          peers=[PeerInfo(d.engine_id, [encode(d.payload)], epoch=1)]))
+    assert p.setup.wait_idle(10)  # the worker's set-up thread loads the remote agent, off the step
     old_agent = d.nixl.name
     assert p.remotes[d.engine_id].epoch == 1 and old_agent in p.nixl.peers
     d2, _ = _worker(d.engine_id, "kv_consumer")  # the restarted D: same engine id, new agent
@@ -218,6 +219,7 @@ def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> N
         push = PushJob("p-restart", d.engine_id, "d-restart", SRC_BLOCKS, DST_BLOCKS, verify=True, dst_epoch=2)
         p.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(d.engine_id, [encode(d2.payload)], epoch=2)],
                                              push=[push]))
+        assert p.setup.wait_idle(10)
         assert p.remotes[d.engine_id].epoch == 2 and p.remotes[d.engine_id].agents == {0: d2.nixl.name}
         deadline = time.monotonic() + 20
         while old_agent in p.nixl.peers:  # removed once no post uses it (none does)
@@ -251,6 +253,7 @@ def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
                                          peers=[PeerInfo(d.engine_id, [encode(d.payload)])]))
+    assert p.setup.wait_idle(10)
     assert d.engine_id in p.remotes and d.nixl.name in p.nixl.peers
     _arm(p, d, "d-warm2")  # D knows P's plan
     d.receiver.cancel(b"d-warm2")
@@ -261,6 +264,7 @@ def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
     _arm(p, d, "d-again")  # D handshakes again: P's plan is back
     push = PushJob("p-again", d.engine_id, "d-again", SRC_BLOCKS, DST_BLOCKS, verify=True)
     p.start_load_kv(DSAConnectorMetadata(peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
+    assert p.setup.wait_idle(10)
     assert d.nixl.name in p.nixl.peers
     failed = _until_received(p, d, "d-again", "the push after the re-handshake never landed")
     assert not failed and not d.get_block_ids_with_load_errors()
@@ -331,18 +335,24 @@ def test_a_layered_push_is_not_waited_for_before_the_forward_and_lands_layer_by_
 
 
 def _layered_push(p: Any, d: Any, monkeypatch: Any) -> None:
+    import threading
+
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.sending import SendSide
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
 
     _arm(p, d, "d-layered")
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])]))
+    assert p.setup.wait_idle(10)  # a known peer: the push opens its layer-by-layer post at once
     polls = []
     real_poll = SendSide.poll
-    monkeypatch.setattr(SendSide, "poll", lambda self: (polls.append(1), real_poll(self))[1])
+    step = threading.current_thread()  # the engine's step; the side's progress thread may poll meanwhile
+    monkeypatch.setattr(SendSide, "poll", lambda self: (polls.append(threading.current_thread() is step),
+                                                        real_poll(self))[1])
     push = PushJob("p-layered", d.engine_id, "d-layered", SRC_BLOCKS, DST_BLOCKS, verify=True, layered=True)
-    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
-                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])], push=[push]))
-    assert polls == [], f"start_load_kv polled an open layer-by-layer post {len(polls)} times before the forward"
+    p.start_load_kv(DSAConnectorMetadata(push=[push]))
+    assert not any(polls), f"start_load_kv polled an open layer-by-layer post {sum(polls)} times before the forward"
     layered = p.stats.data["layered_bytes"]
     assert layered > 0
     for name in sorted(p.layer_ids, key=p.layer_ids.get):  # the forward: each attention layer saved in order

@@ -96,6 +96,12 @@ def h_step(key: str, meta: Any) -> None:
     _STATE[key][0].start_load_kv(meta)
 
 
+def h_ready(key: str) -> bool:
+    """Wait until the worker's set-up thread loaded the peers it learned (a real P learns D at D's registration,
+    steps before the step that finishes an early prefill)."""
+    return _STATE[key][0].setup.wait_idle(60)
+
+
 def h_layers(key: str, seed: int) -> int:
     """Play the forward of the step that finishes the prefill: ``save_kv_layer`` for every attention layer
     but one, in a shuffled order, then ``wait_for_save`` (which adds the layer nobody reported); the number
@@ -298,6 +304,9 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
         meta = DSAConnectorMetadata(local=PeerInfo(f"P-{tag}", p_payloads),
                                     peers=[PeerInfo(f"D-{tag}", d_payloads)], push=[push])
         for i, (h, key, _) in enumerate(P):
+            if push.layered:  # layer by layer needs the peer set up when the step opens its post (h_ready)
+                h.call("h_step", key, DSAConnectorMetadata(local=meta.local, peers=meta.peers))
+                assert h.call("h_ready", key)
             h.call("h_step", key, meta)
             if push.layered:
                 assert h.call("h_layers", key, i) > 0

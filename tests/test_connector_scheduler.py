@@ -59,7 +59,7 @@ def pd(tiny_mla_dir: Path):
 
     vllm.plugins.load_general_plugins()
     clock = Clock()
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "handshake_timeout_s": 2.0,
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "handshake_timeout_s": 2.0,
              "heartbeat_interval_s": 1.0, "bounce_mode": "never"}
     p = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P", ConnectorOptions.from_config(extra),
                               clock)
@@ -246,6 +246,30 @@ def test_p_tells_d_its_staging_arena_is_full_and_d_routes_direct(pd) -> None:
     assert planned == [True, False, False], planned
 
 
+def test_a_fresh_p_s_first_loads_get_the_set_up_budget_on_top_of_the_transfer_s(pd) -> None:
+    """Issue 44: P's one-time set-up of a fresh D (its NIXL remote agents, the first connection) is not spent
+    from the transfer's budget: until a load from P's start landed, a registration waits transfer_timeout_s +
+    peer_setup_timeout_s (and P's post deadline is that much later); after one landed, transfer_timeout_s."""
+    import dataclasses
+
+    p, d, clock = pd
+    d.consumer.settings = dataclasses.replace(d.consumer.settings, peer_setup_s=3.0)
+    d.consumer._proven.clear()  # the module's pair delivered loads in earlier tests
+    _registered(p, d, clock, "fresh", [27, 28], [56, 57])
+    load = d.consumer.loads["d-fresh"]
+    assert load.give_up_at - clock.t == pytest.approx(5.0 + 3.0, abs=0.5)
+    (job,) = p.build_connector_meta(None).push
+    clock.t += 5.1  # past transfer_timeout_s: the set-up budget keeps it
+    assert "d-fresh" not in d.build_connector_meta(None).fail_recv and load.state.name == "REGISTERED"
+    p.update_connector_output(_output(sending={"p-fresh"}))
+    d.update_connector_output(_output(recving={"d-fresh"}))  # it landed: P has set this D up
+    _registered(p, d, clock, "warm", [29, 30], [58, 59])
+    assert d.consumer.loads["d-warm"].give_up_at - clock.t == pytest.approx(5.0, abs=0.5)
+    p.build_connector_meta(None)
+    p.update_connector_output(_output(sending={"p-warm"}))
+    d.update_connector_output(_output(recving={"d-warm"}))
+
+
 def test_abort_while_loading_keeps_blocks_until_safe(pd) -> None:
     p, d, clock = pd
     req = _registered(p, d, clock, "abort", [25, 26], [54, 55])
@@ -398,7 +422,7 @@ def test_one_p_request_feeds_one_d_request(pd, tiny_mla_dir: Path) -> None:
     d.build_connector_meta(None)
     _wait(d.consumer.loads["0_fork"].reg)
     assert not d.build_connector_meta(None).fail_recv
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "bounce_mode": "never"}
     d2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D2", ConnectorOptions.from_config(extra),
                                clock)
     try:
@@ -556,7 +580,7 @@ def test_a_restarted_d_is_served_with_its_own_payloads(pd, tiny_mla_dir: Path) -
     (job,) = p.build_connector_meta(None).push
     assert job.dst_epoch == d.epoch and p.producer._peers.sent_epoch("D") == d.epoch
     _registered(p, d, clock, "old", [43, 44], [62, 63])  # registered by the old start, not dispatched yet
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "bounce_mode": "never"}
     d2 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_consumer", extra), "D", ConnectorOptions.from_config(extra),
                                clock)
     try:
@@ -597,7 +621,7 @@ def test_d_redoes_the_handshake_after_p_restarts_on_the_same_id_and_port(pd, tin
     from vllm_dsa_connector.handoff.wire import decode_payload
 
     _, d, clock = pd
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "bounce_mode": "never"}
     p1 = DSAConnectorScheduler(_config(tiny_mla_dir, "kv_producer", extra), "P-restart",
                                ConnectorOptions.from_config(extra), clock)
     p1.set_local_payloads([_payload("P-restart", agent="agent-P-first")])
@@ -840,7 +864,7 @@ def _second_p(model_dir: Path, engine_id: str, clock):
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
 
-    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "bounce_mode": "never"}
+    extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "bounce_mode": "never"}
     p2 = DSAConnectorScheduler(_config(model_dir, "kv_producer", extra), engine_id,
                                ConnectorOptions.from_config(extra), clock)
     p2.set_local_payloads([_payload(engine_id)])

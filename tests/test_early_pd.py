@@ -84,7 +84,7 @@ def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         sides = {name: free_port() for name in ("p", "p2", "d")}
         cfgs: dict[str, dict[str, Any]] = {}
         for name, extra in (("p", {"layer_push": True}), ("p2", {"layer_push": True, "transfer_timeout_s": 3}),
-                            ("d", {"transfer_timeout_s": 6, "bounce_mode": "always"})):
+                            ("d", {"transfer_timeout_s": 6, "peer_setup_timeout_s": 0, "bounce_mode": "always"})):
             cfgs[name] = connector_config("kv_both", True, {**LEAN, **extra}, sides[name])
             cfgs[name]["engine_id"] = f"early-{name}"
         cfgs["d"]["kv_load_failure_policy"] = "recompute"

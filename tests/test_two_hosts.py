@@ -58,7 +58,7 @@ pytestmark = pytest.mark.slow
 
 BASE = 25400  # HTTP: P, D recompute, D fail; proxies BASE+3, BASE+4; side channels BASE+10..12
 SECRET = "two-hosts-secret-0123456789"
-TIMEOUTS = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 6.0, "kv_lease_duration": 30.0}
+TIMEOUTS = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 6.0, "peer_setup_timeout_s": 0.0, "kv_lease_duration": 30.0}
 # D hands given-up blocks back after its timeout + P's write timeout + 1 s; the request ends about then
 HOLD_BOUND_S = 2 * TIMEOUTS["transfer_timeout_s"] + 1.0
 PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]

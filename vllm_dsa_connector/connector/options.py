@@ -80,6 +80,12 @@ class ConnectorOptions:
         doc="side-channel request timeout (s); an unanswered handshake is tried again while the waiting "
         "request is inside transfer_timeout_s",
     )
+    peer_setup_timeout_s: float = option(
+        "peer_setup_timeout_s", partial(parse_float, minimum=0.0, maximum=86400.0), 30.0,
+        doc="D: added to transfer_timeout_s for the loads of a P start that has delivered none to this D yet: "
+        "P's one-time set-up of a fresh peer (NIXL remote agents, first connection; off P's step path) is not "
+        "spent from the transfer's budget (s; 0: none)",
+    )
     peer_idle_s: float = option(
         "peer_idle_s", _seconds, 300.0,
         doc="a peer engine with no request for this long is forgotten: its control thread, worker remotes "

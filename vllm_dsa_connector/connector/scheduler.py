@@ -93,7 +93,8 @@ def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
                            handshake_timeout_s=options.handshake_timeout_s, heartbeat_s=options.heartbeat_s,
                            verify_transfers=options.verify_transfers, peer_idle_s=options.peer_idle_s,
                            early_held_per_peer=options.early_held_per_peer,
-                           early_held_bytes_per_peer=options.early_held_bytes_per_peer)
+                           early_held_bytes_per_peer=options.early_held_bytes_per_peer,
+                           peer_setup_s=options.peer_setup_timeout_s)
 
 
 class DSAConnectorScheduler:
@@ -453,6 +454,8 @@ class DSAConnectorScheduler:
         for req_id in output.finished_recving or ():
             self.fence_waits.done(req_id)
             load = self.consumer.finished(req_id)
+            if load is not None and req_id not in failed:
+                self.consumer.loaded(load)
             if load is not None:
                 self.routes.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
 

@@ -3,9 +3,22 @@
 A :class:`SendSide` is owned by :class:`~.worker.DSAConnectorWorker` (composition), as
 :class:`~.receiving.ReceiveSide` is for D: the worker hands it what it shares (the NIXL engine, the stats,
 its rank, KV pool regions and handshake payload, the records of the engines it writes to) and delegates
-P's calls to it (:meth:`SendSide.push`, :meth:`SendSide.progress`, :meth:`SendSide.poll`,
-:meth:`SendSide.release`, :meth:`SendSide.take_done`). Every NIXL call it makes happens under the
-worker's lock (the worker takes it around each of these calls).
+P's calls to it (:meth:`SendSide.push`, :meth:`SendSide.poll`, :meth:`SendSide.release`,
+:meth:`SendSide.take_done`). Every NIXL call it makes happens under the worker's lock (the worker takes it
+around each of these calls, the progress thread around each of its rounds).
+
+Nothing waits on a WRITE: posting returns at once, and the side's progress thread (started at the first
+:meth:`SendSide.wake`) polls the posts in flight every 0.2 ms, growing with the wait to 2 ms
+(:func:`~.receiving.recv_poll_period`), taking the worker lock for one round at a time; a post is over when
+NIXL says DONE (or ERR), its request is reported ``finished_sending`` from the engine's next
+``get_finished`` (vLLM frees the blocks then), and the notice rules are the transport's, unchanged. Without
+it UCX would copy only while a step polls (NIXL runs without its own busy progress thread).
+
+Pushes to a destination whose set-up is not over (:attr:`DestRecord.ready` false: the worker's set-up thread
+is loading its NIXL agents) wait here, at most :data:`MAX_WAITING_PUSHES` per worker (counted,
+``setup_waits``), and are posted by the progress thread once the record is ready; one still waiting at its
+post deadline is failed as late. A layer-by-layer job that waited is posted whole, once its step's forward is
+over (its pages are final then).
 
 A ``PushJob`` becomes, per destination rank this rank feeds in the plan, one post of the transport
 (:class:`~vllm_dsa_connector.transport.routed.RoutedTransport`, along the route D named for the pair:
@@ -32,6 +45,7 @@ earlier would abort that WRITE).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,9 +55,10 @@ import msgspec
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
-from vllm_dsa_connector.connector.receiving import ReportedIds
+from vllm_dsa_connector.connector.receiving import ReportedIds, recv_poll_period
 from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
 from vllm_dsa_connector.matching import PeerPlan
+from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs
@@ -59,7 +74,9 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 
 #: P's staging arena counts as full (D routes P's next requests direct) with less than this share of it free
 _STAGING_FULL = 0.125
-_SPIN_S = 0.05  # after posting, poll the WRITEs this long before handing them to the engine's steps
+#: Pushes that may wait for their destination's set-up per worker; one more fails at once (D's load fails,
+#: its kv_load_failure_policy applies), so a peer that never gets ready costs bounded memory.
+MAX_WAITING_PUSHES = 1024
 
 
 class DestRecord(Protocol):
@@ -84,6 +101,10 @@ class DestRecord(Protocol):
     @property
     def epoch(self) -> int:
         """The peer start these payloads belong to."""
+
+    @property
+    def ready(self) -> bool:
+        """Its NIXL agents are loaded (false while the worker's set-up thread loads them)."""
 
 
 @dataclass
@@ -126,6 +147,17 @@ class _Send:
     groups: list[_Group] = field(default_factory=list)
     failed: bool = False
     fenced: set[str] = field(default_factory=set)  # agents its failure notice went to as a fence
+    waiting: bool = False  # held until its destination's set-up is over (nothing posted yet)
+
+
+@dataclass
+class _Waiting:
+    """A push held until its destination is ready; ``final``: its pages are computed (a layered job's once
+    its step's forward is over)."""
+
+    job: PushJob
+    send: _Send
+    final: bool
 
 
 class SendSide:
@@ -136,13 +168,16 @@ class SendSide:
     transport's WRITE timeout; ``engine_id``: names this engine in logs; ``rank``, ``regions`` and
     ``payload``: this rank, its registered KV pools and its handshake payload (read when needed: known only
     once the worker registered its caches); ``remotes``: the worker's records of the engines it writes to,
-    by engine id (the worker keeps them current).
+    by engine id (the worker keeps them current); ``lock``: the worker's lock, which the progress thread takes
+    around each round.
     """
 
     def __init__(self, nixl: NixlEngine, stats: DSAKVConnectorStats, transfer_timeout_s: float, *,
                  engine_id: str, rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
-                 payload: Callable[[], RankPayload | None], remotes: Mapping[str, DestRecord]) -> None:
+                 payload: Callable[[], RankPayload | None], remotes: Mapping[str, DestRecord],
+                 lock: threading.RLock | None = None) -> None:
         self.nixl = nixl
+        self._lock = lock if lock is not None else threading.RLock()
         self.stats = stats
         self.engine_id = engine_id
         self._rank = rank
@@ -158,6 +193,10 @@ class SendSide:
         self._done: set[str] = set()  # finished_sending since the last take_done
         self.retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self._staging_last: tuple[int, bool] = (0, False)  # the staging arena's last sample (held bytes, full)
+        self._waiting: dict[str, _Waiting] = {}  # pushes held until their destination is ready
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def attach_arena(self, arena: StagingArena | None, reserve_timeout_s: float) -> None:
         """The transport this side posts with: bounced posts stage through ``arena`` (None: no bouncing),
@@ -217,6 +256,9 @@ class SendSide:
                          "%016x (restarted)", job.req_id, job.dst_engine, job.dst_epoch, remote.epoch)
             send.failed = True
             return
+        if not remote.ready:  # its set-up thread still loads its NIXL agents: hold it, never block the step
+            self._hold(job, send)
+            return
         plan = remote.plan
         me = self._payload()
         assert me is not None, "register_kv_caches first"
@@ -265,6 +307,44 @@ class SendSide:
         for dst in remote.payloads:
             if remote.plan.for_pair(me.rank, dst.rank) and dst.rank in remote.agents:
                 self._notify_failure(remote.agents[dst.rank], job.dst_req_id, why)
+
+    def _hold(self, job: PushJob, send: _Send) -> None:
+        """Hold ``job`` until its destination is ready (bounded: :data:`MAX_WAITING_PUSHES`)."""
+        if len(self._waiting) >= MAX_WAITING_PUSHES:
+            logger.error("DSAConnector: cannot push %s to %s: %d pushes already wait for peer set-up", job.req_id,
+                         job.dst_engine, len(self._waiting))
+            send.failed = True
+            return
+        send.waiting = True
+        self._waiting[job.req_id] = _Waiting(job, send, final=not job.layered)
+        self.stats.add("setup_waits")
+
+    def retry_waiting(self) -> None:
+        """Post the held pushes whose destination is ready now (or fail them, its set-up refused it); fail
+        the ones whose post deadline passed while they waited."""
+        now = time.monotonic()
+        for req_id, w in list(self._waiting.items()):
+            late = now >= w.job.post_deadline
+            remote = self.remotes.get(w.job.dst_engine)
+            if not late and (not w.final or (remote is not None and not remote.ready)):
+                continue
+            del self._waiting[req_id]
+            if self._sends.get(req_id) is not w.send:
+                continue  # replaced by a later push of the same request
+            del self._sends[req_id]
+            if late:
+                logger.error("DSAConnector: push of %s waited for the set-up of %s past its post deadline; not "
+                             "writing", req_id, w.job.dst_engine)
+            self.push(msgspec.structs.replace(w.job, layered=False))  # a late one fails as late there
+
+    def map_ahead(self, agent: str, dst: RankPayload) -> None:
+        """On the set-up thread, before ``dst``'s record is ready: map its CUDA IPC exports when it is on this
+        host and the pools are on CUDA, so no push maps them in a step (a failure is logged and met again by
+        a push routed through ipc, which then fails naming why)."""
+        regions = self._regions()
+        if not dst.ipc or not regions or regions[0].tensor.device.type != "cuda" or dst.host != host_id():
+            return
+        self._map(agent, dst)
 
     def _checks(self, parts: list[tuple[int, int, Runs]]) -> list[tuple[int, int, int, int]]:
         """``verify_transfers``: a CRC32 of every run (destination pool, offset, length, crc)."""
@@ -342,6 +422,8 @@ class SendSide:
         layer-by-layer post (the pages are all final now). Whether this step had any."""
         had = bool(self._layers) or self._layered_step
         self._layered_step = False
+        for w in self._waiting.values():
+            w.final = True  # the forward is over: a held layered job's pages are computed
         for entry in list(self._layers):
             self._add(entry, set(entry.todo))
         return had
@@ -375,22 +457,43 @@ class SendSide:
             post.tag = encode(msgspec.structs.replace(entry.notice, checks=self._checks(entry.parts)))
         self.transport.close(post)
 
-    def progress(self) -> None:
-        """Drive the just-posted WRITEs for up to ``_SPIN_S``: NIXL runs without a progress thread
-        (it would busy-poll a core the engine needs), so UCX copies only while someone polls; without
-        this the copy would wait for the next engine step. A layer-by-layer post still open cannot finish
-        before this step's forward computed its layers: it is not waited for (spinning on it here, before the
-        forward, would delay P's last prefill step by the whole ``_SPIN_S``)."""
-        deadline = time.perf_counter() + _SPIN_S
-        while self._finishable() and time.perf_counter() < deadline:
-            self.poll()
+    def wake(self) -> None:
+        """Something was posted or became ready: (start and) wake the progress thread, which polls the posts
+        in flight and posts held pushes whose destination is ready (see the module docstring)."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._progress_loop, daemon=True, name="dsa-send-progress")
+            self._thread.start()
+        self._wake.set()
 
-    def _finishable(self) -> bool:
-        """Whether a post in flight may finish without more layers (any post but an open layered one)."""
-        if not self._layers:
-            return bool(self._sends)
-        open_posts = {id(entry.group.post) for entry in self._layers}
-        return any(id(g.post) not in open_posts for send in self._sends.values() for g in send.groups)
+    def _progress_loop(self) -> None:
+        """While posts are in flight or pushes held, one :meth:`retry_waiting` + :meth:`poll` round under the
+        worker lock every :func:`~.receiving.recv_poll_period` (0.2 ms, growing with the wait to 2 ms); idle
+        otherwise."""
+        busy_since: float | None = None
+        while not self._stop.is_set():
+            if not self._sends and not self._waiting:
+                busy_since = None
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            if busy_since is None or self._wake.is_set():  # something new: poll fast again
+                self._wake.clear()
+                busy_since = now
+            with self._lock:
+                try:
+                    self.retry_waiting()
+                    self.poll()
+                except Exception as e:  # noqa: BLE001 - keep the engine alive; its steps poll too
+                    logger.warning("DSAConnector send progress: %s", e)
+            time.sleep(recv_poll_period(now - busy_since))
+
+    def stop(self) -> None:
+        """Stop the progress thread (the worker closes the NIXL engine after)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
 
     def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
         rank = self._rank()
@@ -404,6 +507,8 @@ class SendSide:
         sends its failure notice; then remove the retired agents no post uses any more."""
         self._poll_fences()
         for req_id, send in list(self._sends.items()):
+            if send.waiting:
+                continue  # nothing posted yet: retry_waiting posts or fails it
             for group in list(send.groups):
                 if not self.transport.progress(group.post):
                     continue

@@ -31,6 +31,8 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   without it; "load_peer_gone": P's start is gone, its side channel refuses connections or it restarted)
 - ``vllm:dsa_kv_staging_held_bytes`` (gauge): bytes of P's staging arenas in use (reserved by bounces in
   flight, or held for an aborted bounce until its connection is fenced), summed over P's workers
+- ``vllm:dsa_kv_setup_waits_total``: pushes P held because their destination's set-up (its NIXL remote
+  agents, loaded on the worker's set-up thread) was not over yet; posted once it is, without blocking a step
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -77,6 +79,7 @@ _COUNTERS = (
     "fenced_loads",
     "fence_timeouts",
     "fence_peer_gone",
+    "setup_waits",
 )
 #: gauges: a series of samples (the scheduler adds one when the value changed); the last one is the value
 _GAUGES = ("early_held",)
@@ -250,6 +253,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
                             labelnames=labelnames, multiprocess_mode="mostrecent"),
             per_engine_labelvalues)
         self._staging_held: dict[int, dict[int, float]] = {}  # engine -> rank -> bytes
+        self._setup_waits, _ = counter("vllm:dsa_kv_setup_waits",
+                                       "Pushes held until their destination's peer set-up was over")
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -286,6 +291,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
                              ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
                              ("fence_peer_gone", "load_peer_gone")):
             self._inc(self._fences, engine_idx, d.get(key, 0), outcome)
+        self._inc(self._setup_waits, engine_idx, d.get("setup_waits", 0))
         for key, side, outcome in (
             ("send_ok", "send", "ok"),
             ("send_failed", "send", "failed"),

@@ -25,6 +25,13 @@ disconnected and its next post removes it and adds it again from the metadata of
 start of the peer: its pools are unchanged), retrying a post refused for the lost connection once
 (:meth:`~vllm_dsa_connector.transport.engine.NixlEngine.reconnect`). Each reconnect is counted
 (``peer_reconnects``, ``vllm:dsa_kv_peer_reconnects_total``) and logged as a warning naming the peer.
+
+Peer set-up off the step path: learning a destination (P) validates its plan in the step (pure, fast) but
+loads its NIXL remote agents (``add_remote_agent``) and maps its CUDA IPC exports on the worker's one set-up
+thread (:class:`~.peer_setup.PeerSetup`), outside the worker lock; only the recording of the loaded agents
+takes the lock, briefly. Until a record is ready its pushes wait in the send side (bounded, counted, posted
+by its progress thread once the set-up is over, failed only at their post deadline): no step and no receiver
+thread ever waits on a peer's set-up.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
+from vllm_dsa_connector.connector.peer_setup import PeerSetup
 from vllm_dsa_connector.connector.pool_bytes import pool_tensor
 from vllm_dsa_connector.connector.receiving import ReceiveSide
 from vllm_dsa_connector.connector.sending import SendSide
@@ -77,6 +85,7 @@ class _RemoteEngine:
     plan: PeerPlan | None = None  # decoded page tables of both sides + transfer plan, built once
     error: str = ""
     epoch: int = 0  # the start of the peer engine these payloads belong to
+    ready: bool = True  # a destination's NIXL agents are loaded (False while its set-up thread works)
 
 
 class DSAConnectorWorker:
@@ -109,7 +118,8 @@ class DSAConnectorWorker:
                                 fence_timeout_s=options.fence_timeout_s)
         self.send = SendSide(self.nixl, self.stats, options.transfer_timeout_s, engine_id=engine_id,
                              rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
-                             remotes=self.remotes)
+                             remotes=self.remotes, lock=self._lock)
+        self.setup = PeerSetup(f"dsa-peer-setup-{engine_id}")
 
     @property
     def rank(self) -> int:
@@ -218,19 +228,25 @@ class DSAConnectorWorker:
             else:
                 remote.plan = validate_peer(local, payloads)
                 self._check_identity(peer.engine_id, payloads)
+                todo = []
                 for p in payloads:
                     if self.send.reclaim(p.agent_name):  # a retired agent still loaded: reuse it
                         remote.agents[p.rank] = p.agent_name
                     else:
-                        remote.agents[p.rank] = self.nixl.add_peer(p.agent_metadata)
+                        todo.append(p)
+                if todo:  # loaded on the set-up thread: the step goes on (pushes to it wait, see the docstring)
+                    remote.ready = False
+                    self.setup.submit(peer.engine_id, lambda: self._set_up(peer.engine_id, remote, todo))
         except (HandshakeError, Exception) as e:  # noqa: BLE001 - refuse the peer, keep serving
             remote.error = str(e)
+            remote.ready = True
             logger.error("DSAConnector %s: peer %s refused: %s", self.engine_id, peer.engine_id, e)
         if old is not None:
             logger.warning("DSAConnector %s: peer %s (as %s) restarted (epoch %016x replaces %016x): NIXL agents "
-                           "%s retired, %s added", self.engine_id, peer.engine_id,
+                           "%s retired, %s %s", self.engine_id, peer.engine_id,
                            "source" if peer.as_source else "destination", peer.epoch, old.epoch,
-                           sorted(old.agents.values()), sorted(remote.agents.values()))
+                           sorted(old.agents.values()), sorted(p.agent_name for p in payloads),
+                           "added" if remote.ready else "being added on the set-up thread")
         records[peer.engine_id] = remote
         self.send.remove_retired()
 
@@ -238,7 +254,8 @@ class DSAConnectorWorker:
         """Refuse destination payloads that are not ``engine``'s own (counted): an agent name another destination
         engine's record holds, or agent metadata that names another agent than the payload (NIXL would load it
         under the metadata's name: that agent's pools would take this engine's WRITEs)."""
-        owners = {a: e for e, r in self.remotes.items() if e != engine for a in r.agents.values()}
+        # the payloads, not the loaded agents: a record's agents are loaded on the set-up thread, later
+        owners = {q.agent_name: e for e, r in self.remotes.items() if e != engine and not r.error for q in r.payloads}
         for p in payloads:
             named = metadata_agent_name(p.agent_metadata)
             why = ""
@@ -251,6 +268,39 @@ class DSAConnectorWorker:
             if why:
                 self.stats.add("refused_identities")
                 raise HandshakeError(f"payloads of destination engine {engine!r} are not its own: {why}")
+
+    def _set_up(self, engine: str, remote: _RemoteEngine, payloads: list[RankPayload]) -> None:
+        """On the set-up thread: load the NIXL remote agents of ``payloads`` (no worker lock held: NIXL's own
+        lock serialises ``add_remote_agent`` with the posts), map a same-host peer's CUDA IPC exports, then
+        record the agents and mark ``remote`` ready under the worker lock (briefly). A record replaced or
+        forgotten meanwhile gets nothing: the agents loaded for it are retired."""
+        t0 = time.perf_counter()
+        loaded: dict[int, tuple[str, bytes]] = {}
+        error = ""
+        try:
+            for p in payloads:
+                loaded[p.rank] = (self.nixl.load_peer(p.agent_metadata), p.agent_metadata)
+                self.send.map_ahead(loaded[p.rank][0], p)  # its pushes wait until the record is ready
+        except Exception as e:  # noqa: BLE001 - refuse the peer, keep serving
+            error = f"loading the NIXL metadata of its rank {p.rank} failed: {e}"
+        with self._lock:
+            for rank, (agent, meta) in loaded.items():
+                self.nixl.adopt_peer(agent, meta)
+                remote.agents[rank] = agent
+            current = self.remotes.get(engine) is remote
+            if not current:
+                self.send.retire(a for a, _ in loaded.values())
+                self.send.remove_retired()
+            remote.error = remote.error or error
+            remote.ready = True
+        self.send.wake()
+        took = time.perf_counter() - t0
+        if error:
+            logger.error("DSAConnector %s: peer %s refused: %s", self.engine_id, engine, error)
+        else:
+            (logger.warning if took > 1.0 else logger.info)(
+                "DSAConnector %s: set up peer %s (%d NIXL remote agent(s)) in %.3f s off the step path",
+                self.engine_id, engine, len(loaded), took)
 
     def _reconnected(self, agent: str, reason: str) -> None:
         """The transport removed and added ``agent`` again after its connection was lost: count and log it."""
@@ -291,7 +341,7 @@ class DSAConnectorWorker:
         for job in meta.push:
             self.send.push(job)
         if meta.push:
-            self.send.progress()
+            self.send.wake()  # its progress thread drives the WRITEs: the forward never waits on one
         for recv in meta.recv:
             self.recv.expect(recv)
         for req_id, reason in meta.fail_recv.items():
@@ -315,11 +365,10 @@ class DSAConnectorWorker:
 
     def wait_for_save(self) -> None:
         """The step's forward is over: close its layer-by-layer posts (adding the layers no save_kv_layer
-        reported) and drive the WRITEs for a moment, so the completion notice goes out without waiting for
-        the next step."""
+        reported); the send side's progress thread drives them to DONE (nothing here waits on a WRITE)."""
         with self._lock:
             if self.send.finish_layers():
-                self.send.progress()
+                self.send.wake()
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -339,7 +388,9 @@ class DSAConnectorWorker:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
-        """Stop the receiver thread, release NIXL resources."""
+        """Stop the set-up, send progress and receiver threads, release NIXL resources."""
+        self.setup.stop()
+        self.send.stop()
         self.recv.stop()
         with self._lock:
             self.nixl.close()

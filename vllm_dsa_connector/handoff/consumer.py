@@ -74,6 +74,9 @@ _TAKEN = 65536  # P requests remembered as taken by a D request (n > 1 siblings 
 # Heartbeats of one peer still unanswered (its control thread is behind, P is slow or gone): beyond this no new
 # one is queued for it (each waits handshake_timeout_s; a queue growing every heartbeat_s would never drain).
 _HB_PENDING = 64
+#: P starts remembered as having delivered a load here (their loads no longer get ``peer_setup_s``); the
+#: oldest are forgotten first (one entry per real P start that delivered: a proxy cannot grow it).
+_PROVEN_CAP = 4096
 
 
 class Consumer:
@@ -99,6 +102,7 @@ class Consumer:
         self._heartbeats: list[tuple[str, list[ReqRef], Future]] = []  # (engine, refs, reply) in flight
         self._taken: OrderedDict[tuple[str, str], str] = OrderedDict()  # (P engine, P request) -> D request
         self._cancels = PendingCancels(self._send_cancel, engine_id)  # cancels P has not answered yet
+        self._proven: dict[str, int] = {}  # P engine -> its start that delivered a load here (see budget)
         self.heartbeats_refused = 0  # heartbeats P answered with a refusal (each an error, logged)
 
     @property
@@ -201,8 +205,9 @@ class Consumer:
         load = self.loads.setdefault(req_id, Loading(rp.remote_engine_id, rp.ref, req_id=req_id))
         load.epoch = load.epoch or peer.meta.epoch
         load.to(LoadState.REGISTERING)
-        load.give_up_at = now + self.settings.transfer_timeout_s
-        load.release_at = now + self._release_bound(peer)  # no WRITE of this registration lands after it
+        load.give_up_at = now + self.budget(rp.remote_engine_id, peer.meta.epoch)
+        # no WRITE of this registration lands after it
+        load.release_at = load.give_up_at + write_bound_s(peer.meta.write_timeout_s, self.settings.transfer_timeout_s)
         load.slots = held_slots
         # P posts at most its horizon (its write timeout + a margin) after the registration arrives and keeps the
         # tombstone of a cancel that long: a deadline inside it keeps a delayed copy refused after a cancel
@@ -215,7 +220,7 @@ class Consumer:
         load.reg_body = reg
         load.reg = self._notifying(self._regs.submit(self._register, peer, reg))
         return RecvJob(req_id=req_id, src_engine=rp.remote_engine_id, blocks=dst_blocks, expected=peer.expected,
-                       timeout_s=self._release_bound(peer) + 60.0, verify=self.settings.verify_transfers,
+                       timeout_s=load.release_at - now + 60.0, verify=self.settings.verify_transfers,
                        src_blocks=src_blocks, routes=routes, first_token=first_token, num_tokens=num_tokens,
                        src_epoch=peer.meta.epoch, early=rp.early)
 
@@ -240,9 +245,19 @@ class Consumer:
                               self.settings.handshake_timeout_s, self.auth, peer.meta.clock, self.origin)
         return answer
 
-    def _release_bound(self, peer: Peer | None) -> float:
-        write = peer.meta.write_timeout_s if peer is not None and peer.meta is not None else 0.0
-        return self.settings.transfer_timeout_s + write_bound_s(write, self.settings.transfer_timeout_s)
+    def budget(self, engine: str, epoch: int) -> float:
+        """Seconds a new registration with P ``engine``'s start ``epoch`` may wait for its KV:
+        ``transfer_timeout_s``, plus ``peer_setup_s`` until that start delivered a load here (:meth:`loaded`):
+        its first loads also wait for P's one-time set-up of this engine, which is not the transfer's."""
+        proven = self._proven.get(engine) == epoch
+        return self.settings.transfer_timeout_s + (0.0 if proven else self.settings.peer_setup_s)
+
+    def loaded(self, load: Loading) -> None:
+        """``load`` landed: its P start has set this engine up (its later loads get ``transfer_timeout_s``)."""
+        self._proven.pop(load.engine, None)
+        self._proven[load.engine] = load.epoch
+        while len(self._proven) > _PROVEN_CAP:
+            del self._proven[next(iter(self._proven))]
 
     def writes_over_at(self, load: Loading) -> float:
         """From when no WRITE of P can land in this load's blocks or staging slots

@@ -26,6 +26,9 @@ class HandoffSettings:
     peer_idle_s: float = 300.0  #: a peer with no request for this long is forgotten (handshakes again on use)
     early_held_per_peer: int = 1024  #: P holds at most this many early registrations of one D engine
     early_held_bytes_per_peer: int = 64 << 20  #: ... and at most this many bytes of them
+    #: added to a load's budget while its P start has delivered no load to this engine yet: P's one-time
+    #: set-up of this D (NIXL remote agents, the first connection) is not spent from ``transfer_timeout_s``
+    peer_setup_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "heartbeat_s", "peer_idle_s"):
@@ -36,3 +39,5 @@ class HandoffSettings:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"HandoffSettings.{name} must be an int >= 1, got {value!r}")
+        if not self.peer_setup_s >= 0:
+            raise ValueError(f"HandoffSettings.peer_setup_s must be >= 0 seconds, got {self.peer_setup_s!r}")

@@ -27,12 +27,25 @@ warm once a tracked transfer on it completed, or once an untracked notification 
 :data:`NOTIFY_FLUSH_S`; until then :meth:`NixlAgent.notification_pending` is true after such a send and the
 sender keeps calling it (each call progresses the agent). :meth:`NixlAgent.reconnect` makes the connection
 cold again.
+
+Threads: the NIXL agent is made with NIXL's read/write synchronisation (``NIXL_THREAD_SYNC_RW``: NIXL's
+default without a listener thread is ``NONE``, no locking at all): loading a peer's metadata
+(:meth:`NixlAgent.load_peer`, NIXL's ``loadRemoteMD``, which releases the GIL) takes NIXL's lock exclusively,
+posts, state checks and notifications take it shared. So a set-up thread may load a peer while another thread
+posts or progresses, with no lock of the caller held; everything else of this class (its own records: peers,
+metadata, backoff, connection counts) is kept by one thread at a time (the caller's lock), and
+:meth:`NixlAgent.adopt_peer` records a loaded peer under it.
+
+UCX connection timeouts: :func:`ucx_fail_fast_defaults` (called before the agent is made) sets UCX's TCP
+connect and keepalive knobs (:data:`UCX_FAIL_FAST`) unless the environment sets them already, so a connection
+to a dead peer fails in seconds, not after the kernel's two minutes of SYN retries.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Self
@@ -43,7 +56,27 @@ from vllm_dsa_connector.transport.prepared import PreparedLists
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISCONNECT_ERRORS", "NOTIFY_FLUSH_S", "NixlAgent", "is_disconnect"]
+__all__ = ["DISCONNECT_ERRORS", "NOTIFY_FLUSH_S", "UCX_FAIL_FAST", "NixlAgent", "is_disconnect",
+           "ucx_fail_fast_defaults"]
+
+#: UCX settings that make a connection to a dead or unreachable peer fail fast, each applied only when the
+#: environment does not set it (UCX reads them when the agent's UCX worker is made): TCP connect attempts
+#: give up after 3 SYN retransmits (about 15 s; the kernel's default of 6 takes about 127 s), and an idle
+#: TCP connection whose peer died is found by keepalive probes within about 10 s.
+UCX_FAIL_FAST = {
+    "UCX_TCP_SYN_CNT": "3",
+    "UCX_TCP_KEEPIDLE": "5s",
+    "UCX_TCP_KEEPINTVL": "2s",
+    "UCX_TCP_KEEPCNT": "3",
+}
+
+
+def ucx_fail_fast_defaults(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set each :data:`UCX_FAIL_FAST` knob the environment does not set; returns the ones set here."""
+    env = os.environ if environ is None else environ
+    added = {k: v for k, v in UCX_FAIL_FAST.items() if k not in env}
+    env.update(added)
+    return added
 
 #: How long a sender keeps progressing its agent after an untracked notification went out on a cold
 #: connection before it presumes the notification delivered (NIXL sends no acknowledgement). Wire-up between
@@ -91,19 +124,21 @@ class NixlAgent:
         flush window of untracked notifications (:data:`NOTIFY_FLUSH_S`)."""
         self._backoff = ReconnectBackoff(name, reconnect_backoff_s, reconnect_backoff_max_s)
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as e:  # pragma: no cover - depends on the install
             raise RuntimeError(
                 "NIXL is not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
             ) from e
         self.name = name
         self.telemetry = telemetry
+        ucx_fail_fast_defaults()
         self._agent = nixl_agent(
             name,
             nixl_agent_config(
                 backends=list(backends),
                 capture_telemetry=telemetry,
                 enable_prog_thread=progress_thread,
+                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,  # a set-up thread loads peers (docstring)
             ),
         )
         missing = [b for b in backends if b not in self._agent.backends]
@@ -156,9 +191,19 @@ class NixlAgent:
         return self._agent.get_agent_metadata()
 
     def add_peer(self, meta: bytes) -> str:
-        """Load a peer's metadata; returns the peer's agent name."""
+        """Load a peer's metadata and record it (:meth:`load_peer` then :meth:`adopt_peer`); returns the
+        peer's agent name."""
+        return self.adopt_peer(self.load_peer(meta), meta)
+
+    def load_peer(self, meta: bytes) -> str:
+        """Load a peer's metadata into NIXL (``add_remote_agent``) and return its agent name, recording
+        nothing here: safe on a set-up thread while another thread posts (NIXL's own lock serialises it, see
+        the module docstring). :meth:`adopt_peer` records it (under the caller's lock)."""
         peer = self._agent.add_remote_agent(meta)
-        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        return peer.decode() if isinstance(peer, bytes) else str(peer)
+
+    def adopt_peer(self, peer: str, meta: bytes) -> str:
+        """Record ``peer``, whose metadata ``meta`` :meth:`load_peer` loaded: posts to it may go now."""
         self._peers.add(peer)
         self._meta[peer] = bytes(meta)
         self._disconnected.pop(peer, None)
