@@ -17,6 +17,9 @@ progress thread completes the WRITEs and the step never waits. Run it on both tr
 merge the rows (``--label``):
 
     PYTHONPATH=<tree> python bench/step_time.py --label after --json
+
+``--device cuda`` puts the KV caches (VRAM registered with NIXL) and the forward on the GPU, which the
+forward's end synchronises, as a GPU engine's step does.
 """
 
 from __future__ import annotations
@@ -33,14 +36,26 @@ CFG = {"num_layers": 8, "index_topk_pattern": "FSFSFSFS"}
 BLOCK_SIZE = 64
 
 
-def _worker(engine: str, role: str, num_blocks: int) -> Any:
-    from vllm_dsa_connector.connector.options import ConnectorOptions
-    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-    from vllm_dsa_connector.layout import allocate_offline
+def _caches(num_blocks: int, device: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """One worker's KV caches allocated by vLLM on ``device`` and their page table (the runtime builder)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from vllm_dsa_connector.layout.build import build_from_kv_caches, kv_cache_configs
     from vllm_dsa_connector.tiny_models import glm_dsa_config
 
-    kv_caches, _, table = allocate_offline(glm_dsa_config(**CFG), pp_rank=0, pp_size=1, tp_rank=0, tp_size=1,
-                                           block_size=BLOCK_SIZE, num_blocks=num_blocks)
+    hf_config, configs = kv_cache_configs(glm_dsa_config(**CFG), pp_size=1, block_size=BLOCK_SIZE,
+                                          num_blocks=num_blocks)
+    kv_caches = allocate_kv_cache(configs[0], torch.device(device), KVCacheLayout["BLHNC"])
+    table = build_from_kv_caches(kv_caches, configs[0], hf_config, pp_rank=0, pp_size=1, tp_rank=0, tp_size=1)
+    return kv_caches, table
+
+
+def _worker(engine: str, role: str, num_blocks: int, device: str = "cpu") -> Any:
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+
+    kv_caches, table = _caches(num_blocks, device)
     opts = ConnectorOptions.from_config({"transfer_timeout_s": 60, "prefault_kv_cache": True}, environ={})
     worker = DSAConnectorWorker(engine, opts, {"model_dtype": "bf16"}, role=role)
     worker.register(kv_caches, table)
@@ -81,11 +96,11 @@ def run(args: argparse.Namespace) -> list[list[Any]]:
     from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
 
     torch.set_num_threads(1)
-    p = _worker("P-step", "kv_producer", args.blocks + 8)
-    d = _worker("D-step", "kv_consumer", args.blocks * (args.steps + 2) + 8)
+    p = _worker("P-step", "kv_producer", args.blocks + 8, args.device)
+    d = _worker("D-step", "kv_consumer", args.blocks * (args.steps + 2) + 8, args.device)
     blocks = list(range(args.blocks))
     nbytes = p.table.bytes_per_block * args.blocks
-    a = torch.randn(256, 256)
+    a = torch.randn(256, 256, device=args.device)
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
                                          peers=[PeerInfo(d.engine_id, [encode(d.payload)])]))
     setup = getattr(p, "setup", None)
@@ -109,6 +124,8 @@ def run(args: argparse.Namespace) -> list[list[Any]]:
             p.start_load_kv(meta)
             t1 = time.perf_counter()
             _forward(a, args.forward_reps)
+            if a.is_cuda:
+                torch.cuda.synchronize()  # the step's forward is over when its kernels are
             p.wait_for_save()
             p.get_transfer_results()
             t2 = time.perf_counter()
@@ -127,7 +144,7 @@ def run(args: argparse.Namespace) -> list[list[Any]]:
                 d.get_transfer_results()
                 time.sleep(0.002)
         steps.sort()
-        rows.append([args.label, scenario, round(nbytes / 2**20, 2) if scenario != "idle" else 0,
+        rows.append([args.label + (f" ({args.device})" if args.device != "cpu" else ""), scenario, round(nbytes / 2**20, 2) if scenario != "idle" else 0,
                      round(statistics.median(starts), 2), round(max(starts), 2),
                      round(statistics.median(steps), 2), round(steps[int(0.9 * (len(steps) - 1))], 2)])
     p.shutdown()
@@ -141,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="measured steps per scenario")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--forward-reps", type=int, default=20, help="256x256 matmuls standing in for the forward")
+    ap.add_argument("--device", default="cpu", help="where the KV caches and the forward live (cpu or cuda)")
     ap.add_argument("--label", default="", help="names this tree in the rows (before / after)")
     ap.add_argument("--merge", nargs="*", default=[], help="JSON files of earlier runs whose rows come first")
     ap.add_argument("--json", action="store_true", help="print one JSON line (vllm-dsa bench report --record)")
