@@ -431,7 +431,11 @@ def test_one_p_request_feeds_one_d_request(pd, tiny_mla_dir: Path) -> None:
         _load(d2, clock, "d2-fork", params, 2 * BLOCK, 0, [92, 93])
         d2.build_connector_meta(None)
         _wait(d2.consumer.loads["d2-fork"].reg)
-        reason = d2.build_connector_meta(None).fail_recv["d2-fork"]
+        failed: dict[str, str] = {}
+        # a registration left unanswered on a loaded host is retried: the refusal may come a step later
+        _wait_for(lambda: failed.update(d2.build_connector_meta(None).fail_recv) or "d2-fork" in failed,
+                  "D2's refused load failed")
+        reason = failed["d2-fork"]
         assert "P refused the registration" in reason and "already registered by D request '0_fork'" in reason
         assert "refusing D request 'd2-fork' of engine 'D2'" in reason
         (job,) = p.build_connector_meta(None).push  # P writes for the first D request only
