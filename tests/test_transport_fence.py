@@ -20,7 +20,9 @@
   listens (stalled, or just slow) keeps it waiting.
 - P's staging arena does not leak on failed bounces: bounced WRITEs to a receiver that never progresses
   (UCX TCP: the bytes wait for the target) time out, more of them than the arena holds; every one's space
-  comes back once its connection is fenced, and the next bounce finds room.
+  comes back once its connection is fenced, and the next bounce finds room. With the reconnect off the
+  caller's thread (``reconnect_inline=False``) a fence that closes the connection keeps the space quarantined
+  until the new connection is made, then fences the notice again on it.
 """
 
 from __future__ import annotations
@@ -260,6 +262,41 @@ def test_timed_out_bounces_do_not_exhaust_the_staging_arena(tcp: None) -> None:
         print(f"fences confirmed {transport.fences.fenced}, connections reset {transport.fences.resets}")
         assert transport.fences.resets >= 1  # a stalled D: the connection was closed instead
         assert transport.fences.fenced >= 1  # a D that progresses confirms the fences (re-posted ones too)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_fence_closed_off_thread_keeps_the_staging_until_the_new_connection(tcp: None) -> None:
+    stamp = time.monotonic_ns()
+    p, d = NixlEngine(f"offf-p-{stamp}", reconnect_inline=False), NixlEngine(f"offf-d-{stamp}")
+    try:
+        n = 1 << 16
+        rs = p.register(torch.full((n,), 5, dtype=torch.uint8))
+        recv_arena = StagingArena(n)
+        rslot = d.register(recv_arena.buffer)
+        peer = p.add_peer(d.metadata())
+        arena = StagingArena(2 * n)
+        transport = RoutedTransport(p, 0.2, arena=arena, reserve_timeout_s=0.0)
+        post = transport.post(peer, [(rs, rslot.desc(), runs_from_blocks([0], [0], n))], writer=0, tag=b"s",
+                              path="bounce", slot=StagingSlot(rslot.desc(), 0, n))
+        _drive_until(lambda: transport.progress(post), p, what="the stalled bounce never ended")  # D stalls
+        assert post.state is PostState.FAILED and arena.quarantined_bytes == n, post.error
+        transport.notify(peer, 0, b"s")  # its failure notice: a fence, overdue while D stalls
+        _drive_until(lambda: (transport.poll_fences(), transport.fences.resets >= 1)[1], p,
+                     what="the overdue fence never closed the connection")
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:  # nothing gives the space back before the connection is really closed
+            transport.poll_fences()
+        assert arena.quarantined_bytes == n and p.disconnected(peer) and transport.fences.unposted() == {peer}
+        meta = p.begin_reconnect(peer)  # what the connector's set-up thread does
+        assert meta is not None
+        p.reload_peer(peer, meta)
+        p.end_reconnect(peer, None)
+        _drive_until(lambda: (transport.poll_fences(), arena.quarantined_bytes == 0
+                              and transport.fences.pending == 0)[1], p, d,
+                     what="the fence was never confirmed on the new connection")
+        assert p.reconnects == 1 and transport.fences.fenced == 1 and arena.free_bytes == arena.size
     finally:
         p.close()
         d.close()
