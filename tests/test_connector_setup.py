@@ -7,6 +7,9 @@ agents on UCX.
   P's own NIXL agent: a slow set-up, e.g. a loaded host, cannot be caused on demand otherwise); the push waits
   (counted) and lands once the set-up is over, driven by nothing but the workers' own threads.
 - A held push still waiting at its post deadline is failed as late, while the set-up still runs.
+- A reconnect (the connection to a known destination was lost: NIXL dropped its remote agent, or it was closed)
+  runs on the same set-up thread: ``start_load_kv`` returns at once and the worker lock stays free while the
+  reconnect's ``add_remote_agent`` is slow; the push waits and lands on the new connection (counted once).
 - ``start_load_kv`` never polls a WRITE it posted (the 50 ms spin is gone): P's progress thread completes it
   and the request is reported ``finished_sending``.
 """
@@ -94,6 +97,46 @@ def test_a_slow_peer_set_up_never_blocks_the_step_and_its_push_lands_after(pd, m
     assert not failed and not d.get_block_ids_with_load_errors() and d.stats.data["checksummed_runs"] > 0
     _sent(p, "p-slow", 10.0)
     assert p.stats.data["send_ok"] == 1 and p.stats.data["send_failed"] == 0
+
+
+@pytest.mark.parametrize("lost", ["dropped by NIXL", "closed"])
+def test_a_slow_reconnect_never_blocks_the_step_and_its_push_lands_after(pd, monkeypatch, lost) -> None:
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    p, d = pd
+    _arm(p, d, "d-first")
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])],
+                                         push=[PushJob("p-first", d.engine_id, "d-first", SRC_BLOCKS, DST_BLOCKS,
+                                                               verify=True)]))
+    assert not _received(d, "d-first", 20.0)[1]
+    _sent(p, "p-first", 10.0)
+    agent = p.remotes[d.engine_id].agents[0]
+    with p._lock:  # the connection is lost (the fault): NIXL dropped the remote agent, or a fence closed it
+        if lost == "closed":
+            p.nixl.close_connection(agent, "fence not confirmed (test)")
+        else:
+            p.nixl._agent.remove_remote_agent(agent)  # what NIXL does itself after a remote disconnect
+    started = _slow_add(p, monkeypatch, 2.0)
+    _arm(p, d, "d-re")
+    t0 = time.perf_counter()
+    p.start_load_kv(DSAConnectorMetadata(push=[PushJob("p-re", d.engine_id, "d-re", SRC_BLOCKS, DST_BLOCKS,
+                                                       verify=True)]))
+    took = time.perf_counter() - t0
+    assert took < 0.5, f"start_load_kv waited {took:.2f} s on the peer's reconnect"
+    assert started.wait(5), "the reconnect never started"
+    t0 = time.perf_counter()
+    assert p._lock.acquire(timeout=1.0), "the worker lock is held during the peer's reconnect"
+    p._lock.release()
+    p.get_transfer_results()  # a step meanwhile: no wait
+    assert time.perf_counter() - t0 < 0.5
+    assert p.stats.data["setup_waits"] >= 1 and p.stats.data.get("peer_reconnects", 0) == 0
+    _, failed = _received(d, "d-re", 20.0)
+    assert not failed and not d.get_block_ids_with_load_errors() and d.stats.data["checksummed_runs"] > 0
+    _sent(p, "p-re", 10.0)
+    assert p.stats.data["peer_reconnects"] == 1 and p.nixl.reconnects == 1 and not p.nixl.disconnected(agent)
+    assert p.stats.data["send_ok"] == 2 and p.stats.data["send_failed"] == 0
 
 
 def test_a_push_still_waiting_for_set_up_at_its_post_deadline_fails_as_late(pd, monkeypatch) -> None:

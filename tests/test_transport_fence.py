@@ -4,6 +4,11 @@
   so the next post meets a dead connection and reconnects (remove + add the remote agent, post again). The
   reconnect is slowed past the deadline (``add_remote_agent`` wrapped to sleep: the one mock, a slow
   metadata load cannot be caused otherwise); the WRITE is refused, not posted after its deadline.
+- Reconnects off the caller's thread (``reconnect_inline=False``, the connector's workers): a post to a peer
+  whose connection is gone (NIXL dropped its remote agent) posts nothing and raises ``PeerReconnecting``; the
+  reconnect is claimed once, its NIXL calls run with no lock (here: on another thread while this one posts
+  to no one), a failed attempt backs off (posts then fail at once naming the next attempt, not waiting), and
+  after a successful one the post lands on the new connection (counted once, ``on_reconnect`` called).
 - No byte of a given-up WRITE lands in blocks D reused: D never progresses while P's WRITE is in flight (a
   stalled or partitioned D: UCX over TCP applies the bytes only when the target progresses), P aborts it at
   its write timeout and sends its failure notice, which goes as a fence (NIXL flushes the connection before a
@@ -15,7 +20,9 @@
   listens (stalled, or just slow) keeps it waiting.
 - P's staging arena does not leak on failed bounces: bounced WRITEs to a receiver that never progresses
   (UCX TCP: the bytes wait for the target) time out, more of them than the arena holds; every one's space
-  comes back once its connection is fenced, and the next bounce finds room.
+  comes back once its connection is fenced, and the next bounce finds room. With the reconnect off the
+  caller's thread (``reconnect_inline=False``) a fence that closes the connection keeps the space quarantined
+  until the new connection is made, then fences the notice again on it.
 """
 
 from __future__ import annotations
@@ -108,6 +115,75 @@ def test_post_deadline_is_checked_after_a_reconnect_right_before_the_post(tcp: N
         d.close()
 
 
+def test_reconnect_off_the_posting_thread_keeps_the_backoff(tcp: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from vllm_dsa_connector.transport.agent import PeerReconnecting
+    from vllm_dsa_connector.transport.nixl_data import TransferError
+
+    stamp = time.monotonic_ns()
+    seen: list[tuple[str, str]] = []
+    p = NixlEngine(f"off-p-{stamp}", reconnect_inline=False, reconnect_backoff_s=0.2, reconnect_backoff_max_s=0.4,
+                   on_reconnect=lambda peer, why: seen.append((peer, why)))
+    d = NixlEngine(f"off-d-{stamp}")
+    try:
+        src = torch.full((4 * PAGE,), 9, dtype=torch.uint8)
+        dst = torch.zeros(4 * PAGE, dtype=torch.uint8)
+        rs, rd = p.register(src), d.register(dst)
+        peer = p.add_peer(d.metadata())
+        _until_done(p, d, p.write(peer, rs, rd.desc(), runs_from_blocks([0], [0], PAGE)))
+        p._agent.remove_remote_agent(peer)  # what NIXL does itself after a remote disconnect
+        with pytest.raises(PeerReconnecting):  # nothing posted, no reconnect on this thread
+            p.write(peer, rs, rd.desc(), runs_from_blocks([0], [1], PAGE))
+        assert p.reconnects == 0 and p.disconnected(peer) and p.reconnect_pending(peer)
+        with pytest.raises(PeerReconnecting):  # marked: the next post does not even try
+            p.write(peer, rs, rd.desc(), runs_from_blocks([0], [1], PAGE))
+        meta = p.begin_reconnect(peer)
+        assert meta is not None and p.begin_reconnect(peer) is None  # claimed once
+        real = p._agent.add_remote_agent
+
+        def refused(meta: bytes):  # the peer is still unreachable: the re-add fails (the fault)
+            raise RuntimeError("connect refused (test)")
+
+        monkeypatch.setattr(p._agent, "add_remote_agent", refused)
+        errors: list[BaseException] = []
+        t = threading.Thread(target=lambda: _reload(p, peer, meta, errors))
+        t.start()
+        t.join(10)
+        with pytest.raises(TransferError, match="next attempt in"):
+            p.end_reconnect(peer, errors[0], "lost (test)")
+        assert not p.reconnect_pending(peer)  # backing off: posts fail at once, they do not wait
+        with pytest.raises(TransferError, match="next reconnect attempt in") as refusal:
+            p.write(peer, rs, rd.desc(), runs_from_blocks([0], [1], PAGE))
+        assert not isinstance(refusal.value, PeerReconnecting)
+        assert p.begin_reconnect(peer) is None
+        time.sleep(0.25)  # the backoff is over: the next attempt may be made
+        assert p.reconnect_pending(peer)
+        monkeypatch.setattr(p._agent, "add_remote_agent", real)
+        meta = p.begin_reconnect(peer)
+        assert meta is not None
+        errors.clear()
+        t = threading.Thread(target=lambda: _reload(p, peer, meta, errors))
+        t.start()
+        t.join(10)
+        assert not errors
+        p.end_reconnect(peer, None, "lost (test)")
+        assert p.reconnects == 1 and len(seen) == 1 and not p.disconnected(peer) and not p.reconnect_pending(peer)
+        _until_done(p, d, p.write(peer, rs, rd.desc(), runs_from_blocks([0], [1], PAGE)))
+        assert bool((dst[PAGE:2 * PAGE] == 9).all())
+        assert p.backoff(peer) == (0, 0.0)  # a transfer completed on the new connection: the backoff is over
+    finally:
+        p.close()
+        d.close()
+
+
+def _reload(p: NixlEngine, peer: str, meta: bytes, errors: list[BaseException]) -> None:
+    try:
+        p.reload_peer(peer, meta)
+    except Exception as e:  # noqa: BLE001 - handed to end_reconnect
+        errors.append(e)
+
+
 def _drive_until(cond, *engines: NixlEngine, timeout_s: float = 10.0, what: str = "") -> None:
     end = time.monotonic() + timeout_s
     while not cond():
@@ -186,6 +262,41 @@ def test_timed_out_bounces_do_not_exhaust_the_staging_arena(tcp: None) -> None:
         print(f"fences confirmed {transport.fences.fenced}, connections reset {transport.fences.resets}")
         assert transport.fences.resets >= 1  # a stalled D: the connection was closed instead
         assert transport.fences.fenced >= 1  # a D that progresses confirms the fences (re-posted ones too)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_fence_closed_off_thread_keeps_the_staging_until_the_new_connection(tcp: None) -> None:
+    stamp = time.monotonic_ns()
+    p, d = NixlEngine(f"offf-p-{stamp}", reconnect_inline=False), NixlEngine(f"offf-d-{stamp}")
+    try:
+        n = 1 << 16
+        rs = p.register(torch.full((n,), 5, dtype=torch.uint8))
+        recv_arena = StagingArena(n)
+        rslot = d.register(recv_arena.buffer)
+        peer = p.add_peer(d.metadata())
+        arena = StagingArena(2 * n)
+        transport = RoutedTransport(p, 0.2, arena=arena, reserve_timeout_s=0.0)
+        post = transport.post(peer, [(rs, rslot.desc(), runs_from_blocks([0], [0], n))], writer=0, tag=b"s",
+                              path="bounce", slot=StagingSlot(rslot.desc(), 0, n))
+        _drive_until(lambda: transport.progress(post), p, what="the stalled bounce never ended")  # D stalls
+        assert post.state is PostState.FAILED and arena.quarantined_bytes == n, post.error
+        transport.notify(peer, 0, b"s")  # its failure notice: a fence, overdue while D stalls
+        _drive_until(lambda: (transport.poll_fences(), transport.fences.resets >= 1)[1], p,
+                     what="the overdue fence never closed the connection")
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:  # nothing gives the space back before the connection is really closed
+            transport.poll_fences()
+        assert arena.quarantined_bytes == n and p.disconnected(peer) and transport.fences.unposted() == {peer}
+        meta = p.begin_reconnect(peer)  # what the connector's set-up thread does
+        assert meta is not None
+        p.reload_peer(peer, meta)
+        p.end_reconnect(peer, None)
+        _drive_until(lambda: (transport.poll_fences(), arena.quarantined_bytes == 0
+                              and transport.fences.pending == 0)[1], p, d,
+                     what="the fence was never confirmed on the new connection")
+        assert p.reconnects == 1 and transport.fences.fenced == 1 and arena.free_bytes == arena.size
     finally:
         p.close()
         d.close()

@@ -2,7 +2,8 @@
 
 Learning a destination (NIXL ``add_remote_agent`` of each of its ranks, mapping its CUDA IPC exports) can
 take long on a loaded host or against a peer that is slow to answer; vLLM's NixlConnector runs its
-handshakes on a background thread for the same reason. :class:`PeerSetup` runs such jobs one at a time, in
+handshakes on a background thread for the same reason. Reconnects after a lost connection (removing a
+remote agent and adding it again) run here too. :class:`PeerSetup` runs such jobs one at a time, in
 submission order, on its own daemon thread: the caller (the worker's ``start_load_kv``, under the worker
 lock) only submits and returns. A job takes the worker lock itself, briefly, to record what it did.
 

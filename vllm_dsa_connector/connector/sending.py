@@ -58,6 +58,7 @@ from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.connector.receiving import ReportedIds, recv_poll_period
 from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
 from vllm_dsa_connector.matching import PeerPlan
+from vllm_dsa_connector.transport.agent import PeerReconnecting
 from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.routed import RoutedTransport
@@ -169,14 +170,16 @@ class SendSide:
     ``payload``: this rank, its registered KV pools and its handshake payload (read when needed: known only
     once the worker registered its caches); ``remotes``: the worker's records of the engines it writes to,
     by engine id (the worker keeps them current); ``lock``: the worker's lock, which the progress thread takes
-    around each round.
+    around each round; ``reconnect(agent)``: schedules the reconnect of a remote agent whose connection is
+    gone on the worker's set-up thread (under the lock; a no-op when one runs or it is backing off).
     """
 
     def __init__(self, nixl: NixlEngine, stats: DSAKVConnectorStats, transfer_timeout_s: float, *,
                  engine_id: str, rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
                  payload: Callable[[], RankPayload | None], remotes: Mapping[str, DestRecord],
-                 lock: threading.RLock | None = None) -> None:
+                 lock: threading.RLock | None = None, reconnect: Callable[[str], None] | None = None) -> None:
         self.nixl = nixl
+        self._reconnect = reconnect  # schedules a lost connection's reconnect off the step (the worker's)
         self._lock = lock if lock is not None else threading.RLock()
         self.stats = stats
         self.engine_id = engine_id
@@ -259,6 +262,9 @@ class SendSide:
         if not remote.ready:  # its set-up thread still loads its NIXL agents: hold it, never block the step
             self._hold(job, send)
             return
+        if self._reconnecting(remote):  # a lost connection is being made again off the step: likewise
+            self._hold(job, send)
+            return
         plan = remote.plan
         me = self._payload()
         assert me is not None, "register_kv_caches first"
@@ -291,6 +297,14 @@ class SendSide:
                                   num_tokens=job.num_tokens)
                 if parts:
                     self._write(job, send, dst, agent, parts, plan)
+            except PeerReconnecting as e:  # the post met a lost connection: nothing of it was posted
+                self._schedule(agent)
+                if not send.groups and not send.failed:  # nothing of the job posted: it waits for the reconnect
+                    self._hold(job, send)
+                    return
+                logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
+                             dst.rank, e)
+                send.failed = True
             except Exception as e:  # noqa: BLE001 - a failed WRITE is a failed transfer, never a crash
                 logger.error("DSAConnector: push %s -> %s rank %d failed: %s", job.req_id, job.dst_engine,
                              dst.rank, e)
@@ -319,6 +333,19 @@ class SendSide:
         self._waiting[job.req_id] = _Waiting(job, send, final=not job.layered)
         self.stats.add("setup_waits")
 
+    def _reconnecting(self, remote: DestRecord) -> bool:
+        """Whether a post to ``remote`` would wait for a reconnect of one of its agents (scheduling the due
+        ones on the set-up thread)."""
+        pending = [a for a in remote.agents.values() if self.nixl.reconnect_pending(a)]
+        for agent in pending:
+            self._schedule(agent)
+        return bool(pending)
+
+    def _schedule(self, agent: str) -> None:
+        """Have ``agent``'s reconnect run on the worker's set-up thread (once; not while it backs off)."""
+        if self._reconnect is not None and self.nixl.reconnect_pending(agent):
+            self._reconnect(agent)
+
     def retry_waiting(self) -> None:
         """Post the held pushes whose destination is ready now (or fail them, its set-up refused it); fail
         the ones whose post deadline passed while they waited."""
@@ -326,7 +353,7 @@ class SendSide:
         for req_id, w in list(self._waiting.items()):
             late = now >= w.job.post_deadline
             remote = self.remotes.get(w.job.dst_engine)
-            if not late and (not w.final or (remote is not None and not remote.ready)):
+            if not late and (not w.final or (remote is not None and (not remote.ready or self._reconnecting(remote)))):
                 continue
             del self._waiting[req_id]
             if self._sends.get(req_id) is not w.send:
@@ -500,6 +527,8 @@ class SendSide:
         try:
             self.transport.notify(agent, rank, encode(Notice(d_req, rank, False, error=error[:500])))
         except Exception as e:  # noqa: BLE001 - D times out instead
+            if isinstance(e, PeerReconnecting):
+                self._schedule(agent)
             logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
 
     def poll(self) -> None:
@@ -545,6 +574,8 @@ class SendSide:
         fences = self.transport.fences
         before = (fences.fenced, fences.resets)
         fences.poll()
+        for agent in fences.unposted():  # a fence waits for a new connection: have it made
+            self._schedule(agent)
         self.stats.add("fenced_connections", fences.fenced - before[0])
         self.stats.add("connection_resets", fences.resets - before[1])
         arena = self.transport.arena

@@ -21,10 +21,13 @@ receive armed for another start of its source expects no notice from the current
 
 Lost connections: when NIXL reports that the connection to a destination's remote agent is gone (e.g. the
 link between the hosts was down long enough for UCX to fail the endpoint) the transport marks that agent
-disconnected and its next post removes it and adds it again from the metadata of the handshake (the same
-start of the peer: its pools are unchanged), retrying a post refused for the lost connection once
-(:meth:`~vllm_dsa_connector.transport.engine.NixlEngine.reconnect`). Each reconnect is counted
-(``peer_reconnects``, ``vllm:dsa_kv_peer_reconnects_total``) and logged as a warning naming the peer.
+disconnected and posts nothing more to it (:class:`~vllm_dsa_connector.transport.agent.PeerReconnecting`); the
+worker's set-up thread removes it and adds it again from the metadata of the handshake (the same start of the
+peer: its pools are unchanged; :meth:`DSAConnectorWorker._reconnect`, outside the worker lock, recording the
+new connection under it briefly), while the pushes to it wait in the send side as for a set-up and post once
+it is over. A peer that stays unreachable backs off: its posts fail at once naming the next attempt. Each
+reconnect is counted (``peer_reconnects``, ``vllm:dsa_kv_peer_reconnects_total``) and logged as a warning
+naming the peer.
 
 Peer set-up off the step path: learning a destination (P) validates its plan in the step (pure, fast) but
 loads its NIXL remote agents (``add_remote_agent``) and maps its CUDA IPC exports on the worker's one set-up
@@ -64,7 +67,7 @@ from vllm_dsa_connector.handoff.wire import (
 )
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.ipc import host_id
-from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
+from vllm_dsa_connector.transport.nixl_data import TransferError, metadata_agent_name
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.staging import StagingArena
 
@@ -102,7 +105,7 @@ class DSAConnectorWorker:
         self.compat = dict(compat)
         self.nixl = NixlEngine(f"dsa-{engine_id}-{uuid.uuid4().hex[:8]}", (options.nixl_backend,),
                                telemetry=True, progress_thread=options.nixl_progress_thread,
-                               on_reconnect=self._reconnected)
+                               on_reconnect=self._reconnected, reconnect_inline=False)
         self.table: PageTable | None = None
         self.regions: list[Region] = []
         self.payload: RankPayload | None = None
@@ -118,7 +121,7 @@ class DSAConnectorWorker:
                                 fence_timeout_s=options.fence_timeout_s)
         self.send = SendSide(self.nixl, self.stats, options.transfer_timeout_s, engine_id=engine_id,
                              rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
-                             remotes=self.remotes, lock=self._lock)
+                             remotes=self.remotes, lock=self._lock, reconnect=self._schedule_reconnect)
         self.setup = PeerSetup(f"dsa-peer-setup-{engine_id}")
 
     @property
@@ -301,6 +304,36 @@ class DSAConnectorWorker:
             (logger.warning if took > 1.0 else logger.info)(
                 "DSAConnector %s: set up peer %s (%d NIXL remote agent(s)) in %.3f s off the step path",
                 self.engine_id, engine, len(loaded), took)
+
+    def _schedule_reconnect(self, agent: str) -> None:
+        """Under the worker lock: claim the reconnect of ``agent`` (its connection is gone) and run it on the
+        set-up thread (:meth:`_reconnect`); nothing when one already runs or it is backing off."""
+        meta = self.nixl.begin_reconnect(agent)
+        if meta is None:
+            return
+        reason = self.nixl.disconnected(agent)
+        self.setup.submit(f"reconnect of {agent}", lambda: self._reconnect(agent, meta, reason))
+
+    def _reconnect(self, agent: str, meta: bytes, reason: str) -> None:
+        """On the set-up thread: remove ``agent``'s remote agent and add it again (no worker lock held: NIXL's
+        own lock serialises it with the posts), then record the new connection (or the failed attempt and its
+        backoff) under the worker lock, briefly, and wake the send side (its held pushes post now)."""
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            self.nixl.reload_peer(agent, meta)
+        except Exception as e:  # noqa: BLE001 - recorded below (backoff): its posts fail naming the next attempt
+            error = e
+        with self._lock:
+            try:
+                self.nixl.end_reconnect(agent, error, reason)
+            except TransferError as e:
+                logger.warning("DSAConnector %s: %s", self.engine_id, e)
+        self.send.wake()
+        took = time.perf_counter() - t0
+        if took > 1.0:
+            logger.warning("DSAConnector %s: reconnecting NIXL remote agent %s took %.3f s (off the step path)",
+                           self.engine_id, agent, took)
 
     def _reconnected(self, agent: str, reason: str) -> None:
         """The transport removed and added ``agent`` again after its connection was lost: count and log it."""

@@ -9,12 +9,21 @@ module is the agent and connection half of it, that one the transfer half.
 
 Reconnects: once the connection to a peer is gone (:func:`is_disconnect`: ``NIXL_ERR_REMOTE_DISCONNECT``, e.g.
 the link was down long enough for UCX to fail the endpoint; NIXL then drops the remote agent itself, so a
-later prep names an unknown agent) the peer is marked disconnected. Its next post (``write``,
-``write_prepared``, ``send_notification``) first removes the remote agent and adds it again from the metadata
-:meth:`NixlAgent.add_peer` was given (:meth:`NixlAgent.reconnect`; the peer's prepared lists are prepared
-again), and a post that fails with a disconnect is retried once after such a reconnect. Without this a peer
-that became reachable again would never be written to again. ``on_reconnect(peer, reason)`` is called after
-each reconnect (the connector counts and logs them); :attr:`NixlAgent.reconnects` counts them too.
+later prep names an unknown agent) the peer is marked disconnected, and it is reconnected: its remote agent is
+removed and added again from the metadata :meth:`NixlAgent.add_peer` was given (the peer's prepared lists are
+prepared again). Without this a peer that became reachable again would never be written to again.
+``on_reconnect(peer, reason)`` is called after each reconnect (the connector counts and logs them);
+:attr:`NixlAgent.reconnects` counts them too. Two modes (``reconnect_inline``):
+
+* inline (the default, for single-threaded users): the next post (``write``, ``write_prepared``,
+  ``send_notification``) reconnects first (:meth:`NixlAgent.reconnect`), and a post that fails with a
+  disconnect is retried once after such a reconnect;
+* off the caller's thread (``reconnect_inline=False``, the connector's workers): a post to a peer marked
+  disconnected, or one that fails with a disconnect, posts nothing and raises :class:`PeerReconnecting`; the
+  caller runs the reconnect elsewhere in three steps: :meth:`NixlAgent.begin_reconnect` (under its lock: claims
+  it, once), :meth:`NixlAgent.reload_peer` (the NIXL calls, ``remove_remote_agent`` + ``add_remote_agent``,
+  with no lock of the caller held) and :meth:`NixlAgent.end_reconnect` (under its lock: the bookkeeping), then
+  posts again. :meth:`NixlAgent.reconnect_pending` says whether a post to the peer would wait for one.
 
 A peer that stays unreachable backs off (:mod:`.backoff`): posts to it fail at once, naming the peer and
 when the next reconnect attempt is, until that attempt; :meth:`NixlAgent.backoff` reports it.
@@ -56,8 +65,8 @@ from vllm_dsa_connector.transport.prepared import PreparedLists
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISCONNECT_ERRORS", "NOTIFY_FLUSH_S", "UCX_FAIL_FAST", "NixlAgent", "is_disconnect",
-           "ucx_fail_fast_defaults"]
+__all__ = ["DISCONNECT_ERRORS", "NOTIFY_FLUSH_S", "UCX_FAIL_FAST", "NixlAgent", "PeerReconnecting",
+           "is_disconnect", "ucx_fail_fast_defaults"]
 
 #: UCX settings that make a connection to a dead or unreachable peer fail fast, each applied only when the
 #: environment does not set it (UCX reads them when the agent's UCX worker is made): TCP connect attempts
@@ -95,6 +104,11 @@ def is_disconnect(exc: BaseException) -> bool:
     return any(name in text for name in DISCONNECT_ERRORS)
 
 
+class PeerReconnecting(TransferError):
+    """Nothing was posted: the connection to the peer is gone and (``reconnect_inline=False``) its reconnect
+    is the caller's to run off its thread (see the module docstring); post again once it is over."""
+
+
 class NixlAgent:
     """One NIXL agent: ``register`` / ``metadata`` / ``add_peer`` / ``reconnect`` / notifications / ``close``.
 
@@ -115,13 +129,16 @@ class NixlAgent:
         reconnect_backoff_s: float = 0.5,
         reconnect_backoff_max_s: float = 30.0,
         clock: Callable[[], float] = time.perf_counter,
+        reconnect_inline: bool = True,
     ) -> None:
         """``on_reconnect(peer, reason)``: called after each :meth:`reconnect` (under the caller's lock).
         ``reconnect_backoff_s`` / ``reconnect_backoff_max_s``: the first and the longest wait between reconnect
         attempts to a peer that stays unreachable (see the module docstring); ``ValueError`` unless
         ``0 < reconnect_backoff_s <= reconnect_backoff_max_s`` (finite): a peer that is gone must cost little
         per post, and one that comes back must be tried again within a bounded time. ``clock``: times the
-        flush window of untracked notifications (:data:`NOTIFY_FLUSH_S`)."""
+        flush window of untracked notifications (:data:`NOTIFY_FLUSH_S`). ``reconnect_inline``: reconnect in
+        the post that needs it (True) or raise :class:`PeerReconnecting` and leave it to the caller (False;
+        see the module docstring)."""
         self._backoff = ReconnectBackoff(name, reconnect_backoff_s, reconnect_backoff_max_s)
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -154,6 +171,8 @@ class NixlAgent:
         self._lists = PreparedLists(self._agent)  # lists prepared once (prepare_local/prepare_remote)
         self._conn: dict[str, int] = {}  # peer -> how many times it was reconnected (tags transfers)
         self.on_reconnect = on_reconnect
+        self.reconnect_inline = reconnect_inline
+        self._reconnecting: set[str] = set()  # peers whose reconnect runs off the caller's thread now
         self.reconnects = 0  # remote agents removed and added again after a disconnect
         self._ids = itertools.count()
         self._inflight: dict[int, Transfer] = {}
@@ -234,28 +253,59 @@ class NixlAgent:
         ``(0, 0.0)`` when it is not backing off. Posts fail at once while the seconds are > 0."""
         return self._backoff.state(peer)
 
-    def reconnect(self, peer: str, reason: str = "") -> None:
-        """Remove ``peer``'s remote agent and add it again from the metadata :meth:`add_peer` got: NIXL makes
-        a new connection on the next post. The peer's prepared lists are prepared again (their handles
-        belonged to the old connection). :class:`TransferError` naming the peer when its metadata is not
-        held or NIXL refuses it (the peer then stays marked disconnected)."""
+    def connection(self, peer: str) -> int:
+        """How many times ``peer`` was reconnected (changes with each new connection)."""
+        return self._conn.get(peer, 0)
+
+    def reconnect_pending(self, peer: str) -> bool:
+        """Whether a post to ``peer`` would wait for a reconnect now: it is marked disconnected and its
+        reconnect runs or may run (not waiting out a backoff: such posts fail at once)."""
+        if peer not in self._disconnected:
+            return False
+        return peer in self._reconnecting or not self._backoff.refusal(peer)
+
+    def begin_reconnect(self, peer: str) -> bytes | None:
+        """Claim ``peer``'s reconnect (under the caller's lock): its metadata when it is marked disconnected,
+        no reconnect of it runs and it is not backing off; else None. Follow with :meth:`reload_peer` (off the
+        lock) and :meth:`end_reconnect` (under it)."""
         meta = self._meta.get(peer)
-        if peer not in self._peers or meta is None:
-            raise TransferError(f"reconnect: unknown peer {peer!r} (no metadata held)", peer=peer)
+        if (peer not in self._disconnected or peer in self._reconnecting or meta is None
+                or self._backoff.refusal(peer)):
+            return None
+        self._reconnecting.add(peer)
+        return meta
+
+    def reload_peer(self, peer: str, meta: bytes) -> None:
+        """The NIXL calls of a reconnect: remove ``peer``'s remote agent and add it again from ``meta``
+        (NIXL's own lock serialises them with other threads' posts; safe with no lock of the caller held).
+        Records nothing: :meth:`end_reconnect` does. Raises what NIXL raises."""
         try:
             self._agent.remove_remote_agent(peer)
         except Exception as e:  # NIXL drops a disconnected remote agent itself: already gone
             logger.debug("reconnect %s: remove_remote_agent: %s", peer, e)
-        try:
-            name = self._agent.add_remote_agent(meta)
-        except Exception as e:
-            self._disconnected[peer] = reason or self._disconnected.get(peer, "") or "reconnect failed"
-            delay = self._backoff.failed(peer, f"adding its metadata again: {e}")
-            raise TransferError(f"reconnect to peer {peer!r} failed: adding its metadata again: {e} (attempt "
-                                f"{self._backoff.attempts(peer)}; next attempt in {delay:.2f} s)", peer=peer) from e
+        name = self._agent.add_remote_agent(meta)
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != peer:  # the metadata names its agent: this would be a bug of this class
             raise TransferError(f"reconnect to peer {peer!r}: its metadata names agent {name!r}", peer=peer)
+
+    def end_reconnect(self, peer: str, error: BaseException | None, reason: str = "") -> None:
+        """Record the outcome of :meth:`reload_peer` (under the caller's lock): the new connection (prepared
+        lists prepared again, ``on_reconnect`` called), or the failed attempt (backoff; the peer stays marked
+        disconnected). :class:`TransferError` naming the peer and the next attempt when it failed."""
+        self._reconnecting.discard(peer)
+        if peer not in self._peers:  # removed meanwhile: drop what was added again
+            if error is None:
+                try:
+                    self._agent.remove_remote_agent(peer)
+                except Exception as e:  # noqa: BLE001 - already gone
+                    logger.debug("reconnect %s: removed meanwhile: %s", peer, e)
+            return
+        if error is not None:
+            self._disconnected[peer] = reason or self._disconnected.get(peer, "") or "reconnect failed"
+            delay = self._backoff.failed(peer, f"adding its metadata again: {error}")
+            raise TransferError(f"reconnect to peer {peer!r} failed: adding its metadata again: {error} (attempt "
+                                f"{self._backoff.attempts(peer)}; next attempt in {delay:.2f} s)",
+                                peer=peer) from error
         self._conn[peer] = self._conn.get(peer, 0) + 1
         self._backoff.reconnected(peer)
         self._cold(peer)
@@ -265,6 +315,31 @@ class NixlAgent:
         logger.info("NIXL agent %s: remote agent %s removed and added again (%s)", self.name, peer, why)
         if self.on_reconnect is not None:
             self.on_reconnect(peer, why)
+
+    def reconnect(self, peer: str, reason: str = "") -> None:
+        """Remove ``peer``'s remote agent and add it again from the metadata :meth:`add_peer` got, here and now
+        (:meth:`reload_peer` + :meth:`end_reconnect`): NIXL makes a new connection on the next post. The peer's
+        prepared lists are prepared again (their handles belonged to the old connection). :class:`TransferError`
+        naming the peer when its metadata is not held or NIXL refuses it (the peer then stays marked
+        disconnected)."""
+        meta = self._meta.get(peer)
+        if peer not in self._peers or meta is None:
+            raise TransferError(f"reconnect: unknown peer {peer!r} (no metadata held)", peer=peer)
+        error: BaseException | None = None
+        try:
+            self.reload_peer(peer, meta)
+        except Exception as e:  # noqa: BLE001 - recorded (backoff) and raised by end_reconnect
+            error = e
+        self.end_reconnect(peer, error, reason)
+
+    def close_connection(self, peer: str, reason: str) -> None:
+        """Drop ``peer``'s connection with whatever it still has queued: reconnect now (inline mode), or mark
+        it disconnected so its reconnect runs off the caller's thread (:meth:`connection` changes once it did).
+        :class:`TransferError` when an inline reconnect failed."""
+        if self.reconnect_inline:
+            self.reconnect(peer, reason)
+        elif peer in self._peers:
+            self._disconnected.setdefault(peer, reason)
 
     def _note_failure(self, peer: str, exc: BaseException, conn: int | None = None) -> bool:
         """Mark ``peer`` disconnected when ``exc`` says its connection is gone, or when NIXL no longer holds
@@ -289,6 +364,9 @@ class NixlAgent:
             refused = self._backoff.refusal(peer)
             if refused:
                 raise TransferError(refused, peer=peer)
+            if not self.reconnect_inline:
+                raise PeerReconnecting(f"the connection to peer {peer!r} is gone ({self._disconnected[peer]}); "
+                                       "it is being reconnected off this thread; nothing posted", peer=peer)
             self.reconnect(peer, self._disconnected[peer])
 
     @property
@@ -335,6 +413,9 @@ class NixlAgent:
             refused = self._backoff.refusal(peer)
             if refused:
                 raise TransferError(f"notification to peer {peer!r} failed: {e}; {refused}", peer=peer) from e
+            if not self.reconnect_inline:
+                raise PeerReconnecting(f"notification to peer {peer!r} not sent: its connection is gone ({e}); "
+                                       "it is being reconnected off this thread", peer=peer) from e
             self.reconnect(peer, f"{type(e).__name__}: {e}")  # once: a second failure raises
             try:
                 self._agent.send_notif(peer, msg)

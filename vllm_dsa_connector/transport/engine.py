@@ -9,7 +9,8 @@ becomes :class:`TransferError` naming the peer and the transfer.
 The agent itself (registered memory, peers, reconnects and their backoff, notifications, ``close``) is
 :class:`~.agent.NixlAgent`'s, in :mod:`.agent`; this module adds what uses a connection: posting (a peer
 marked disconnected is reconnected first, a post refused because the connection is gone is retried once
-after a reconnect, see :mod:`.agent`), the state of a posted transfer and waiting for it.
+after a reconnect; or, with ``reconnect_inline=False``, :class:`~.agent.PeerReconnecting` is raised and
+nothing is posted: see :mod:`.agent`), the state of a posted transfer and waiting for it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_dsa_connector.transport.agent import DISCONNECT_ERRORS, NixlAgent, is_disconnect
+from vllm_dsa_connector.transport.agent import (
+    DISCONNECT_ERRORS,
+    NixlAgent,
+    PeerReconnecting,
+    is_disconnect,
+)
 from vllm_dsa_connector.transport.nixl_data import (
     PreparedList,
     Region,
@@ -151,6 +157,8 @@ class NixlEngine(NixlAgent):
         ``deadline`` is checked immediately before each post attempt (a reconnect can take seconds)."""
         try:
             self._ensure_connected(peer)
+        except PeerReconnecting:
+            raise
         except TransferError as e:
             raise TransferError(f"transfer {name} to peer {peer!r} not posted: {e}", peer=peer,
                                 transfer=name) from e
@@ -165,6 +173,10 @@ class NixlEngine(NixlAgent):
             except Exception as e:
                 self._release(xfer_obj)
                 if self._note_failure(peer, e) and attempt == 0 and not self._backoff.refusal(peer):
+                    if not self.reconnect_inline:  # the caller reconnects off its thread, then posts again
+                        raise PeerReconnecting(f"transfer {name} to peer {peer!r} not posted: its connection is "
+                                               f"gone ({e}); it is being reconnected off this thread", peer=peer,
+                                               transfer=name) from e
                     logger.info("transfer %s: connection to peer %r gone (%s); reconnecting and posting again",
                                 name, peer, e)
                     try:

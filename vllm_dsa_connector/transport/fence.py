@@ -11,7 +11,8 @@ any more, and the fence's DONE here that none of them reads local memory any mor
 those WRITEs read from (:meth:`Fences.hold`, quarantined meanwhile) go back to the arena then. A fence that
 is not DONE within ``timeout_s`` (the link is down) closes the connection (the remote agent is removed and added
 again: UCX destroys the endpoint with its queued operations and P's kernel drops the socket's unsent bytes)
-and the staging space goes back too; a fence that fails (ERR) means the connection is gone: likewise. The
+and the staging space goes back too (with the engine's ``reconnect_inline`` off, once the reconnect run off
+this thread made a new connection); a fence that fails (ERR) means the connection is gone: likewise. The
 notice is then fenced again on the new connection (retried, under the engine's reconnect backoff, until it is
 confirmed or the peer is forgotten): the receiver keeps the given-up blocks until a notice arrives.
 
@@ -47,6 +48,7 @@ class _Fence:
     posted: float
     notif: bytes
     remote: RegionDesc
+    closing: int | None = None  # the connection being closed off the caller's thread (held kept until then)
 
 
 @dataclass(eq=False)
@@ -108,6 +110,10 @@ class Fences:
             self.resets += 1
             raise
 
+    def unposted(self) -> set[str]:
+        """Peers with a fence to post again on a new connection (their reconnect may be due)."""
+        return {f.peer for f in self._posted if f.transfer is None}
+
     def pending_for(self, peer: str) -> bool:
         """Whether a fence to ``peer`` is not confirmed yet."""
         return any(f.peer == peer for f in self._posted)
@@ -122,6 +128,12 @@ class Fences:
                 self._restore(f.held)
                 continue
             if f.transfer is None:  # its connection was closed: fence the notice on a new one
+                if f.closing is not None:  # closed off this thread: staging held until the new connection
+                    if self.engine.connection(f.peer) == f.closing:
+                        left.append(f)
+                        continue
+                    self._restore(f.held)
+                    f.held, f.closing = [], None
                 try:
                     f.transfer, f.posted = self.engine.fence(f.peer, f.remote, f.notif), self.clock()
                 except TransferError as e:  # unreachable, backing off: try again on a later poll
@@ -145,9 +157,14 @@ class Fences:
                     logger.warning("transport: %s", why)
                     if st == "PROC":
                         try:  # drop the endpoint with whatever it still has queued; the next post reconnects
-                            self.engine.reconnect(f.peer, why)
+                            self.engine.close_connection(f.peer, why)
                         except TransferError as e2:
                             logger.warning("transport: closing the connection to %r: %s", f.peer, e2)
+                        if not self.engine.reconnect_inline:  # closed once reconnected off this thread
+                            self._reset_at[f.peer] = self.clock()
+                            f.transfer, f.closing = None, self.engine.connection(f.peer)
+                            left.append(f)
+                            continue
                     self._reset_at[f.peer] = self.clock()
             self._restore(f.held)
             f.held, f.transfer = [], None

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm_dsa_connector.transport import layered
+from vllm_dsa_connector.transport.agent import PeerReconnecting
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.fence import Fences
 from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
@@ -133,7 +134,8 @@ class RoutedTransport:
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, path: str = "direct",
              slot: StagingSlot | None = None, pools: Sequence[int] = (), deadline: float | None = None) -> Post:
-        """Post one writer's ``parts`` along ``path``; never raises (a failure is ``post.error``).
+        """Post one writer's ``parts`` along ``path``; raises only :class:`~.agent.PeerReconnecting` (nothing was
+        posted: post again once the peer's reconnect is over), any other failure is ``post.error``.
 
         ``slot``: the receiver's staging slot of a bounce; ``pools``: for ipc, the receiver's pool index of
         each part (the mapping written into).
@@ -148,6 +150,8 @@ class RoutedTransport:
                 post._inflight.append(self._ipc(peer, parts, writer, tag, pools, deadline))  # type: ignore[arg-type]
             else:
                 raise TransferError(f"unknown path {path!r} (known: {', '.join(ROUTE_PATHS)})", peer=peer)
+        except PeerReconnecting:  # nothing posted (see the docstring)
+            raise
         except Exception as e:  # noqa: BLE001 - a path that cannot be followed fails the post, never a crash
             post.error = f"cannot follow the receiver's {path} route to {peer!r}: {e}"
             post.state = PostState.FAILED

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from vllm_dsa_connector.transport.agent import PeerReconnecting
 from vllm_dsa_connector.transport.engine import NixlEngine
 from vllm_dsa_connector.transport.nixl_data import (
     Region,
@@ -148,13 +149,19 @@ class DirectTransport:
 
     def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes,
              slot: StagingSlot | None = None, deadline: float | None = None) -> Post:
-        """Post every part at once (a multi-part post never blocks a step), none at or after ``deadline``."""
+        """Post every part at once (a multi-part post never blocks a step), none at or after ``deadline``.
+        :class:`~.agent.PeerReconnecting` when the first part met a lost connection (nothing was posted)."""
         post = Post(peer, writer, tag, self.path, started=self.clock(), _notify=True,
                     _dst=parts[0][1] if parts else None)
         for src, dst, runs in parts:  # a part that fails to post leaves the posted ones tracked
             try:
                 check_deadline(deadline, f"post to {peer!r}")
                 post._inflight.append(self.engine.write(peer, src, dst, runs, deadline=deadline))
+            except PeerReconnecting as e:
+                if not post._inflight:  # nothing posted: the caller posts it again after the reconnect
+                    raise
+                post.error = str(e)
+                break
             except Exception as e:  # noqa: BLE001 - a failed post is a failed transfer, never a crash
                 post.error = str(e)
                 break
