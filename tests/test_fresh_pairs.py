@@ -249,4 +249,3 @@ def test_fresh_pairs_first_requests_succeed_on_a_busy_host(busy_host: list[subpr
             report.append("\n  ".join(line))
             print("[fresh] " + report[-1], flush=True)
     print("[fresh] all rounds:\n" + "\n".join(report))
-
