@@ -195,3 +195,30 @@ def test_ucx_fail_fast_knobs_are_set_unless_the_environment_sets_them(pd) -> Non
     assert env["UCX_TCP_SYN_CNT"] == "6" and "UCX_TCP_SYN_CNT" not in added
     assert env["UCX_TCP_KEEPIDLE"] == UCX_FAIL_FAST["UCX_TCP_KEEPIDLE"] and set(added) == set(UCX_FAIL_FAST) - {
         "UCX_TCP_SYN_CNT"}
+
+
+def test_a_failure_notice_met_by_a_reconnect_is_sent_after_it(pd, monkeypatch) -> None:
+    """A failure notice (e.g. of a WRITE that failed because its connection was lost) that finds the
+    connection being made again is kept and sent once the set-up thread reconnected: D keeps a given-up load's
+    blocks until every writer's notice, so a dropped notice would cost D those blocks until its fence timeout."""
+    from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
+    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+
+    p, d = pd
+    _arm(p, d, "d-first")
+    p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
+                                         peers=[PeerInfo(d.engine_id, [encode(d.payload)])],
+                                         push=[PushJob("p-first", d.engine_id, "d-first", SRC_BLOCKS, DST_BLOCKS,
+                                                               verify=True)]))
+    assert not _received(d, "d-first", 20.0)[1]
+    _sent(p, "p-first", 10.0)
+    agent = p.remotes[d.engine_id].agents[0]
+    started = _slow_add(p, monkeypatch, 1.0)
+    _arm(p, d, "d-err")
+    with p._lock:  # the connection is lost as the failure notice goes out (the fault)
+        p.nixl.close_connection(agent, "lost (test)")
+        p.send._notify_failure(agent, "d-err", "the WRITE failed (test)")
+    assert started.wait(5), "the reconnect never started"
+    _, failed = _received(d, "d-err", 20.0)
+    assert failed == {"d-err"}
+    assert p.stats.data["peer_reconnects"] == 1 and not p.nixl.disconnected(agent)

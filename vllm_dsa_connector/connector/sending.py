@@ -45,6 +45,7 @@ earlier would abort that WRITE).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -78,6 +79,11 @@ _STAGING_FULL = 0.125
 #: Pushes that may wait for their destination's set-up per worker; one more fails at once (D's load fails,
 #: its kv_load_failure_policy applies), so a peer that never gets ready costs bounded memory.
 MAX_WAITING_PUSHES = 1024
+#: Failure notices kept per worker while their destination's connection is made again (sent once it is: D keeps a
+#: given-up load's blocks until every writer's notice); the oldest is dropped beyond it (D then waits for its
+#: fence timeout), and one older than :data:`UNSENT_NOTICE_S` too.
+MAX_UNSENT_NOTICES = 4096
+UNSENT_NOTICE_S = 1000.0
 
 
 class DestRecord(Protocol):
@@ -197,6 +203,8 @@ class SendSide:
         self.retired: set[str] = set()  # NIXL agents of replaced peer starts, removed once no post uses them
         self._staging_last: tuple[int, bool] = (0, False)  # the staging arena's last sample (held bytes, full)
         self._waiting: dict[str, _Waiting] = {}  # pushes held until their destination is ready
+        # failure notices met by a lost connection: (agent, D request, error, when), sent after the reconnect
+        self._unsent: collections.deque[tuple[str, str, str, float]] = collections.deque()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -498,7 +506,7 @@ class SendSide:
         otherwise."""
         busy_since: float | None = None
         while not self._stop.is_set():
-            if not self._sends and not self._waiting:
+            if not self._sends and not self._waiting and not self._unsent:
                 busy_since = None
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -510,6 +518,7 @@ class SendSide:
             with self._lock:
                 try:
                     self.retry_waiting()
+                    self._resend_unsent()
                     self.poll()
                 except Exception as e:  # noqa: BLE001 - keep the engine alive; its steps poll too
                     logger.warning("DSAConnector send progress: %s", e)
@@ -522,14 +531,40 @@ class SendSide:
         if self._thread is not None:
             self._thread.join(timeout=2)
 
-    def _notify_failure(self, agent: str, d_req: str, error: str) -> None:
+    def _notify_failure(self, agent: str, d_req: str, error: str, since: float | None = None) -> bool:
+        """Send D's request ``d_req`` a failure notice; one met by a connection being made again is kept and
+        sent after the reconnect (:meth:`_resend_unsent`). Whether it went out."""
         rank = self._rank()
         try:
             self.transport.notify(agent, rank, encode(Notice(d_req, rank, False, error=error[:500])))
-        except Exception as e:  # noqa: BLE001 - D times out instead
+            return True
+        except Exception as e:  # noqa: BLE001 - D waits for its fence timeout instead
             if isinstance(e, PeerReconnecting):
                 self._schedule(agent)
-            logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
+                if len(self._unsent) >= MAX_UNSENT_NOTICES:
+                    _, old_req, _, _ = self._unsent.popleft()
+                    logger.warning("DSAConnector: %d failure notices wait for reconnects; dropped the one for %s",
+                                   MAX_UNSENT_NOTICES, old_req)
+                self._unsent.append((agent, d_req, error, time.monotonic() if since is None else since))
+                logger.info("DSAConnector: failure notice for %s waits for the reconnect of %s", d_req, agent)
+            else:
+                logger.warning("DSAConnector: failure notice for %s not sent: %s", d_req, e)
+            return False
+
+    def _resend_unsent(self) -> None:
+        """Send the kept failure notices whose destination is no longer being reconnected (each once more; one
+        that meets a reconnect again is kept again), dropping those older than :data:`UNSENT_NOTICE_S`."""
+        now = time.monotonic()
+        for _ in range(len(self._unsent)):
+            agent, d_req, error, since = self._unsent.popleft()
+            if now - since > UNSENT_NOTICE_S or agent not in self.nixl.peers:
+                logger.warning("DSAConnector: failure notice for %s dropped: its destination %s was not reachable "
+                               "for %.0f s", d_req, agent, now - since)
+            elif self.nixl.disconnected(agent):  # being made again, or backing off: its reconnect comes first
+                self._schedule(agent)
+                self._unsent.append((agent, d_req, error, since))
+            elif self._notify_failure(agent, d_req, error, since):
+                logger.info("DSAConnector: failure notice for %s sent after the reconnect of %s", d_req, agent)
 
     def poll(self) -> None:
         """Progress every post; a request whose posts are all over is finished_sending (once), a failed post
