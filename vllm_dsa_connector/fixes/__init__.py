@@ -81,6 +81,19 @@ def log_once(key: str, level: str, msg: str, *args: object) -> None:
     getattr(init_logger(_LOGGER_NAME), level)(msg, *args)
 
 
+def not_needed(name: str, version: str, detail: str) -> FixReport:
+    """Fix ``name`` is not needed on vLLM ``version`` because of ``detail``: logged once (debug), reported."""
+    log_once(
+        name,
+        "debug",
+        "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
+        version,
+        name,
+        detail,
+    )
+    return FixReport(name, "not-needed", version, detail)
+
+
 def apply_runtime_fixes() -> tuple[FixReport, ...]:
     """Detect and fix known vLLM bugs in this process. Idempotent and thread-safe.
 
@@ -132,26 +145,10 @@ def _apply_mtp_stale_caches(version: str) -> FixReport:
     if fix.is_installed(CommonAttentionMetadata):
         return FixReport(fix.FIX_NAME, "already-applied", version, "")
     if not fix.draft_loop_modules():  # vLLM 0.34: nothing rewrites the metadata in place
-        log_once(
-            fix.FIX_NAME,
-            "debug",
-            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
-            version,
-            fix.FIX_NAME,
-            fix.NO_DRAFT_LOOP,
-        )
-        return FixReport(fix.FIX_NAME, "not-needed", version, fix.NO_DRAFT_LOOP)
+        return not_needed(fix.FIX_NAME, version, fix.NO_DRAFT_LOOP)
     result = fix.probe(CommonAttentionMetadata)
     if not result.buggy:
-        log_once(
-            fix.FIX_NAME,
-            "debug",
-            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
-            version,
-            fix.FIX_NAME,
-            result.detail,
-        )
-        return FixReport(fix.FIX_NAME, "not-needed", version, result.detail)
+        return not_needed(fix.FIX_NAME, version, result.detail)
     missing = fix.missing_fields(CommonAttentionMetadata)
     if missing:
         log_once(

@@ -230,7 +230,7 @@ def apply(version: str) -> Any:
     one :class:`~vllm_dsa_connector.fixes.FixReport` (called by ``apply_runtime_fixes`` under its lock)."""
     import importlib
 
-    from vllm_dsa_connector.fixes import FixReport, log_once
+    from vllm_dsa_connector.fixes import FixReport, log_once, not_needed
 
     try:
         module = importlib.import_module(MODULE)
@@ -240,15 +240,7 @@ def apply(version: str) -> Any:
         return FixReport(FIX_NAME, "already-applied", version, "")
     if not caller_takes_clean_logits(module):
         detail = "vLLM's fp8_fp4_mqa_logits wrapper takes no clean_logits (it speaks DeepGEMM's newer API)"
-        log_once(
-            FIX_NAME,
-            "debug",
-            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
-            version,
-            FIX_NAME,
-            detail,
-        )
-        return FixReport(FIX_NAME, "not-needed", version, detail)
+        return not_needed(FIX_NAME, version, detail)
     if not supported(module):
         log_once(
             FIX_NAME,

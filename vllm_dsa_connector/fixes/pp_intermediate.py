@@ -268,7 +268,7 @@ def apply(version: str) -> Any:
     module docstring).
     :func:`~vllm_dsa_connector.fixes.revert_runtime_fixes` undoes it.
     """
-    from vllm_dsa_connector.fixes import FixReport, log_once
+    from vllm_dsa_connector.fixes import FixReport, not_needed
 
     if RUNNER_MODULE not in sys.modules:
         from vllm.platforms import current_platform
@@ -276,15 +276,7 @@ def apply(version: str) -> Any:
         if not current_platform.is_cpu():
             return FixReport(FIX_NAME, "not-needed", version, "not vLLM's CPU platform")
         if not runner_module_exists():
-            log_once(
-                FIX_NAME,
-                "debug",
-                "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
-                version,
-                FIX_NAME,
-                NO_V1_RUNNER,
-            )
-            return FixReport(FIX_NAME, "not-needed", version, NO_V1_RUNNER)
+            return not_needed(FIX_NAME, version, NO_V1_RUNNER)
         if not deferred():
             sys.meta_path.insert(0, _AfterImport(version))
         return FixReport(
@@ -295,7 +287,7 @@ def apply(version: str) -> Any:
 
 def _apply_now(version: str) -> Any:
     """:func:`apply` on the imported ``CPUModelRunner``."""
-    from vllm_dsa_connector.fixes import FixReport, log_once
+    from vllm_dsa_connector.fixes import FixReport, log_once, not_needed
 
     cls = runner_class()
     if cls is None:
@@ -315,15 +307,7 @@ def _apply_now(version: str) -> Any:
         return FixReport(FIX_NAME, "unsupported", version, f"no {METHOD}")
     before = probe(cls)
     if not before.buggy:
-        log_once(
-            FIX_NAME,
-            "debug",
-            "vllm-dsa-connector: vLLM %s does not need fix %s (%s)",
-            version,
-            FIX_NAME,
-            before.detail,
-        )
-        return FixReport(FIX_NAME, "not-needed", version, before.detail)
+        return not_needed(FIX_NAME, version, before.detail)
     install(cls)
     after = probe(cls)
     if after.buggy:
