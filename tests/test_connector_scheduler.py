@@ -542,9 +542,16 @@ def test_idle_steps_pause_and_a_registration_wakes_p(pd) -> None:
         sched.pacer._event.clear()  # earlier tests' side-channel messages woke it
     try:
         params = _prefill(p, "p-idle", 2 * BLOCK, [25, 26])
-        for _ in range(7):
-            assert p.build_connector_meta(idle).is_empty()
-        assert [t for t, _ in waits["P"]] == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.02, 0.02])
+        expected = pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.02, 0.02])
+        for _ in range(3):  # a loaded host may deliver an earlier test's late side-channel message meanwhile
+            waits["P"].clear()
+            p.pacer.busy()
+            p.pacer._event.clear()
+            for _ in range(7):
+                assert p.build_connector_meta(idle).is_empty()
+            if [t for t, _ in waits["P"]] == expected and not any(woken for _, woken in waits["P"]):
+                break
+        assert [t for t, _ in waits["P"]] == expected
         assert not any(woken for _, woken in waits["P"])
         _load(d, clock, "d-idle", params, 2 * BLOCK, 0, [54, 55])
         d.build_connector_meta(None)
