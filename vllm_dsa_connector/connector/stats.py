@@ -33,6 +33,9 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   flight, or held for an aborted bounce until its connection is fenced), summed over P's workers
 - ``vllm:dsa_kv_setup_waits_total``: pushes P held because their destination's set-up (its NIXL remote
   agents, loaded on the worker's set-up thread) was not over yet; posted once it is, without blocking a step
+- ``vllm:dsa_kv_load_failures_total{reason}``: D requests not loaded from P, by why
+  (:data:`~vllm_dsa_connector.handoff.recompute.REASONS`; each falls back to ``kv_load_failure_policy``:
+  recompute = D prefills it; ``vllm-dsa explain REASON`` gives the fix), counted once where D decides it
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -51,6 +54,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from vllm_dsa_connector.handoff.recompute import REASONS
 
 _COUNTERS = (
     "send_bytes",
@@ -85,6 +90,9 @@ _COUNTERS = (
 _GAUGES = ("early_held",)
 _LISTS = ("transfer_s", "recv_wait_s", *_GAUGES)
 _STAGING = "staging"  # gauge samples, lists keyed "staging:<held|full>:<rank>" (the last one is current)
+_FAILURE = "load_failure"  # counter keys "load_failure:<reason>" (a reason of handoff.recompute.REASONS)
+#: per-request facts the workers hand their scheduler (only with request records on; popped there, never exported)
+RECORDS = "records"
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
 _SIDES = ("send", "recv")
 #: Why D could not use a request's kv_transfer_params: the ``reason`` label of ``vllm:dsa_kv_unusable_params_total``
@@ -97,6 +105,14 @@ def unusable_key(reason: str) -> str:
     if reason not in UNUSABLE_REASONS:
         raise ValueError(f"unusable params reason {reason!r}: expected one of {list(UNUSABLE_REASONS)}")
     return f"unusable_{reason}"
+
+
+def failure_key(reason: str) -> str:
+    """Counter key of the D requests not loaded from P for ``reason`` (one of
+    :data:`~vllm_dsa_connector.handoff.recompute.REASONS`)."""
+    if reason not in REASONS:
+        raise ValueError(f"load failure reason {reason!r}: expected one of {list(REASONS)}")
+    return f"{_FAILURE}:{reason}"
 
 
 def pair_key(side: str, src_rank: int, dst_rank: int) -> str:
@@ -182,7 +198,7 @@ class DSAKVConnectorStats(KVConnectorStats):
         """True when nothing was recorded."""
         return not any(self.data.get(k) for k in _COUNTERS) and not any(
             self.data.get(k) for k in _LISTS
-        ) and not any(k.startswith(_STAGING + ":") and v for k, v in self.data.items())
+        ) and not any(k.startswith((_STAGING + ":", _FAILURE + ":", RECORDS)) and v for k, v in self.data.items())
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum counters and concatenate series (other workers, other steps)."""
@@ -255,6 +271,9 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._staging_held: dict[int, dict[int, float]] = {}  # engine -> rank -> bytes
         self._setup_waits, _ = counter("vllm:dsa_kv_setup_waits",
                                        "Pushes held until their destination's peer set-up was over")
+        self._failures, _ = counter("vllm:dsa_kv_load_failures",
+                                    "D requests not loaded from P (kv_load_failure_policy applies), by reason",
+                                    ("reason",))
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -304,6 +323,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
             self._inc(self._reqs, engine_idx, d.get(key, 0), side, outcome)
         for reason in UNUSABLE_REASONS:
             self._inc(self._unusable, engine_idx, d.get(unusable_key(reason), 0), reason)
+        for reason in REASONS:
+            self._inc(self._failures, engine_idx, d.get(failure_key(reason), 0), reason)
         for (side, src, dst), nbytes in pair_bytes(d).items():
             self._inc(self._pairs, engine_idx, nbytes, side, str(src), str(dst))
         held = _latest(d, "held")
