@@ -135,7 +135,7 @@ class ReceiveSide:
         """A load this worker saw fail (``reason``: of :data:`~vllm_dsa_connector.handoff.recompute.REASONS`):
         counted by reason once, logged with the fix's pointer, and handed to the scheduler's record."""
         self.stats.add(failure_key(reason))
-        logger.warning("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
+        logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
                        "applies; fix: vllm-dsa explain %s", req_id, reason, detail[:300], reason)
         if self.records:
             self.stats.data.setdefault(RECORDS, []).append(

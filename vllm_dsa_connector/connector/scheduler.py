@@ -253,7 +253,7 @@ class DSAConnectorScheduler:
     def _local_prefill(self, req_id: str, reason: str, why: str) -> None:
         """D prefills ``req_id`` locally at once (no load failure): counted and logged by ``reason``."""
         self.stats.add(failure_key(reason))
-        logger.warning("DSAConnector: request %s not loaded from P (reason %s: %s); D prefills it; fix: vllm-dsa "
+        logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); D prefills it; fix: vllm-dsa "
                        "explain %s", req_id, reason, why, reason)
         if self.records is not None:
             self.records.close(req_id, "local_prefill", reason, why)
@@ -491,7 +491,7 @@ class DSAConnectorScheduler:
         """A load this scheduler fails (``fail_recv``): counted by reason once, logged, its record closed."""
         reason = self._fail_reason.pop(req_id, None) or classify(why)
         self.stats.add(failure_key(reason))
-        logger.warning("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
+        logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
                        "applies; fix: vllm-dsa explain %s", req_id, reason, why[:300], reason)
         if self.records is not None:
             self.records.close(req_id, "failed", reason, why)

@@ -99,6 +99,22 @@ _SIDES = ("send", "recv")
 UNUSABLE_REASONS = ("other_connector", "malformed")
 
 
+#: (stats key, side, outcome) of ``vllm:dsa_kv_requests_total``
+_REQUEST_OUTCOMES = (
+    ("send_ok", "send", "ok"),
+    ("send_failed", "send", "failed"),
+    ("send_expired", "send", "expired"),
+    ("send_late", "send", "late"),
+    ("recv_ok", "recv", "ok"),
+    ("recv_failed", "recv", "failed"),
+    ("recv_timeout", "recv", "timeout"),
+)
+#: (stats key, outcome) of ``vllm:dsa_kv_fenced_connections_total``
+_FENCE_OUTCOMES = (("fenced_connections", "fenced"), ("connection_resets", "reset"),
+                   ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
+                   ("fence_peer_gone", "load_peer_gone"))
+
+
 def unusable_key(reason: str) -> str:
     """Counter key of the D requests whose kv_transfer_params were unusable for ``reason`` (one of
     :data:`UNUSABLE_REASONS`: a fixed label set, never a value taken from the params)."""
@@ -284,6 +300,20 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         )
         self._hist = create_metric_per_engine(hist, per_engine_labelvalues)
         self._labels = per_engine_labelvalues
+        # Every series with a known label set exists from the start at 0 (Prometheus' advice): a panel shows 0,
+        # not "No data", before the first event, and increase()/rate() count the first event too.
+        for values in per_engine_labelvalues.values():
+            fixed: list[tuple[Any, tuple[str, ...]]] = [(self._bytes, (s,)) for s in _SIDES]
+            fixed += [(self._runs, (s,)) for s in _SIDES]
+            fixed += [(m, ()) for m in (self._descs, self._bounce, self._ipc, self._layered, self._mismatch,
+                                        self._checked, self._reconnects, self._refused, self._setup_waits)]
+            fixed += [(self._reqs, (side, outcome)) for _, side, outcome in _REQUEST_OUTCOMES]
+            fixed += [(self._fences, (outcome,)) for _, outcome in _FENCE_OUTCOMES]
+            fixed += [(self._unusable, (r,)) for r in UNUSABLE_REASONS]
+            fixed += [(self._failures, (r,)) for r in REASONS]
+            for metric, extra in fixed:
+                metric.labels(*values, *extra)
+            self._held.labels(*values).set(0)
 
     def _inc(self, metric: Any, engine_idx: int, value: float, *extra: str) -> None:
         if value:
@@ -306,20 +336,10 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._refused, engine_idx, d.get("refused_identities", 0))
         if d.get("early_held"):
             self._held.labels(*self._labels[engine_idx]).set(d["early_held"][-1])
-        for key, outcome in (("fenced_connections", "fenced"), ("connection_resets", "reset"),
-                             ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
-                             ("fence_peer_gone", "load_peer_gone")):
+        for key, outcome in _FENCE_OUTCOMES:
             self._inc(self._fences, engine_idx, d.get(key, 0), outcome)
         self._inc(self._setup_waits, engine_idx, d.get("setup_waits", 0))
-        for key, side, outcome in (
-            ("send_ok", "send", "ok"),
-            ("send_failed", "send", "failed"),
-            ("send_expired", "send", "expired"),
-            ("send_late", "send", "late"),
-            ("recv_ok", "recv", "ok"),
-            ("recv_failed", "recv", "failed"),
-            ("recv_timeout", "recv", "timeout"),
-        ):
+        for key, side, outcome in _REQUEST_OUTCOMES:
             self._inc(self._reqs, engine_idx, d.get(key, 0), side, outcome)
         for reason in UNUSABLE_REASONS:
             self._inc(self._unusable, engine_idx, d.get(unusable_key(reason), 0), reason)
