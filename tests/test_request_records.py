@@ -291,6 +291,8 @@ def test_each_request_has_one_record_on_each_side(traffic: Traffic) -> None:
         (rec,) = [r for r in d_recs if _is(r["external_request_id"], d_id)]
         assert rec["outcome"] == "ok" and rec["reason"] == "" and rec["p_request_id"] == p_id, rec
         assert rec["blocks"] > 0 and rec["bytes"] > 0 and rec["runs"] > 0 and rec["routes"], rec
+        assert rec["gate"] and all(g["gate"] in ("direct", "bounce") and g["direct_us"] > 0 and g["bounce_us"] > 0
+                                   for g in rec["gate"]), rec  # the gate's estimate per pair
         phases = rec["phases_ms"]
         assert list(phases)[:1] == ["start"] and {"registered", "notice", "end"} <= set(phases), phases
         assert phases["start"] <= phases["registered"] <= phases["notice"] <= phases["end"], phases
@@ -371,10 +373,10 @@ def test_every_dashboard_query_returns_data_on_prometheus(traffic: Traffic) -> N
         assert data["resultType"] == "vector", (title, data)
         if not data["result"]:
             empty.append(f"{title}: {expr}")
+        print(f"[dashboard] {title}: {[(r['metric'], r['value'][1]) for r in data['result']]}"[:300])
     assert not empty, "panels with no data:\n" + "\n".join(empty)
     # what the traffic must show, not only exist
-    failures = prom.query(_concrete(
-        'sum by (reason) (increase(vllm:dsa_kv_load_failures_total{instance=~"$instance"}[$__rate_interval]))'))
+    failures = prom.query('sum by (reason) (increase(vllm:dsa_kv_load_failures_total[10m]))')
     by_reason = {r["metric"]["reason"]: float(r["value"][1]) for r in failures["result"]}
     assert by_reason["params_missing_key"] > 0 and by_reason["timeout"] == 0, by_reason
     ok = prom.query('sum(vllm:dsa_kv_requests_total{side="recv",outcome="ok"})')["result"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-__all__ = ["RequestRecords", "external_id", "make_records"]
+__all__ = ["GateEstimates", "RequestRecords", "external_id", "make_records"]
 
 logger = init_logger("vllm." + __name__)
 
@@ -56,6 +56,31 @@ def make_records(mode: str, tracing_endpoint: str | None, engine_id: str, role: 
     if mode == "off" and tracer is None:
         return None
     return RequestRecords(engine_id, role, log=mode == "log", tracer=tracer)
+
+
+class GateEstimates:
+    """The bounce gate's estimates of one request's pairs, for its record: the same cost model D's route planner
+    asks (:class:`~vllm_dsa_connector.transport.gate.BounceGate`), built once, asked only while records are on."""
+
+    def __init__(self, settings: Any, device: str) -> None:
+        from vllm_dsa_connector.transport.gate import BounceGate
+
+        self.gate = BounceGate(settings, device=device)
+
+    def of(self, plan: Any, src_ranks: list[int], dst_ranks: list[int], src_blocks: list[int],
+           dst_blocks: list[int], *, first_token: int, num_tokens: int | None) -> list[dict[str, Any]]:
+        """Per (D rank, P rank) pair with bytes: the gate's path, reason and both estimates (microseconds)."""
+        out = []
+        for d in dst_ranks[:_RANKS]:
+            for p in src_ranks:
+                parts = [r.merged() for _, _, r in plan.runs(p, d, src_blocks, dst_blocks, first_token=first_token,
+                                                              num_tokens=num_tokens)]
+                total = sum(r.total_bytes for r in parts)
+                if total:
+                    dec = self.gate.decision_for(sum(r.num_runs for r in parts), total)
+                    out.append({"pair": f"D{d}<-P{p}", "gate": dec.path, "why": dec.reason[:120],
+                                "direct_us": round(dec.direct_us, 1), "bounce_us": round(dec.bounce_us, 1)})
+        return out
 
 
 class RequestRecords:

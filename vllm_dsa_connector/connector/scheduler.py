@@ -48,7 +48,7 @@ from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
-from vllm_dsa_connector.connector.record import make_records
+from vllm_dsa_connector.connector.record import GateEstimates, make_records
 from vllm_dsa_connector.connector.stats import (
     RECORDS,
     DSAKVConnectorStats,
@@ -155,6 +155,7 @@ class DSAConnectorScheduler:
         # per-request records (None: off, nothing built per request; connector.record)
         self.records = make_records(options.request_records, vllm_config.observability_config.otlp_traces_endpoint,
                                     engine_id, kvc.kv_role)
+        self._estimates: GateEstimates | None = None  # the gate's estimates for the records (built on first use)
 
     # ---------------------------------------------------------------- handshake data
 
@@ -353,6 +354,17 @@ class DSAConnectorScheduler:
                                         "P's staging full: direct" if peer.staging_full else
                                         f"bounce_mode {self.opts.bounce.mode}" if self.opts.bounce is not None
                                         else "bounce off: direct"))
+            if self.opts.bounce is not None and peer.plan is not None:
+                try:
+                    if self._estimates is None:
+                        local = self.local_payloads
+                        self._estimates = GateEstimates(self.opts.bounce, local[0].page_table.pools[0].device
+                                                        if local else "cpu")
+                    self.records.set(req_id, gate=self._estimates.of(
+                        peer.plan, [p.rank for p in peer.meta.payloads], [p.rank for p in self.local_payloads], src, dst,
+                        first_token=pairing.first_token, num_tokens=pairing.num_tokens))
+                except Exception as e:  # noqa: BLE001 - a record never fails a load
+                    self.records.set(req_id, gate=f"no estimate: {e}"[:200])
 
     # ---------------------------------------------------------------- P side and aborts
 
