@@ -95,6 +95,8 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 #: recently seen forgotten first): each peer is logged once, and engine ids that change with every P start
 #: (vLLM's default) or a hostile proxy's made-up ids cannot grow the set without bound.
 _UNUSABLE_LOGGED = 1024
+
+
 def route_summary(routes: Routes) -> str:
     """``routes`` as one short text: ``"D0<-P0:bounce,D1<-P0:ipc"`` (pairs it does not name go direct)."""
     pairs = [f"D{d}<-P{p}:{r.path}" for d, by_src in sorted(routes.items()) for p, r in sorted(by_src.items())]
@@ -215,6 +217,8 @@ class DSAConnectorScheduler:
         if count <= 0:
             params["do_remote_prefill"] = False
             self.consumer.give_up(request.request_id, "not loading from P")
+            if self.records is not None:
+                self.records.close(request.request_id, "local", "", "D had every prompt token cached")
             return 0, False
         # A refused/unreachable peer or heartbeat too: claimed here, failed at allocation (update_state_after_alloc),
         # so vLLM applies its (top-level) kv_load_failure_policy, the one place the policy is read.
@@ -255,7 +259,7 @@ class DSAConnectorScheduler:
         """D prefills ``req_id`` locally at once (no load failure): counted and logged by ``reason``."""
         self.stats.add(failure_key(reason))
         logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); D prefills it; fix: vllm-dsa "
-                       "explain %s", req_id, reason, why, reason)
+                    "explain %s", req_id, reason, why, reason)
         if self.records is not None:
             self.records.close(req_id, "local_prefill", reason, why)
 
@@ -268,6 +272,9 @@ class DSAConnectorScheduler:
         assert request.kv_transfer_params is not None
         request.kv_transfer_params["do_remote_prefill"] = False
         self._unusable.pop(request.request_id, None)
+        self._fail_reason.pop(request.request_id, None)
+        if self.records is not None:
+            self.records.close(request.request_id, "local", "", "D had every prompt token cached")
         return 0, False
 
     def update_state_after_alloc(self, request: VllmRequest, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -287,6 +294,8 @@ class DSAConnectorScheduler:
                              "kv_load_failure_policy)", req_id, why)
                 self._fail[req_id] = why
                 self._fail_quiet.add(req_id)
+            else:
+                self._fail_reason.pop(req_id, None)
             return
         load = self.consumer.load(req_id)
         if load is None:
@@ -376,6 +385,11 @@ class DSAConnectorScheduler:
 
         params = request.kv_transfer_params
         unusable = self._unusable.pop(request.request_id, None)  # claimed, never allocated: nothing was loading
+        if unusable is not None:
+            self._fail_reason.pop(request.request_id, None)
+        if self.records is not None and (params or {}).get("do_remote_prefill") is not None:
+            # D: a record still open now is a request that finished before its load did (aborted)
+            self.records.close(request.request_id, "aborted", "", "the request finished before its load")
         if not params:
             return False, None
         load = self.consumer.load(request.request_id)
@@ -500,11 +514,15 @@ class DSAConnectorScheduler:
         return meta
 
     def _failed_load(self, req_id: str, why: str) -> None:
-        """A load this scheduler fails (``fail_recv``): counted by reason once, logged, its record closed."""
-        reason = self._fail_reason.pop(req_id, None) or classify(why)
+        """A load this scheduler fails (``fail_recv``): counted by reason once, logged, its record closed; an
+        aborted request's (the client went away: nothing recomputes) is none of that."""
+        reason = self._fail_reason.pop(req_id, None)
+        if reason is None and why.startswith("aborted"):
+            return
+        reason = reason or classify(why)
         self.stats.add(failure_key(reason))
         logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
-                       "applies; fix: vllm-dsa explain %s", req_id, reason, why[:300], reason)
+                    "applies; fix: vllm-dsa explain %s", req_id, reason, why[:300], reason)
         if self.records is not None:
             self.records.close(req_id, "failed", reason, why)
 
