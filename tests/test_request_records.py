@@ -304,6 +304,10 @@ def test_each_request_has_one_record_on_each_side(traffic: Traffic) -> None:
         assert send["bytes"] == rec["bytes"] and send["descriptors"] > 0, (send, rec)
         assert {r["route"] for r in send["ranks"] if "route" in r} <= {"direct", "bounce", "ipc"}, send
         assert {"dispatched", "completed"} <= set(send["phases_ms"]), send
+    # a push P held for its peer's set-up (the first to a fresh D) says how long, in its record
+    waits = metric(scrape(traffic.p_url), "vllm:dsa_kv_setup_waits_total")
+    held = [e for r in p_recs for e in r.get("ranks", []) if "setup_wait_ms" in e]
+    assert bool(held) == (waits > 0) and all(e["setup_wait_ms"] >= 0 for e in held), (waits, held)
 
 
 def test_the_record_is_a_span_in_the_request_s_trace(traffic: Traffic) -> None:

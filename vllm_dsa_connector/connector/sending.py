@@ -166,6 +166,7 @@ class _Waiting:
     job: PushJob
     send: _Send
     final: bool
+    since: float = field(default_factory=time.monotonic)  # when it was held
 
 
 class SendSide:
@@ -369,6 +370,9 @@ class SendSide:
             if self._sends.get(req_id) is not w.send:
                 continue  # replaced by a later push of the same request
             del self._sends[req_id]
+            if self.records:  # the set-up wait, for the request's record
+                self.stats.data.setdefault(RECORDS, []).append(
+                    {"req": req_id, "src_rank": self._rank(), "setup_wait_ms": round(1000 * (now - w.since), 3)})
             if late:
                 logger.error("DSAConnector: push of %s waited for the set-up of %s past its post deadline; not "
                              "writing", req_id, w.job.dst_engine)
