@@ -157,7 +157,8 @@ class RequestRecords:
         ranks = rec.get("ranks") or []
         if ranks:
             for key in ("bytes", "descriptors", "runs"):
-                out[key] = sum(int(r.get(key, 0)) for r in ranks)
+                if any(key in r for r in ranks):  # (D's workers count no descriptors: P posts them)
+                    out[key] = sum(int(r.get(key, 0)) for r in ranks)
         return out
 
     def _span(self, rec: dict[str, Any], headers: dict[str, str] | None, end: float) -> None:
