@@ -23,4 +23,12 @@ log "installing vllm-dsa-connector with test and lint extras (pre-commit hooks, 
 log "fetching GPT-2 ranks (openai-whisper sdist, gpt2.tiktoken only) for the tokenizer tests"
 "$PY" -m vllm_dsa_connector.tokenizer.assets fetch || log "warning: GPT-2 ranks not fetched; GPT-2 tokenizer tests skip"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# Prometheus (Debian's package): tests/test_request_records.py runs the dashboard's PromQL on a real one
+if ! command -v prometheus >/dev/null 2>&1; then
+  log "installing prometheus (Debian package) for the dashboard test"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"
+  { $SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 \
+    || { $SUDO apt-get update >/dev/null 2>&1 && $SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; }; } \
+    || log "warning: prometheus not installed (apt-get failed); the dashboard-on-Prometheus test skips"
+fi
 "$PY" -c "import vllm, nixl, vllm_dsa_connector; print('[setup] ok: vllm', vllm.__version__)"

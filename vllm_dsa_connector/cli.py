@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vllm_dsa_connector.commands.demo", "run a prefill/decode pair with DSAConnector"),
     "make-model": ("vllm_dsa_connector.commands.make_model", "make a tiny random test model (mla or dsa)"),
     "options": ("vllm_dsa_connector.commands.options", "list every option: key, environment variable, default"),
+    "explain": ("vllm_dsa_connector.commands.explain", "why D did not load a request from P (a reason), and the fix"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("vllm_dsa_connector.commands.bench_transfer", "NIXL scattered vs bounce vs gate"),

@@ -147,6 +147,13 @@ class ConnectorOptions:
         "layer's pages from save_kv_layer as the final prefill step computes them, instead of the whole "
         "request after the step; off until the measurements say on (docs/benchmarks.md)",
     )
+    request_records: str = option(
+        "request_records", partial(parse_choice, choices=("off", "log")), "off",
+        doc="log: one JSON log line per request and side when it is over (P: its send; D: its load): ids, route, "
+        "blocks, bytes, each phase's time, outcome and why (docs/deployment.md, What to watch); off: none. "
+        "Independent of it, where vLLM's tracing is on (--otlp-traces-endpoint) the same record is a span "
+        "dsa_kv_transfer in the request's trace",
+    )
     bounce: BounceSettings | None = group(BounceSettings)
 
     def validate_options(self) -> None:

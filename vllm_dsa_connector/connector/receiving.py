@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
+from vllm_dsa_connector.connector.stats import RECORDS, failure_key
 from vllm_dsa_connector.handoff.wire import (
     NOTICE_PREFIX,
     Notice,
@@ -128,6 +129,18 @@ class ReceiveSide:
         self._progress_stop = threading.Event()
         self._progress_wake = threading.Event()
         self._progress_thread: threading.Thread | None = None
+        self.records = False  # hand the scheduler per-request facts (connector.record; set by the worker)
+
+    def _failed_load(self, req_id: str, reason: str, detail: str) -> None:
+        """A load this worker saw fail (``reason``: of :data:`~vllm_dsa_connector.handoff.recompute.REASONS`):
+        counted by reason once, logged with the fix's pointer, and handed to the scheduler's record."""
+        self.stats.add(failure_key(reason))
+        logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
+                       "applies; fix: vllm-dsa explain %s", req_id, reason, detail[:300], reason)
+        if self.records:
+            self.stats.data.setdefault(RECORDS, []).append(
+                {"req": req_id, "dst_rank": self._rank(), "outcome": "failed", "reason": reason,
+                 "detail": detail[:200]})
 
     def attach_arena(self, arena: StagingArena) -> Region:
         """Register ``arena`` as the staging buffer bounced writes land in (its region goes in the payload)."""
@@ -215,6 +228,10 @@ class ReceiveSide:
         self.stats.add("recv_bytes", n.nbytes)
         self.stats.add_pair_bytes("recv", n.src_rank, self._rank(), n.nbytes)
         self.stats.add("recv_runs", n.runs)
+        if self.records:
+            self.stats.data.setdefault(RECORDS, []).append(
+                {"req": job.req_id, "src_rank": n.src_rank, "dst_rank": self._rank(), "bytes": n.nbytes,
+                 "runs": n.runs})
         if not job.verify:
             return True
         ok = True
@@ -382,13 +399,17 @@ class ReceiveSide:
                              req_id, job.timeout_s, list(r.missing))
                 self.stats.add("recv_timeout")
                 self._failed.add(req_id)
+                self._failed_load(req_id, "timeout", f"no notice from rank(s) {list(r.missing)} in "
+                                  f"{job.timeout_s:.1f} s")
             elif r.state is RecvState.FAILED:
                 logger.error("DSAConnector: load of %s failed: %s", req_id, r.reason)
                 self.stats.add("recv_failed")
                 self._failed.add(req_id)
+                self._failed_load(req_id, "p_failed", r.reason)
             elif r.state is RecvState.CORRUPT:
                 self.stats.add("recv_failed")
                 self._error_blocks.update(job.blocks)
+                self._failed_load(req_id, "checksum", "verify_transfers: checksum mismatch")
             else:
                 self.stats.add("recv_ok")
                 self.stats.observe("recv_wait_s", r.waited_s)

@@ -48,7 +48,14 @@ from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
-from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, staging_full, unusable_key
+from vllm_dsa_connector.connector.record import GateEstimates, make_records
+from vllm_dsa_connector.connector.stats import (
+    RECORDS,
+    DSAKVConnectorStats,
+    failure_key,
+    staging_full,
+    unusable_key,
+)
 from vllm_dsa_connector.handoff.consumer import Consumer
 from vllm_dsa_connector.handoff.fence_waits import FenceWaits
 from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
@@ -61,6 +68,7 @@ from vllm_dsa_connector.handoff.messages import (
     prompt_digest,
 )
 from vllm_dsa_connector.handoff.producer import Producer
+from vllm_dsa_connector.handoff.recompute import classify, missing_key, params_reason
 from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer
@@ -87,6 +95,14 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 #: recently seen forgotten first): each peer is logged once, and engine ids that change with every P start
 #: (vLLM's default) or a hostile proxy's made-up ids cannot grow the set without bound.
 _UNUSABLE_LOGGED = 1024
+
+
+def route_summary(routes: Routes) -> str:
+    """``routes`` as one short text: ``"D0<-P0:bounce,D1<-P0:ipc"`` (pairs it does not name go direct)."""
+    pairs = [f"D{d}<-P{p}:{r.path}" for d, by_src in sorted(routes.items()) for p, r in sorted(by_src.items())]
+    return ",".join(pairs[:16]) or "direct"
+
+
 def handoff_settings(options: ConnectorOptions) -> HandoffSettings:
     """The core's settings from the connector's options."""
     return HandoffSettings(lease_s=options.kv_lease_duration, transfer_timeout_s=options.transfer_timeout_s,
@@ -137,6 +153,11 @@ class DSAConnectorScheduler:
         self._new_sources: list[PeerInfo] = []
         self.routes = RoutePlanner(options.bounce, lambda: self.local_payloads, ipc=options.ipc_mode != "never")
         self.early = EarlyPrefills(self.producer, options.layer_push)  # P: prefills D may register first
+        self._fail_reason: dict[str, str] = {}  # of _fail: the reason when known where it was decided
+        # per-request records (None: off, nothing built per request; connector.record)
+        self.records = make_records(options.request_records, vllm_config.observability_config.otlp_traces_endpoint,
+                                    engine_id, kvc.kv_role)
+        self._estimates: GateEstimates | None = None  # the gate's estimates for the records (built on first use)
 
     # ---------------------------------------------------------------- handshake data
 
@@ -164,6 +185,11 @@ class DSAConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        if self.records is not None and request.request_id not in self.records:
+            self.records.open(request.request_id, "load", request.trace_headers, d_engine=self.engine_id,
+                              p_engine=str(params.get("remote_engine_id"))[:128],
+                              p_request_id=str(params.get("remote_request_id"))[:128],
+                              prompt_tokens=len(request.prompt_token_ids or ()))
         if request.request_id in self._unusable:  # asked again (no blocks for it last step): counted once
             return self._claim(request, num_computed_tokens)
         if problem := other_connector(params):
@@ -178,6 +204,7 @@ class DSAConnectorScheduler:
                            "(n > 1, or a prompt list sent as one request); computing it locally",
                            request.request_id, rp.remote_request_id, rp.remote_engine_id, other)
             params["do_remote_prefill"] = False
+            self._local_prefill(request.request_id, "already_taken", f"D request {other} already loads it")
             return 0, False
         since = self.consumer.queue(request.request_id, rp)
         peer = self.consumer.peer(rp.remote_engine_id, rp.remote_host, rp.remote_port, waiting_since=since,
@@ -190,6 +217,8 @@ class DSAConnectorScheduler:
         if count <= 0:
             params["do_remote_prefill"] = False
             self.consumer.give_up(request.request_id, "not loading from P")
+            if self.records is not None:
+                self.records.close(request.request_id, "local", "", "D had every prompt token cached")
             return 0, False
         # A refused/unreachable peer or heartbeat too: claimed here, failed at allocation (update_state_after_alloc),
         # so vLLM applies its (top-level) kv_load_failure_policy, the one place the policy is read.
@@ -221,7 +250,18 @@ class DSAConnectorScheduler:
                          "fails), counted in vllm:dsa_kv_unusable_params_total{reason=%r}; not logged again for "
                          "this peer and reason", request.request_id, why, key[0], params_summary(params), reason)
         self._unusable[request.request_id] = why
+        self._fail_reason[request.request_id] = params_reason(reason, problem)
+        if self.records is not None and (key_missing := missing_key(problem)):
+            self.records.set(request.request_id, missing_key=key_missing)
         return self._claim(request, num_computed_tokens)
+
+    def _local_prefill(self, req_id: str, reason: str, why: str) -> None:
+        """D prefills ``req_id`` locally at once (no load failure): counted and logged by ``reason``."""
+        self.stats.add(failure_key(reason))
+        logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); D prefills it; fix: vllm-dsa "
+                    "explain %s", req_id, reason, why, reason)
+        if self.records is not None:
+            self.records.close(req_id, "local_prefill", reason, why)
 
     def _claim(self, request: VllmRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Claim the prompt tokens D has not computed of a request whose load will fail at allocation
@@ -232,6 +272,9 @@ class DSAConnectorScheduler:
         assert request.kv_transfer_params is not None
         request.kv_transfer_params["do_remote_prefill"] = False
         self._unusable.pop(request.request_id, None)
+        self._fail_reason.pop(request.request_id, None)
+        if self.records is not None:
+            self.records.close(request.request_id, "local", "", "D had every prompt token cached")
         return 0, False
 
     def update_state_after_alloc(self, request: VllmRequest, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -251,6 +294,8 @@ class DSAConnectorScheduler:
                              "kv_load_failure_policy)", req_id, why)
                 self._fail[req_id] = why
                 self._fail_quiet.add(req_id)
+            else:
+                self._fail_reason.pop(req_id, None)
             return
         load = self.consumer.load(req_id)
         if load is None:
@@ -260,6 +305,8 @@ class DSAConnectorScheduler:
             self.consumer.give_up(req_id, "no external tokens")
             return
         self.consumer.forget_queued(req_id)
+        if self.records is not None:
+            self.records.phase(req_id, "handshake_done")
         if peer.error or load.error or peer.meta is None:
             why = peer.error or load.error or f"the handshake with P {load.engine} is being redone (P restarted?)"
             logger.warning("DSAConnector: request %s: %s; failing the load (vLLM applies "
@@ -309,6 +356,24 @@ class DSAConnectorScheduler:
         self._pending_recv.append(self.consumer.register(
             req_id, rp, peer, pairing.first_token, pairing.num_tokens, src, dst, routes, held,
             prompt_tokens=prompt_tokens, prompt_digest=prompt_digest(request.prompt_token_ids)))
+        if self.records is not None:
+            self.records.phase(req_id, "registered")
+            self.records.set(req_id, blocks=len(dst), tokens=pairing.num_tokens, routes=route_summary(routes),
+                             route_why=("early registration: direct" if rp.early else
+                                        "P's staging full: direct" if peer.staging_full else
+                                        f"bounce_mode {self.opts.bounce.mode}" if self.opts.bounce is not None
+                                        else "bounce off: direct"))
+            if self.opts.bounce is not None and peer.plan is not None:
+                try:
+                    if self._estimates is None:
+                        local = self.local_payloads
+                        self._estimates = GateEstimates(self.opts.bounce, local[0].page_table.pools[0].device
+                                                        if local else "cpu")
+                    self.records.set(req_id, gate=self._estimates.of(
+                        peer.plan, [p.rank for p in peer.meta.payloads], [p.rank for p in self.local_payloads], src, dst,
+                        first_token=pairing.first_token, num_tokens=pairing.num_tokens))
+                except Exception as e:  # noqa: BLE001 - a record never fails a load
+                    self.records.set(req_id, gate=f"no estimate: {e}"[:200])
 
     # ---------------------------------------------------------------- P side and aborts
 
@@ -320,6 +385,11 @@ class DSAConnectorScheduler:
 
         params = request.kv_transfer_params
         unusable = self._unusable.pop(request.request_id, None)  # claimed, never allocated: nothing was loading
+        if unusable is not None:
+            self._fail_reason.pop(request.request_id, None)
+        if self.records is not None and (params or {}).get("do_remote_prefill") is not None:
+            # D: a record still open now is a request that finished before its load did (aborted)
+            self.records.close(request.request_id, "aborted", "", "the request finished before its load")
         if not params:
             return False, None
         load = self.consumer.load(request.request_id)
@@ -349,6 +419,9 @@ class DSAConnectorScheduler:
             return False, None
         token = self.producer.add_lease(request.request_id, blocks, prompt_tokens=request.num_prompt_tokens,
                                         digest=prompt_digest(request.prompt_token_ids))
+        if self.records is not None:
+            self.records.open(request.request_id, "send", request.trace_headers, p_engine=self.engine_id,
+                              blocks=len(blocks), tokens=request.num_computed_tokens)
         return True, self._params_out(request, blocks, token)
 
     def _cancel_unqueued(self, request: VllmRequest) -> None:
@@ -400,6 +473,8 @@ class DSAConnectorScheduler:
         self._new_sources = []
         meta.recv, self._pending_recv = self._pending_recv, []
         self.consumer.step(self._fail)
+        for req_id, why in self._fail.items():
+            self._failed_load(req_id, why)
         meta.fail_recv, self._fail = self._fail, {}
         meta.fail_unposted = {r for r in meta.fail_recv if (load := self.consumer.load(r)) is not None
                               and (load.release_at == 0.0 or load.cancel_confirmed())}
@@ -421,6 +496,14 @@ class DSAConnectorScheduler:
         meta.peers.extend(dispatch.peers)
         meta.push.extend(dispatch.push)
         meta.release.extend(dispatch.release)
+        if self.records is not None:
+            for job in dispatch.push:
+                self.records.phase(job.req_id, "dispatched")
+                self.records.set(job.req_id, d_engine=job.dst_engine, d_request_id=job.dst_req_id,
+                                 routes=route_summary(job.routes), layered=job.layered,
+                                 **({"refused": job.error[:200]} if job.error else {}))
+            for req_id in dispatch.release:  # a lease released unsent (expired, cancelled)
+                self.records.close(req_id, "released", "", "P released the lease without a finished send")
         if (meta.is_empty() and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and (self.producer.pending() or self.consumer.pending())):
             # Only waiting on the peer: vLLM steps in a tight loop (has_pending_push_work, requests waiting
@@ -430,6 +513,19 @@ class DSAConnectorScheduler:
             self.pacer.busy()
         return meta
 
+    def _failed_load(self, req_id: str, why: str) -> None:
+        """A load this scheduler fails (``fail_recv``): counted by reason once, logged, its record closed; an
+        aborted request's (the client went away: nothing recomputes) is none of that."""
+        reason = self._fail_reason.pop(req_id, None)
+        if reason is None and why.startswith("aborted"):
+            return
+        reason = reason or classify(why)
+        self.stats.add(failure_key(reason))
+        logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
+                    "applies; fix: vllm-dsa explain %s", req_id, reason, why[:300], reason)
+        if self.records is not None:
+            self.records.close(req_id, "failed", reason, why)
+
     def _epoch_of(self, engine: str) -> int | None:
         """The start of P ``engine`` D knows now (None: not known)."""
         peer = self.consumer.known_peer(engine)
@@ -438,6 +534,10 @@ class DSAConnectorScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Forget finished transfers (P: leases; D: loads and their staging slots: a failed load's slots
         come back once no WRITE can land in them, :meth:`Consumer.writes_over_at`)."""
+        stats = output.kv_connector_stats
+        entries = stats.data.pop(RECORDS, None) if stats is not None else None
+        if entries and self.records is not None:
+            self.records.workers(entries)
         sending = set(output.finished_sending or ())
         if self.early:
             # an early prefill's workers may be done before vLLM finished the request (it frees the blocks of
@@ -446,6 +546,10 @@ class DSAConnectorScheduler:
             output.finished_sending = sending
         if sending:
             self.producer.finished_sending(sending)
+            if self.records is not None:
+                for req_id in sending:
+                    self.records.phase(req_id, "completed")
+                    self.records.close(req_id, *self._send_outcome(entries, req_id))
         if output.kv_connector_stats is not None:  # the workers' staging arenas (P)
             full = staging_full(output.kv_connector_stats.data)
             if full is not None:
@@ -456,8 +560,30 @@ class DSAConnectorScheduler:
             load = self.consumer.finished(req_id)
             if load is not None and req_id not in failed:
                 self.consumer.loaded(load)
+            if self.records is not None:
+                self.records.phase(req_id, "notice")
+                self.records.close(req_id, *self._load_outcome(entries, req_id, req_id in failed))
             if load is not None:
                 self.routes.free(load.slots, failed=req_id in failed, safe_at=self.consumer.writes_over_at(load))
+
+    @staticmethod
+    def _send_outcome(entries: list[dict[str, Any]] | None, req_id: str) -> tuple[str, str, str]:
+        """P: (outcome, reason, detail) of a finished send from its workers' facts."""
+        bad = [e for e in entries or () if e.get("req") == req_id and (e.get("outcome") == "failed"
+                                                                       or e.get("state") == "failed")]
+        if bad:
+            return "failed", "", "; ".join(str(e.get("error", "")) for e in bad if e.get("error"))
+        return "ok", "", ""
+
+    @staticmethod
+    def _load_outcome(entries: list[dict[str, Any]] | None, req_id: str, failed: bool) -> tuple[str, str, str]:
+        """D: (outcome, reason, detail) of a load its workers reported finished."""
+        if not failed:
+            return "ok", "", ""
+        for e in entries or ():
+            if e.get("req") == req_id and e.get("reason"):
+                return "failed", str(e["reason"]), str(e.get("detail", ""))
+        return "failed", "other", "reported failed by D's workers"
 
     def get_stats(self) -> DSAKVConnectorStats | None:
         """The scheduler's stats since the last call (vLLM's scheduler aggregates them with the workers'),

@@ -57,6 +57,7 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.connector.receiving import ReportedIds, recv_poll_period
+from vllm_dsa_connector.connector.stats import RECORDS
 from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.agent import PeerReconnecting
@@ -165,6 +166,7 @@ class _Waiting:
     job: PushJob
     send: _Send
     final: bool
+    since: float = field(default_factory=time.monotonic)  # when it was held
 
 
 class SendSide:
@@ -205,6 +207,7 @@ class SendSide:
         self._waiting: dict[str, _Waiting] = {}  # pushes held until their destination is ready
         # failure notices met by a lost connection: (agent, D request, error, when), sent after the reconnect
         self._unsent: collections.deque[tuple[str, str, str, float]] = collections.deque()
+        self.records = False  # hand the scheduler per-request facts (connector.record; set by the worker)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -367,6 +370,9 @@ class SendSide:
             if self._sends.get(req_id) is not w.send:
                 continue  # replaced by a later push of the same request
             del self._sends[req_id]
+            if self.records:  # the set-up wait, for the request's record
+                self.stats.data.setdefault(RECORDS, []).append(
+                    {"req": req_id, "src_rank": self._rank(), "setup_wait_ms": round(1000 * (now - w.since), 3)})
             if late:
                 logger.error("DSAConnector: push of %s waited for the set-up of %s past its post deadline; not "
                              "writing", req_id, w.job.dst_engine)
@@ -578,6 +584,8 @@ class SendSide:
                     continue
                 send.groups.remove(group)
                 self._observe(group.post)
+                if self.records:
+                    self._record(req_id, group)
                 if group.post.state is PostState.FAILED:  # every part is over: D may give up now
                     logger.error("DSAConnector: %s", group.post.error)
                     send.failed = True
@@ -588,6 +596,9 @@ class SendSide:
                 # (a failure notice that went as a fence: the request is over once D got it, P steps meanwhile)
                 del self._sends[req_id]
                 self.stats.add("send_failed" if send.failed else "send_ok")
+                if self.records:
+                    self.stats.data.setdefault(RECORDS, []).append(
+                        {"req": req_id, "src_rank": self._rank(), "outcome": "failed" if send.failed else "ok"})
                 if self.reported.add(req_id):
                     self._done.add(req_id)
         self.remove_retired()
@@ -602,6 +613,17 @@ class SendSide:
                 self.stats.add("send_descriptors", st.desc_count)
         if post.state is PostState.DONE and (seconds := post.seconds) is not None:
             self.stats.observe("transfer_s", seconds)
+
+    def _record(self, req_id: str, group: _Group) -> None:
+        """One finished post's facts for the scheduler's record of ``req_id`` (:mod:`..record`)."""
+        post = group.post
+        seconds = post.seconds
+        self.stats.data.setdefault(RECORDS, []).append({
+            "req": req_id, "src_rank": self._rank(), "dst_rank": group.rank, "route": post.path,
+            "bytes": sum(st.total_bytes for st in post.stats), "runs": sum(st.num_runs for st in post.stats),
+            "descriptors": sum(max(st.desc_count, 0) for st in post.stats),
+            "post_to_done_ms": None if seconds is None else round(1000 * seconds, 3),
+            "state": post.state.name.lower(), "error": post.error[:200]})
 
     def _poll_fences(self) -> None:
         """Confirm the fences of connections with an aborted WRITE (:mod:`~vllm_dsa_connector.transport.fence`)

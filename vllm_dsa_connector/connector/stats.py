@@ -33,6 +33,9 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   flight, or held for an aborted bounce until its connection is fenced), summed over P's workers
 - ``vllm:dsa_kv_setup_waits_total``: pushes P held because their destination's set-up (its NIXL remote
   agents, loaded on the worker's set-up thread) was not over yet; posted once it is, without blocking a step
+- ``vllm:dsa_kv_load_failures_total{reason}``: D requests not loaded from P, by why
+  (:data:`~vllm_dsa_connector.handoff.recompute.REASONS`; each falls back to ``kv_load_failure_policy``:
+  recompute = D prefills it; ``vllm-dsa explain REASON`` gives the fix), counted once where D decides it
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
 """
@@ -51,6 +54,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from vllm_dsa_connector.handoff.recompute import REASONS
 
 _COUNTERS = (
     "send_bytes",
@@ -85,10 +90,29 @@ _COUNTERS = (
 _GAUGES = ("early_held",)
 _LISTS = ("transfer_s", "recv_wait_s", *_GAUGES)
 _STAGING = "staging"  # gauge samples, lists keyed "staging:<held|full>:<rank>" (the last one is current)
+_FAILURE = "load_failure"  # counter keys "load_failure:<reason>" (a reason of handoff.recompute.REASONS)
+#: per-request facts the workers hand their scheduler (only with request records on; popped there, never exported)
+RECORDS = "records"
 _PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
 _SIDES = ("send", "recv")
 #: Why D could not use a request's kv_transfer_params: the ``reason`` label of ``vllm:dsa_kv_unusable_params_total``
 UNUSABLE_REASONS = ("other_connector", "malformed")
+
+
+#: (stats key, side, outcome) of ``vllm:dsa_kv_requests_total``
+_REQUEST_OUTCOMES = (
+    ("send_ok", "send", "ok"),
+    ("send_failed", "send", "failed"),
+    ("send_expired", "send", "expired"),
+    ("send_late", "send", "late"),
+    ("recv_ok", "recv", "ok"),
+    ("recv_failed", "recv", "failed"),
+    ("recv_timeout", "recv", "timeout"),
+)
+#: (stats key, outcome) of ``vllm:dsa_kv_fenced_connections_total``
+_FENCE_OUTCOMES = (("fenced_connections", "fenced"), ("connection_resets", "reset"),
+                   ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
+                   ("fence_peer_gone", "load_peer_gone"))
 
 
 def unusable_key(reason: str) -> str:
@@ -97,6 +121,14 @@ def unusable_key(reason: str) -> str:
     if reason not in UNUSABLE_REASONS:
         raise ValueError(f"unusable params reason {reason!r}: expected one of {list(UNUSABLE_REASONS)}")
     return f"unusable_{reason}"
+
+
+def failure_key(reason: str) -> str:
+    """Counter key of the D requests not loaded from P for ``reason`` (one of
+    :data:`~vllm_dsa_connector.handoff.recompute.REASONS`)."""
+    if reason not in REASONS:
+        raise ValueError(f"load failure reason {reason!r}: expected one of {list(REASONS)}")
+    return f"{_FAILURE}:{reason}"
 
 
 def pair_key(side: str, src_rank: int, dst_rank: int) -> str:
@@ -182,7 +214,7 @@ class DSAKVConnectorStats(KVConnectorStats):
         """True when nothing was recorded."""
         return not any(self.data.get(k) for k in _COUNTERS) and not any(
             self.data.get(k) for k in _LISTS
-        ) and not any(k.startswith(_STAGING + ":") and v for k, v in self.data.items())
+        ) and not any(k.startswith((_STAGING + ":", _FAILURE + ":", RECORDS)) and v for k, v in self.data.items())
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum counters and concatenate series (other workers, other steps)."""
@@ -255,6 +287,9 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._staging_held: dict[int, dict[int, float]] = {}  # engine -> rank -> bytes
         self._setup_waits, _ = counter("vllm:dsa_kv_setup_waits",
                                        "Pushes held until their destination's peer set-up was over")
+        self._failures, _ = counter("vllm:dsa_kv_load_failures",
+                                    "D requests not loaded from P (kv_load_failure_policy applies), by reason",
+                                    ("reason",))
         self._pairs, _ = counter("vllm:dsa_kv_pair_bytes", "KV bytes moved per (P rank, D rank) pair",
                                  ("side", "src_rank", "dst_rank"))
         hist = self._histogram_cls(
@@ -265,6 +300,20 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         )
         self._hist = create_metric_per_engine(hist, per_engine_labelvalues)
         self._labels = per_engine_labelvalues
+        # Every series with a known label set exists from the start at 0 (Prometheus' advice): a panel shows 0,
+        # not "No data", before the first event, and increase()/rate() count the first event too.
+        for values in per_engine_labelvalues.values():
+            fixed: list[tuple[Any, tuple[str, ...]]] = [(self._bytes, (s,)) for s in _SIDES]
+            fixed += [(self._runs, (s,)) for s in _SIDES]
+            fixed += [(m, ()) for m in (self._descs, self._bounce, self._ipc, self._layered, self._mismatch,
+                                        self._checked, self._reconnects, self._refused, self._setup_waits)]
+            fixed += [(self._reqs, (side, outcome)) for _, side, outcome in _REQUEST_OUTCOMES]
+            fixed += [(self._fences, (outcome,)) for _, outcome in _FENCE_OUTCOMES]
+            fixed += [(self._unusable, (r,)) for r in UNUSABLE_REASONS]
+            fixed += [(self._failures, (r,)) for r in REASONS]
+            for metric, extra in fixed:
+                metric.labels(*values, *extra)
+            self._held.labels(*values).set(0)
 
     def _inc(self, metric: Any, engine_idx: int, value: float, *extra: str) -> None:
         if value:
@@ -287,23 +336,15 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         self._inc(self._refused, engine_idx, d.get("refused_identities", 0))
         if d.get("early_held"):
             self._held.labels(*self._labels[engine_idx]).set(d["early_held"][-1])
-        for key, outcome in (("fenced_connections", "fenced"), ("connection_resets", "reset"),
-                             ("fenced_loads", "load_fenced"), ("fence_timeouts", "load_timeout"),
-                             ("fence_peer_gone", "load_peer_gone")):
+        for key, outcome in _FENCE_OUTCOMES:
             self._inc(self._fences, engine_idx, d.get(key, 0), outcome)
         self._inc(self._setup_waits, engine_idx, d.get("setup_waits", 0))
-        for key, side, outcome in (
-            ("send_ok", "send", "ok"),
-            ("send_failed", "send", "failed"),
-            ("send_expired", "send", "expired"),
-            ("send_late", "send", "late"),
-            ("recv_ok", "recv", "ok"),
-            ("recv_failed", "recv", "failed"),
-            ("recv_timeout", "recv", "timeout"),
-        ):
+        for key, side, outcome in _REQUEST_OUTCOMES:
             self._inc(self._reqs, engine_idx, d.get(key, 0), side, outcome)
         for reason in UNUSABLE_REASONS:
             self._inc(self._unusable, engine_idx, d.get(unusable_key(reason), 0), reason)
+        for reason in REASONS:
+            self._inc(self._failures, engine_idx, d.get(failure_key(reason), 0), reason)
         for (side, src, dst), nbytes in pair_bytes(d).items():
             self._inc(self._pairs, engine_idx, nbytes, side, str(src), str(dst))
         held = _latest(d, "held")

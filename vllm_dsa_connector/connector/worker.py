@@ -39,6 +39,7 @@ thread ever waits on a peer's set-up.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -123,6 +124,9 @@ class DSAConnectorWorker:
                              rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
                              remotes=self.remotes, lock=self._lock, reconnect=self._schedule_reconnect)
         self.setup = PeerSetup(f"dsa-peer-setup-{engine_id}")
+        # per-request facts for the scheduler's records (connector.record): only when those are built
+        self.send.records = self.recv.records = options.request_records != "off" or bool(
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
     @property
     def rank(self) -> int:
