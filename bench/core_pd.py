@@ -48,8 +48,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_dsa_connector.handoff.consumer import Consumer, parse_remote_params  # noqa: E402
+from vllm_dsa_connector.handoff.consumer import Consumer  # noqa: E402
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, new_epoch  # noqa: E402
+from vllm_dsa_connector.handoff.params import RemoteParams  # noqa: E402
 from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
 from vllm_dsa_connector.handoff.routes import plan_routes  # noqa: E402
 from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
@@ -282,7 +283,7 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
                         lambda: [encode(side.payload)])
     gate = BounceGate(BounceSettings(mode="always"), device=args.device) if args.path == "bounce" else None
     params = ch.recv(Kind.DATA).body["params"]
-    first = parse_remote_params(params[0])
+    first = RemoteParams.from_dict(params[0])
     deadline = time.monotonic() + 30
     while (peer := consumer.peer("P", first.remote_host, first.remote_port)).future is not None:
         if time.monotonic() > deadline:
@@ -293,7 +294,7 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
     agents = {p.rank: p.agent_name for p in peer.meta.payloads}
     e2e_ms: dict[str, float] = {}
     for spec, param in zip(specs, params, strict=True):
-        rp = parse_remote_params(param)
+        rp = RemoteParams.from_dict(param)
         consumer.queue(spec.req_id, rp)
         started = time.perf_counter()
         assert peer.plan is not None
