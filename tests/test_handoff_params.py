@@ -31,6 +31,9 @@ def test_ps_answer_is_what_d_reads() -> None:
     answer = _p_answer()
     assert answer["kv_connector"] == "DSAConnector" and answer["transfer_mode"] == "dsa-push"
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
+    assert set(answer) == {"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_epoch",
+                           "remote_request_id", "remote_token", "remote_host", "remote_port", "remote_block_ids",
+                           "remote_num_tokens", "tp_size", "pp_size", "transfer_mode", "kv_connector"}
     rp = RemoteParams.from_dict(answer)
     assert (rp.remote_engine_id, rp.remote_request_id, rp.remote_block_ids, rp.remote_epoch) == ("P", "p-1",
                                                                                                   [3, 4], 7)

@@ -102,8 +102,12 @@ class RemoteParams(msgspec.Struct, frozen=True):
         return bool(self.transfer_id)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object P hands out (every key; vLLM returns it to the proxy in the answer)."""
-        return msgspec.structs.asdict(self)
+        """The JSON object P hands out (vLLM returns it to the proxy in the answer); ``transfer_id`` only when
+        set (D's view of early params: P's answer never carries one)."""
+        out = msgspec.structs.asdict(self)
+        if not self.transfer_id:
+            del out["transfer_id"]
+        return out
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> RemoteParams:
