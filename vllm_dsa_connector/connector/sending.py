@@ -62,6 +62,7 @@ from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.agent import PeerReconnecting
 from vllm_dsa_connector.transport.ipc import host_id
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
@@ -404,11 +405,11 @@ class SendSide:
         checks = self._checks(parts) if job.verify and not job.layered else []
         notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
         route = route_of(job.routes, dst.rank, me)
-        path = route.path if route is not None else "direct"
+        path = PathName(route.path) if route is not None else PathName.DIRECT
         slot = None
-        if path == "bounce" and route is not None and dst.staging is not None:
+        if path == PathName.BOUNCE and route is not None and dst.staging is not None:
             slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
-        if path == "ipc":
+        if path == PathName.IPC:
             self._map(agent, dst)
         send_parts = [(regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts]
         how = self.transport.open if job.layered else self.transport.post
@@ -419,7 +420,7 @@ class SendSide:
             self._layers.append(_Layers(_Group(agent, dst.rank, post), job, plan, me, dst.rank, parts,
                                         set(plan.layers_of(me, dst.rank)), notice))
         if post.state is not PostState.FAILED:
-            if path != "direct":
+            if path != PathName.DIRECT:
                 self.stats.add(f"{path}_bytes", nbytes)
             if job.layered:
                 self.stats.add("layered_bytes", nbytes)

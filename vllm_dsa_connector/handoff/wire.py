@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+
+from vllm_dsa_connector.transport.paths import PathName
 
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
 #: 3: completion/failure notices travel as transport notifications (``dsa1:<path><rank>:<Notice>``) on
@@ -223,10 +225,6 @@ class PeerInfo(msgspec.Struct, frozen=True):
     epoch: Epoch = 0
 
 
-#: The paths a :class:`Route` names (a pair without a route is written directly)
-ROUTE_PATHS = ("bounce", "ipc")
-
-
 class Route(msgspec.Struct, frozen=True, array_like=True):
     """How the bytes of one (destination rank, source rank) pair of a request travel, chosen once by D.
 
@@ -237,9 +235,13 @@ class Route(msgspec.Struct, frozen=True, array_like=True):
     A P that cannot follow its route fails that transfer with the reason; it never picks another path.
     """
 
-    path: Literal["bounce", "ipc"]
+    path: PathName  # bounce or ipc (a pair written directly has no route)
     offset: int = 0
     size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.path == PathName.DIRECT:
+            raise ValueError("a route names bounce or ipc; a pair written directly has no route")
 
 
 #: dst rank -> src rank -> its :class:`Route` (a pair not named is written directly)
