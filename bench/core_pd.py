@@ -59,7 +59,6 @@ from vllm_dsa_connector.handoff.wire import (  # noqa: E402
     RankPayload,
     WireIpcExport,
     WirePageTable,
-    WireRegion,
     decode_payload,
     encode,
     route_of,
@@ -70,7 +69,7 @@ from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
 from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings  # noqa: E402
 from vllm_dsa_connector.transport.ipc import device_uuid, export_region, host_id  # noqa: E402
 from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
-from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc  # noqa: E402
+from vllm_dsa_connector.transport.nixl_data import Region  # noqa: E402
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
 from vllm_dsa_connector.transport.routed import RoutedTransport  # noqa: E402
 from vllm_dsa_connector.transport.slots import SlotAllocator  # noqa: E402
@@ -176,7 +175,7 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
             ipc = [WireIpcExport.of(export_region(t).to_dict()) for t in tensors]
     payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
                           WirePageTable.of(replace(table, pools=pools).to_dict()),
-                          [WireRegion.of(r.desc().to_dict()) for r in regions], compat,
+                          [r.desc() for r in regions], compat,
                           host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
     return Side(tensors, engine, regions, payload, arena)
 
@@ -233,13 +232,13 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
             for agent, d in agents:
                 triples = plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks,
                                     first_token=job.first_token, num_tokens=job.num_tokens)
-                parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp].to_dict()), runs)
+                parts = [(side.regions[sp], d.regions[dp], runs)
                          for sp, dp, runs in triples]
                 route = route_of(job.routes, d.rank, side.payload.rank)  # D's choice; P follows it
                 path = route.path if route is not None else "direct"
                 slot = None
                 if route is not None and route.path == "bounce" and d.staging is not None:
-                    slot = StagingSlot(RegionDesc.from_dict(d.staging.to_dict()), route.offset, route.size)
+                    slot = StagingSlot(d.staging, route.offset, route.size)
                 if path == "ipc" and not transport.mapped(agent) and d.ipc:
                     transport.map_peer(agent, [e.to_dict() for e in d.ipc], side.tensors[0].device)
                 mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode(),
@@ -276,7 +275,7 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
     if side.arena is not None:  # the receive arena the bounce routes' slots lie in
         region = receiver.attach(side.arena)
         # the agent's metadata names its registered memory: taken again now that the arena is registered
-        side.payload = msgspec.structs.replace(side.payload, staging=WireRegion.of(region.desc().to_dict()),
+        side.payload = msgspec.structs.replace(side.payload, staging=region.desc(),
                                                agent_metadata=side.engine.metadata())
         slots = SlotAllocator(side.arena.size)
     consumer = Consumer("D", _settings(args), Authenticator(args.secret), lambda: [side.payload],

@@ -61,7 +61,6 @@ from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.agent import PeerReconnecting
 from vllm_dsa_connector.transport.ipc import host_id
-from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs
@@ -408,10 +407,10 @@ class SendSide:
         path = PathName(route.path) if route is not None else PathName.DIRECT
         slot = None
         if path == PathName.BOUNCE and route is not None and dst.staging is not None:
-            slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
+            slot = StagingSlot(dst.staging, int(route.offset), int(route.size))
         if path == PathName.IPC:
             self._map(agent, dst)
-        send_parts = [(regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts]
+        send_parts = [(regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts]
         how = self.transport.open if job.layered else self.transport.post
         post = how(agent, send_parts, writer=me, tag=encode(notice), path=path, slot=slot,
                    pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)

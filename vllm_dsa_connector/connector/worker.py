@@ -61,7 +61,6 @@ from vllm_dsa_connector.handoff.wire import (
     RankPayload,
     WireIpcExport,
     WirePageTable,
-    WireRegion,
     decode_payload,
     encode,
 )
@@ -155,7 +154,7 @@ class DSAConnectorWorker:
                 send_arena = StagingArena(settings.arena_bytes, device=device)
             if self.role in ("kv_consumer", "kv_both"):
                 recv_arena = StagingArena(settings.arena_bytes, device=device)
-                staging = WireRegion.of(self.recv.attach_arena(recv_arena).desc().to_dict())
+                staging = self.recv.attach_arena(recv_arena).desc()
         self.send.attach_arena(send_arena, reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
         gpu, reach, ipc = self._cuda_identity(device)
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
@@ -163,7 +162,7 @@ class DSAConnectorWorker:
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
             agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=WirePageTable.of(table.to_dict()),
-            regions=[WireRegion.of(r.desc().to_dict()) for r in self.regions], compat=self.compat, staging=staging,
+            regions=[r.desc() for r in self.regions], compat=self.compat, staging=staging,
             host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
         logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s%s",
                     self.engine_id, table.rank, len(self.regions), table.bytes_per_block,

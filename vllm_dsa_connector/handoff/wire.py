@@ -7,10 +7,10 @@ decoded, before it costs memory:
 
 - :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
-  which serves them on the side channel (:mod:`.side_channel`). Its page table (:class:`WirePageTable`),
-  regions and staging arena (:class:`WireRegion`) and CUDA IPC exports (:class:`WireIpcExport`) are the
-  wire forms of ``layout.PageTable.to_dict()``, ``transport.RegionDesc.to_dict()`` and
-  ``transport.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
+  which serves them on the side channel (:mod:`.side_channel`). Its regions and staging arena are
+  ``transport.RegionDesc`` itself (one msgspec struct in memory and on the wire); its page table
+  (:class:`WirePageTable`) and CUDA IPC exports (:class:`WireIpcExport`) are the
+  wire forms of ``layout.PageTable.to_dict()`` and ``transport.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
   those dicts (the protocol is unchanged). :meth:`WireStruct.of` builds one from such a dict,
   :meth:`WireStruct.to_dict` gives the dict back to the layout's and the transport's ``from_dict``, which
   check the values (enum names, handles).
@@ -27,6 +27,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.paths import PathName
 
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
@@ -163,16 +164,6 @@ class WirePageTable(WireStruct, frozen=True):
     views: Annotated[list[WireView], msgspec.Meta(max_length=MAX_ENTRIES)] = []
 
 
-class WireRegion(WireStruct, frozen=True):
-    """``transport.RegionDesc``: a registered region as a peer sees it."""
-
-    agent: Id
-    addr: int
-    size: int
-    mem: _Name  # "DRAM" | "VRAM"
-    dev: int = 0
-
-
 class WireIpcExport(WireStruct, frozen=True):
     """``transport.ipc.IpcDesc``: one pool exported through CUDA IPC (handles hex-encoded)."""
 
@@ -199,9 +190,9 @@ class RankPayload(msgspec.Struct, frozen=True):
     agent_name: Id
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
     page_table: WirePageTable
-    regions: Annotated[list[WireRegion], msgspec.Meta(max_length=MAX_ENTRIES)]  # one per pool, in pool order
+    regions: Annotated[list[RegionDesc], msgspec.Meta(max_length=MAX_ENTRIES)]  # one per pool, in pool order
     compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
-    staging: WireRegion | None = None  # receive staging arena for bounced writes
+    staging: RegionDesc | None = None  # receive staging arena for bounced writes
     protocol: int = PROTOCOL_VERSION
     host: Id = ""  # this machine (``transport.ipc.host_id``): same host is the first condition of the ipc path
     gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)

@@ -1,0 +1,30 @@
+"""One msgspec struct per concept on the wire (issue 46): the type in memory is the type on the wire, it encodes
+to the bytes its former wire mirror did (the protocol is unchanged), and its bounds hold wherever it is decoded."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_dsa_connector.handoff.wire import Route
+from vllm_dsa_connector.transport.nixl_data import RegionDesc
+from vllm_dsa_connector.transport.paths import PathName
+
+
+def test_a_region_encodes_as_its_former_wire_mirror_and_is_bounded() -> None:
+    region = RegionDesc("agent-d", 4096, 1 << 20, "VRAM", 3)
+    mirror = {"agent": "agent-d", "addr": 4096, "size": 1 << 20, "mem": "VRAM", "dev": 3}  # WireRegion's keys
+    assert msgspec.msgpack.encode(region) == msgspec.msgpack.encode(mirror)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(mirror), type=RegionDesc) == region
+    with pytest.raises(ValueError, match="region description .*agent"):
+        RegionDesc.from_dict({**mirror, "agent": "a" * 513})  # a peer's oversize name: refused, not kept
+    with pytest.raises(ValueError, match="region description .*mem"):
+        RegionDesc.from_dict({**mirror, "mem": "m" * 65})
+
+
+def test_a_route_names_its_path_by_pathname_with_the_same_bytes() -> None:
+    assert msgspec.msgpack.encode(Route(PathName.BOUNCE, 5, 10)) == msgspec.msgpack.encode(["bounce", 5, 10])
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(["ipc", 0, 0]), type=Route)
+    assert got.path is PathName.IPC
+    with pytest.raises(msgspec.ValidationError, match="written directly has no route"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(["direct", 0, 0]), type=Route)
