@@ -57,7 +57,6 @@ from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
 from vllm_dsa_connector.handoff.wire import (  # noqa: E402
     RankPayload,
-    WireIpcExport,
     WirePageTable,
     decode_payload,
     encode,
@@ -172,7 +171,7 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
         gpu = device_uuid(tensors[0].device)
         reach = [gpu]
         if path == "ipc" and seed is None:
-            ipc = [WireIpcExport.of(export_region(t).to_dict()) for t in tensors]
+            ipc = [export_region(t) for t in tensors]
     payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
                           WirePageTable.of(replace(table, pools=pools).to_dict()),
                           [r.desc() for r in regions], compat,
@@ -240,7 +239,7 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
                 if route is not None and route.path == "bounce" and d.staging is not None:
                     slot = StagingSlot(d.staging, route.offset, route.size)
                 if path == "ipc" and not transport.mapped(agent) and d.ipc:
-                    transport.map_peer(agent, [e.to_dict() for e in d.ipc], side.tensors[0].device)
+                    transport.map_peer(agent, d.ipc, side.tensors[0].device)
                 mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode(),
                                            path=path, slot=slot, pools=[dp for _, dp, _ in triples]))
                 paths[path] = paths.get(path, 0) + 1

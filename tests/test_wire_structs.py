@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from vllm_dsa_connector.handoff.wire import Route
+from vllm_dsa_connector.transport.ipc_desc import IpcDesc
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.paths import PathName
 
@@ -20,6 +21,20 @@ def test_a_region_encodes_as_its_former_wire_mirror_and_is_bounded() -> None:
         RegionDesc.from_dict({**mirror, "agent": "a" * 513})  # a peer's oversize name: refused, not kept
     with pytest.raises(ValueError, match="region description .*mem"):
         RegionDesc.from_dict({**mirror, "mem": "m" * 65})
+
+
+def test_an_ipc_export_encodes_as_its_former_wire_mirror_and_is_bounded() -> None:
+    export = IpcDesc("host/boot", "GPU-0", 1 << 20, 0, (b"\x01" * 64).hex(), 2 << 20, 0, b"/torch_1_2".hex(), 0,
+                     (b"\x02" * 64).hex(), True)
+    mirror = {"host": "host/boot", "uuid": "GPU-0", "size": 1 << 20, "offset": 0, "handle": "01" * 64,  # WireIpcExport
+              "storage_size": 2 << 20, "storage_offset": 0, "ref_counter_handle": b"/torch_1_2".hex(),
+              "ref_counter_offset": 0, "event_handle": "02" * 64, "event_sync_required": True}
+    assert msgspec.msgpack.encode(export) == msgspec.msgpack.encode(mirror)
+    assert export.handles() == (b"\x01" * 64, b"/torch_1_2", b"\x02" * 64)
+    with pytest.raises(ValueError, match="IPC region description"):
+        IpcDesc.from_dict({**mirror, "handle": "zz"})
+    with pytest.raises(ValueError, match="IPC region description"):
+        IpcDesc.from_dict({**mirror, "uuid": "u" * 513})  # a peer's oversize name: refused, not kept
 
 
 def test_a_route_names_its_path_by_pathname_with_the_same_bytes() -> None:

@@ -435,7 +435,7 @@ class SendSide:
         if self.transport.mapped(agent) or not dst.ipc:
             return
         try:
-            self.transport.map_peer(agent, [e.to_dict() for e in dst.ipc], self._regions()[0].tensor.device)
+            self.transport.map_peer(agent, dst.ipc, self._regions()[0].tensor.device)
             logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
                         len(dst.ipc), dst.engine_id, dst.rank)
         except Exception as e:  # noqa: BLE001 - the post fails with this reason

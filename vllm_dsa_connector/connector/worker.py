@@ -59,13 +59,13 @@ from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_pee
 from vllm_dsa_connector.handoff.wire import (
     PeerInfo,
     RankPayload,
-    WireIpcExport,
     WirePageTable,
     decode_payload,
     encode,
 )
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.ipc import host_id
+from vllm_dsa_connector.transport.ipc_desc import IpcDesc
 from vllm_dsa_connector.transport.nixl_data import TransferError, metadata_agent_name
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.staging import StagingArena
@@ -170,7 +170,7 @@ class DSAConnectorWorker:
                     ", pools exported for CUDA IPC" if ipc else "")
         return self.payload
 
-    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[WireIpcExport] | None]:
+    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[IpcDesc] | None]:
         """(GPU UUID, UUIDs of the GPUs this rank's kernels can write, the pools' CUDA IPC exports or None)
         for CUDA pools; CPU pools have none of them. The exports are D's (a consumer's) and follow ``ipc_mode``."""
         if device.type != "cuda":
@@ -183,7 +183,7 @@ class DSAConnectorWorker:
         ipc = None
         if self.opts.exports_cuda_ipc(self.role):
             try:
-                ipc = [WireIpcExport.of(export_region(r.tensor).to_dict()) for r in self.regions]
+                ipc = [export_region(r.tensor) for r in self.regions]
             except Exception as e:  # noqa: BLE001 - no ipc path then: NIXL carries every pair
                 logger.warning("DSAConnector %s: cannot export the KV pools for CUDA IPC (%s); peers on this host "
                                "use NIXL", self.engine_id, e)

@@ -7,10 +7,10 @@ decoded, before it costs memory:
 
 - :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
-  which serves them on the side channel (:mod:`.side_channel`). Its regions and staging arena are
-  ``transport.RegionDesc`` itself (one msgspec struct in memory and on the wire); its page table
-  (:class:`WirePageTable`) and CUDA IPC exports (:class:`WireIpcExport`) are the
-  wire forms of ``layout.PageTable.to_dict()`` and ``transport.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
+  which serves them on the side channel (:mod:`.side_channel`). Its regions and staging arena
+  (``transport.RegionDesc``) and CUDA IPC exports (``transport.ipc_desc.IpcDesc``) are those structs
+  themselves (one msgspec struct in memory and on the wire); its page table (:class:`WirePageTable`) is the
+  wire form of ``layout.PageTable.to_dict()``: the same keys and values, so they encode to the same bytes as
   those dicts (the protocol is unchanged). :meth:`WireStruct.of` builds one from such a dict,
   :meth:`WireStruct.to_dict` gives the dict back to the layout's and the transport's ``from_dict``, which
   check the values (enum names, handles).
@@ -27,6 +27,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from vllm_dsa_connector.transport.ipc_desc import IpcDesc
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.paths import PathName
 
@@ -79,8 +80,6 @@ _Blocks = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
 _Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_ENTRIES)]  # layer ids of a page table
 #: An enum value or memory kind of the layout or transport (checked by their ``from_dict``)
 _Name = Annotated[str, msgspec.Meta(max_length=64)]
-#: A CUDA IPC handle, hex-encoded (``IpcDesc.to_dict``)
-_Hex = Annotated[str, msgspec.Meta(max_length=1024)]
 
 W = TypeVar("W", bound="WireStruct")
 
@@ -164,22 +163,6 @@ class WirePageTable(WireStruct, frozen=True):
     views: Annotated[list[WireView], msgspec.Meta(max_length=MAX_ENTRIES)] = []
 
 
-class WireIpcExport(WireStruct, frozen=True):
-    """``transport.ipc.IpcDesc``: one pool exported through CUDA IPC (handles hex-encoded)."""
-
-    host: Id
-    uuid: Id
-    size: int
-    offset: int
-    handle: _Hex
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: _Hex
-    ref_counter_offset: int
-    event_handle: _Hex
-    event_sync_required: bool
-
-
 class RankPayload(msgspec.Struct, frozen=True):
     """One worker's handshake payload."""
 
@@ -198,7 +181,7 @@ class RankPayload(msgspec.Struct, frozen=True):
     gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)
     reach: Annotated[list[Id], msgspec.Meta(max_length=MAX_WORKERS)] = []  # GPU UUIDs this rank's kernels can write
     # CUDA IPC export of each pool, in pool order; None: this rank offers no ipc path
-    ipc: Annotated[list[WireIpcExport], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
+    ipc: Annotated[list[IpcDesc], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
 
 
 class PeerInfo(msgspec.Struct, frozen=True):

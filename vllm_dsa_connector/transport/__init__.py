@@ -106,7 +106,7 @@ _LAZY = {
     "LayeredPost": "paths.base",
     "PathName": "paths.base",
     "ROUTE_PATHS": "paths.base",
-    "IpcDesc": "ipc",
+    "IpcDesc": "ipc_desc",
     "IpcUnavailable": "ipc",
     "device_uuid": "ipc",
     "enable_peer_access": "ipc",

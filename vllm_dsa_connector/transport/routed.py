@@ -71,7 +71,7 @@ class RoutedTransport:
     # -- ipc mappings ---------------------------------------------------------------------------------
 
     def map_peer(self, peer: str, exports: Sequence[Any], device: torch.device | str) -> None:
-        """Open the peer's exported pools (``IpcDesc`` dicts, pool order) for kernels on ``device``, once per
+        """Open the peer's exported pools (``IpcDesc``, or their dicts, pool order) for kernels on ``device``, once per
         peer agent; :class:`~.ipc.IpcUnavailable` naming the pool when one cannot be opened here."""
         if peer in self._maps:
             return
