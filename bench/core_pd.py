@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
 from vllm_dsa_connector.handoff.wire import (  # noqa: E402
     RankPayload,
-    WirePageTable,
     decode_payload,
     encode,
     route_of,
@@ -160,7 +159,8 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
         fill(tensors, seed)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    pools = tuple(replace(p, base_ptr=t.data_ptr(), device=str(t.device)) for p, t in zip(table.pools, tensors, strict=True))
+    pools = tuple(msgspec.structs.replace(p, base_ptr=t.data_ptr(), device=str(t.device))
+                  for p, t in zip(table.pools, tensors, strict=True))
     engine = NixlEngine(f"{engine_id}-{os.getpid()}")
     regions = [engine.register(t) for t in tensors]
     compat = {"architecture": table.model.architecture, "kv_cache_dtype": table.kv_cache_dtype,
@@ -173,7 +173,7 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
         if path == "ipc" and seed is None:
             ipc = [export_region(t) for t in tensors]
     payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
-                          WirePageTable.of(replace(table, pools=pools).to_dict()),
+                          msgspec.structs.replace(table, pools=pools),
                           [r.desc() for r in regions], compat,
                           host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
     return Side(tensors, engine, regions, payload, arena)

@@ -35,12 +35,12 @@ def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
 
 
 def _payload(engine: str, table, arena: int) -> bytes:
-    from vllm_dsa_connector.handoff.wire import RankPayload, WirePageTable, encode
+    from vllm_dsa_connector.handoff.wire import RankPayload, encode
     from vllm_dsa_connector.transport.nixl_data import RegionDesc
 
     staging = RegionDesc(f"agent-{engine}", 0, arena, "DRAM") if arena else None
     return encode(RankPayload(engine, table.rank, table.pp_rank, table.tp_rank, f"agent-{engine}", b"",
-                              WirePageTable.of(table.to_dict()), [], {"model_dtype": "f32"}, staging=staging))
+                              table, [], {"model_dtype": "f32"}, staging=staging))
 
 
 @pytest.fixture(scope="module")

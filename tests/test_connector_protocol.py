@@ -147,7 +147,6 @@ def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
     page table has another shape, or a list over its bound, is refused while it is decoded, naming the field."""
     from vllm_dsa_connector.handoff.wire import (
         MAX_ENTRIES,
-        WirePageTable,
     )
     from vllm_dsa_connector.layout import PageTable, build_offline
     from vllm_dsa_connector.tiny_models import glm_dsa_config
@@ -155,7 +154,7 @@ def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
     from vllm_dsa_connector.transport.nixl_data import RegionDesc
 
     (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
-    wire = WirePageTable.of(table.to_dict())
+    wire = table
     assert encode(wire) == encode(table.to_dict()) and PageTable.from_dict(wire.to_dict()) == table
     region = RegionDesc("agent-d", 4096, 1 << 20, "DRAM", 0)
     assert RegionDesc.from_dict(region.to_dict()) == region

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from vllm_dsa_connector.handoff.wire import Route
+from vllm_dsa_connector.layout.model import MAX_ENTRIES, PageTable
 from vllm_dsa_connector.transport.ipc_desc import IpcDesc
 from vllm_dsa_connector.transport.nixl_data import RegionDesc
 from vllm_dsa_connector.transport.paths import PathName
@@ -35,6 +36,21 @@ def test_an_ipc_export_encodes_as_its_former_wire_mirror_and_is_bounded() -> Non
         IpcDesc.from_dict({**mirror, "handle": "zz"})
     with pytest.raises(ValueError, match="IPC region description"):
         IpcDesc.from_dict({**mirror, "uuid": "u" * 513})  # a peer's oversize name: refused, not kept
+
+
+def test_a_page_table_is_its_own_wire_form_and_is_bounded() -> None:
+    from vllm_dsa_connector.handoff.wire import encode
+    from vllm_dsa_connector.layout import build_offline
+    from vllm_dsa_connector.tiny_models import glm_dsa_config
+
+    (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
+    plain = table.to_dict()
+    assert encode(table) == encode(plain)  # the bytes the WirePageTable mirror of the dict encoded to
+    assert msgspec.msgpack.decode(encode(plain), type=PageTable) == table == PageTable.from_dict(plain)
+    with pytest.raises(ValueError, match="malformed page table .*layers"):
+        PageTable.from_dict({**plain, "layers": list(range(MAX_ENTRIES + 1))})  # bounded in memory too now
+    with pytest.raises(ValueError, match="malformed page table .*role"):
+        PageTable.from_dict({**plain, "views": [{**plain["views"][0], "role": "nope"}]})
 
 
 def test_a_route_names_its_path_by_pathname_with_the_same_bytes() -> None:

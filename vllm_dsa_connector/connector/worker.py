@@ -59,7 +59,6 @@ from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_pee
 from vllm_dsa_connector.handoff.wire import (
     PeerInfo,
     RankPayload,
-    WirePageTable,
     decode_payload,
     encode,
 )
@@ -161,7 +160,7 @@ class DSAConnectorWorker:
             self._prefault([r.tensor for r in self.regions] + ([recv_arena.buffer] if recv_arena else []))
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
-            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=WirePageTable.of(table.to_dict()),
+            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=table,
             regions=[r.desc() for r in self.regions], compat=self.compat, staging=staging,
             host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
         logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s%s",
