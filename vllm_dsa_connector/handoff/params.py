@@ -73,7 +73,9 @@ class RemoteParams(msgspec.Struct, frozen=True):
     proxy: untrusted, checked by :meth:`from_dict`). The trailing fields are P's word to the router and the
     proxy (``kv_connector`` tells them apart from another connector's); D reads only :data:`_D_READS`."""
 
-    remote_engine_id: str  # these three: 1..MAX_ID_CHARS, checked by from_dict (its error names the key)
+    remote_engine_id: (
+        str  # these three: 1..MAX_ID_CHARS, checked by from_dict (its error names the key)
+    )
     remote_request_id: str
     remote_host: _Name
     remote_port: int

@@ -37,8 +37,11 @@ class IpcDesc(msgspec.Struct, frozen=True):
     def handles(self) -> tuple[bytes, bytes, bytes]:
         """The storage, reference-counter and event handles as bytes; ``ValueError`` naming a bad one."""
         try:
-            return (bytes.fromhex(self.handle), bytes.fromhex(self.ref_counter_handle),
-                    bytes.fromhex(self.event_handle))
+            return (
+                bytes.fromhex(self.handle),
+                bytes.fromhex(self.ref_counter_handle),
+                bytes.fromhex(self.event_handle),
+            )
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid IPC region description: {e}") from None
 

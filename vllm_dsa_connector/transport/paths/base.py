@@ -37,8 +37,17 @@ from vllm_dsa_connector.transport.slots import Reservation
 from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
 from vllm_dsa_connector.transport.transports import DirectTransport, Part, Post, PostState
 
-__all__ = ["LayerPart", "LayerWork", "LayeredPost", "Located", "Path", "PathHost", "event_after", "follow",
-           "settle_each"]
+__all__ = [
+    "LayerPart",
+    "LayerWork",
+    "LayeredPost",
+    "Located",
+    "Path",
+    "PathHost",
+    "event_after",
+    "follow",
+    "settle_each",
+]
 
 
 class PathHost(Protocol):
@@ -72,10 +81,15 @@ class LayerPart:
     stage: np.ndarray  # start of each merged run inside the part's packed region (bounce)
     start: int = 0  # the part's packed region starts here in the slot (bounce)
     pool: int = -1  # the receiver's pool written into (ipc)
-    got: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes added per merged run
+    got: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64)
+    )  # bytes added per merged run
     sent: int = 0  # merged runs whose packed bytes were written (bounce)
-    added: tuple[np.ndarray, np.ndarray] = field(  # source byte intervals added so far: sorted, disjoint
-        default_factory=lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    added: tuple[np.ndarray, np.ndarray] = (
+        field(  # source byte intervals added so far: sorted, disjoint
+            default_factory=lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        )
+    )
 
     @property
     def complete(self) -> bool:
@@ -91,7 +105,9 @@ class LayerWork:
     writes: list[tuple[Region, RegionDesc | dict[str, Any], Runs]]
     deadline: float | None
     started: float
-    copied: tuple[int, int] | None = None  # ipc: (runs, bytes) copied, recorded as one TransferStats
+    copied: tuple[int, int] | None = (
+        None  # ipc: (runs, bytes) copied, recorded as one TransferStats
+    )
 
 
 @dataclass(eq=False)
@@ -109,7 +125,9 @@ class LayeredPost(Post):
     _pending: list[LayerWork] = field(default_factory=list, repr=False)
     _close_event: Any = field(default=None, repr=False)
     _closed_at: float = field(default=0.0, repr=False)
-    _poisoned: bool = field(default=False, repr=False)  # a failed WRITE or unfinished gather: quarantine
+    _poisoned: bool = field(
+        default=False, repr=False
+    )  # a failed WRITE or unfinished gather: quarantine
 
 
 #: One layer's runs of one part, located: (part index of the open, the runs, the merged run each lies in)
@@ -121,8 +139,17 @@ class Path(Protocol):
 
     name: PathName
 
-    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, slot: StagingSlot | None,
-             pools: Sequence[int], deadline: float | None) -> Post:
+    def post(
+        self,
+        peer: str,
+        parts: Sequence[Part],
+        *,
+        writer: int,
+        tag: bytes,
+        slot: StagingSlot | None,
+        pools: Sequence[int],
+        deadline: float | None,
+    ) -> Post:
         """Post one writer's ``parts`` in one go; raises only :class:`~..agent.PeerReconnecting` (nothing was
         posted), any other failure is a FAILED post naming why. ``slot``: the receiver's staging slot
         (bounce); ``pools``: the receiver's pool of each part (ipc)."""

@@ -60,34 +60,59 @@ class BouncePath:
 
     def _check(self, peer: str, slot: StagingSlot | None) -> StagingSlot:
         if self.host.arena is None or self.host.region is None:
-            raise TransferError("this writer has no staging arena (bounce_mode=never here)", peer=peer)
+            raise TransferError(
+                "this writer has no staging arena (bounce_mode=never here)", peer=peer
+            )
         if slot is None:
             raise TransferError("the receiver named a bounce without a staging slot", peer=peer)
         return slot
 
-    def _reserve(self, peer: str, slot: StagingSlot, sizes: list[int]) -> tuple[list[int], int, Reservation]:
+    def _reserve(
+        self, peer: str, slot: StagingSlot, sizes: list[int]
+    ) -> tuple[list[int], int, Reservation]:
         """The packed offsets of parts of ``sizes``, their total and a local reservation of it."""
         arena = self.host.arena
         assert arena is not None
         offsets, total = packed_offsets(sizes)
         if total > slot.size:
-            raise TransferError(f"its slot holds {slot.size} B, the parts need {total} B", peer=peer)
+            raise TransferError(
+                f"its slot holds {slot.size} B, the parts need {total} B", peer=peer
+            )
         res = arena.reserve(total, self.host.reserve_timeout_s)
         if res is None:
-            raise TransferError(f"no {total} B free in the local staging arena within "
-                                f"{self.host.reserve_timeout_s} s ({arena.free_bytes} B free)", peer=peer)
+            raise TransferError(
+                f"no {total} B free in the local staging arena within "
+                f"{self.host.reserve_timeout_s} s ({arena.free_bytes} B free)",
+                peer=peer,
+            )
         return offsets, total, res
 
     # -- in one go -------------------------------------------------------------------------------------
 
-    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, slot: StagingSlot | None = None,
-             pools: Sequence[int] = (), deadline: float | None = None) -> Post:
+    def post(
+        self,
+        peer: str,
+        parts: Sequence[Part],
+        *,
+        writer: int,
+        tag: bytes,
+        slot: StagingSlot | None = None,
+        pools: Sequence[int] = (),
+        deadline: float | None = None,
+    ) -> Post:
         """Gather every part into one reservation, one WRITE into ``slot`` carrying the notice."""
         post = Post(peer, writer, tag, self.name, started=self.host.clock())
         return follow(post, lambda: self._start(peer, parts, writer, tag, slot, deadline))
 
-    def _start(self, peer: str, parts: Sequence[Part], writer: int, tag: bytes, slot: StagingSlot | None,
-               deadline: float | None) -> _Bounced:
+    def _start(
+        self,
+        peer: str,
+        parts: Sequence[Part],
+        writer: int,
+        tag: bytes,
+        slot: StagingSlot | None,
+        deadline: float | None,
+    ) -> _Bounced:
         slot = self._check(peer, slot)
         arena, region = self.host.arena, self.host.region
         assert arena is not None and region is not None
@@ -100,9 +125,18 @@ class BouncePath:
             sync(arena.buffer)
             check_deadline(deadline, f"bounce to {peer!r}")
             one = Runs(np.array([res.offset]), np.array([slot.offset]), np.array([total]))
-            return _Bounced(self.host.engine.write(peer, region, slot.region, one,
-                                                   encode_notif(self.name, writer, tag), deadline=deadline),
-                            res, slot.region)
+            return _Bounced(
+                self.host.engine.write(
+                    peer,
+                    region,
+                    slot.region,
+                    one,
+                    encode_notif(self.name, writer, tag),
+                    deadline=deadline,
+                ),
+                res,
+                slot.region,
+            )
         except BaseException:
             arena.release(res)  # nothing was posted from it
             raise
@@ -135,7 +169,9 @@ class BouncePath:
     def open(self, post: LayeredPost, pools: Sequence[int]) -> None:
         """Reserve the whole packed size now; each part's packed region as the one-go bounce lays it out."""
         slot = self._check(post.peer, post.slot)
-        offsets, _, post._res = self._reserve(post.peer, slot, [p.merged.total_bytes for p in post._parts])
+        offsets, _, post._res = self._reserve(
+            post.peer, slot, [p.merged.total_bytes for p in post._parts]
+        )
         for p, off in zip(post._parts, offsets, strict=True):
             p.start = off
 
@@ -145,7 +181,12 @@ class BouncePath:
         host = self.host
         now = host.clock()
         srcs = [post._parts[idx].src.tensor for idx, *_ in located]
-        assert host.arena is not None and host.region is not None and post._res is not None and post.slot is not None
+        assert (
+            host.arena is not None
+            and host.region is not None
+            and post._res is not None
+            and post.slot is not None
+        )
         base = post._res.offset
         for idx, runs, k in located:  # gather at the packed positions of the whole request's layout
             p = post._parts[idx]
@@ -154,7 +195,7 @@ class BouncePath:
             np.add.at(p.got, k, runs.lengths)
         local, remote, lens = [], [], []
         for p in post._parts:  # the newly complete prefix of each part's packed region
-            done = p.got[p.sent:] == p.merged.lengths[p.sent:]
+            done = p.got[p.sent :] == p.merged.lengths[p.sent :]
             front = p.sent + (int(np.argmin(done)) if not done.all() else done.size)
             if front == p.sent:
                 continue
@@ -166,8 +207,14 @@ class BouncePath:
             p.sent = front
         if lens:
             one = merge_runs(local, remote, lens)
-            post._pending.append(LayerWork(event_after([host.arena.buffer, *srcs]),
-                                           [(host.region, post.slot.region, one)], deadline, now))
+            post._pending.append(
+                LayerWork(
+                    event_after([host.arena.buffer, *srcs]),
+                    [(host.region, post.slot.region, one)],
+                    deadline,
+                    now,
+                )
+            )
 
     def close(self, post: LayeredPost) -> None:
         """Nothing beyond the WRITEs."""

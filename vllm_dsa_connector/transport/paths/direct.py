@@ -35,8 +35,17 @@ class DirectPath:
     def __init__(self, host: PathHost) -> None:
         self.host = host
 
-    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, slot: StagingSlot | None = None,
-             pools: Sequence[int] = (), deadline: float | None = None) -> Post:
+    def post(
+        self,
+        peer: str,
+        parts: Sequence[Part],
+        *,
+        writer: int,
+        tag: bytes,
+        slot: StagingSlot | None = None,
+        pools: Sequence[int] = (),
+        deadline: float | None = None,
+    ) -> Post:
         """One WRITE per part, all posted now (:meth:`~..transports.DirectTransport.post`)."""
         return self.host.direct.post(peer, parts, writer=writer, tag=tag, deadline=deadline)
 
@@ -53,7 +62,9 @@ class DirectPath:
         writes = []
         for idx, runs, k in located:
             p = post._parts[idx]
-            writes.append((p.src, p.dst, merge_runs(runs.src_offsets, runs.dst_offsets, runs.lengths)))
+            writes.append(
+                (p.src, p.dst, merge_runs(runs.src_offsets, runs.dst_offsets, runs.lengths))
+            )
             np.add.at(p.got, k, runs.lengths)
         srcs = [post._parts[idx].src.tensor for idx, *_ in located]
         post._pending.append(LayerWork(event_after(srcs), writes, deadline, now))

@@ -50,7 +50,9 @@ class _Copied:
     num_runs: int
     total_bytes: int
     started: float = field(default_factory=time.perf_counter)
-    sent: bool = False  # the notification went out (it may still wait in the agent on a cold connection)
+    sent: bool = (
+        False  # the notification went out (it may still wait in the agent on a cold connection)
+    )
     late: bool = False  # past the timeout: the post fails, once the copies are over (never before)
 
 
@@ -67,27 +69,47 @@ class IpcPath:
         if maps is None:
             raise TransferError("the receiver's pools are not mapped here", peer=peer)
         if len(pools) != nparts or any(not 0 <= q < len(maps) for q in pools):
-            raise TransferError(f"pools {list(pools)} do not name {nparts} of the {len(maps)} mapped pools",
-                                peer=peer)
+            raise TransferError(
+                f"pools {list(pools)} do not name {nparts} of the {len(maps)} mapped pools",
+                peer=peer,
+            )
         return maps
 
     # -- in one go -------------------------------------------------------------------------------------
 
-    def post(self, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, slot: StagingSlot | None = None,
-             pools: Sequence[int] = (), deadline: float | None = None) -> Post:
+    def post(
+        self,
+        peer: str,
+        parts: Sequence[Part],
+        *,
+        writer: int,
+        tag: bytes,
+        slot: StagingSlot | None = None,
+        pools: Sequence[int] = (),
+        deadline: float | None = None,
+    ) -> Post:
         """Copy every part into its mapped pool; the notice once the copies' event fired."""
         post = Post(peer, writer, tag, self.name, started=self.host.clock())
         return follow(post, lambda: self._start(peer, parts, writer, tag, pools, deadline))
 
-    def _start(self, peer: str, parts: Sequence[Part], writer: int, tag: bytes, pools: Sequence[int],
-               deadline: float | None) -> _Copied:
+    def _start(
+        self,
+        peer: str,
+        parts: Sequence[Part],
+        writer: int,
+        tag: bytes,
+        pools: Sequence[int],
+        deadline: float | None,
+    ) -> _Copied:
         maps = self._maps(peer, pools, len(parts))
         check_deadline(deadline, f"ipc copy to {peer!r}")
         nruns = nbytes = 0
         device = None
         for (src, _, runs), pool in zip(parts, pools, strict=True):
             merged = runs.merged()
-            merged.check_bounds(src.size, maps[pool].numel(), what=f"ipc copy to pool {pool} of {peer!r}")
+            merged.check_bounds(
+                src.size, maps[pool].numel(), what=f"ipc copy to pool {pool} of {peer!r}"
+            )
             copy_runs(src.tensor, maps[pool], merged)
             nruns += merged.num_runs
             nbytes += merged.total_bytes
@@ -110,7 +132,9 @@ class IpcPath:
         if x.event is not None and not x.event.query():
             if now - x.started >= host.timeout_s and not x.late:
                 x.late = True  # fails the post, but only once the copies are over: they write into D's blocks
-                post.error = post.error or f"ipc copy to {post.peer!r} not done after {host.timeout_s} s"
+                post.error = (
+                    post.error or f"ipc copy to {post.peer!r} not done after {host.timeout_s} s"
+                )
             return False
         if x.late:
             raise TransferError(post.error, peer=post.peer)
@@ -124,7 +148,9 @@ class IpcPath:
         """Check the mapping and each part's bounds in its pool."""
         maps = self._maps(post.peer, pools, len(post._parts))
         for p, q in zip(post._parts, pools, strict=True):
-            p.merged.check_bounds(p.src.size, maps[q].numel(), what=f"ipc copy to pool {q} of {post.peer!r}")
+            p.merged.check_bounds(
+                p.src.size, maps[q].numel(), what=f"ipc copy to pool {q} of {post.peer!r}"
+            )
             p.pool = q
 
     def add(self, post: LayeredPost, located: Sequence[Located], deadline: float | None) -> None:
