@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +48,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_dsa_connector.handoff.consumer import Consumer, parse_remote_params  # noqa: E402
+from vllm_dsa_connector.handoff.consumer import Consumer  # noqa: E402
 from vllm_dsa_connector.handoff.messages import Authenticator, Origin, new_epoch  # noqa: E402
+from vllm_dsa_connector.handoff.params import RemoteParams  # noqa: E402
 from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
 from vllm_dsa_connector.handoff.routes import plan_routes  # noqa: E402
 from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
 from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
 from vllm_dsa_connector.handoff.wire import (  # noqa: E402
     RankPayload,
-    WireIpcExport,
-    WirePageTable,
-    WireRegion,
     decode_payload,
     encode,
     route_of,
@@ -69,7 +67,7 @@ from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
 from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings  # noqa: E402
 from vllm_dsa_connector.transport.ipc import device_uuid, export_region, host_id  # noqa: E402
 from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
-from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc  # noqa: E402
+from vllm_dsa_connector.transport.nixl_data import Region  # noqa: E402
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
 from vllm_dsa_connector.transport.routed import RoutedTransport  # noqa: E402
 from vllm_dsa_connector.transport.slots import SlotAllocator  # noqa: E402
@@ -161,7 +159,8 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
         fill(tensors, seed)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    pools = tuple(replace(p, base_ptr=t.data_ptr(), device=str(t.device)) for p, t in zip(table.pools, tensors, strict=True))
+    pools = tuple(msgspec.structs.replace(p, base_ptr=t.data_ptr(), device=str(t.device))
+                  for p, t in zip(table.pools, tensors, strict=True))
     engine = NixlEngine(f"{engine_id}-{os.getpid()}")
     regions = [engine.register(t) for t in tensors]
     compat = {"architecture": table.model.architecture, "kv_cache_dtype": table.kv_cache_dtype,
@@ -172,10 +171,10 @@ def open_side(engine_id: str, table_dict: dict[str, Any], device: str, seed: int
         gpu = device_uuid(tensors[0].device)
         reach = [gpu]
         if path == "ipc" and seed is None:
-            ipc = [WireIpcExport.of(export_region(t).to_dict()) for t in tensors]
+            ipc = [export_region(t) for t in tensors]
     payload = RankPayload(engine_id, table.rank, table.pp_rank, table.tp_rank, engine.name, engine.metadata(),
-                          WirePageTable.of(replace(table, pools=pools).to_dict()),
-                          [WireRegion.of(r.desc().to_dict()) for r in regions], compat,
+                          msgspec.structs.replace(table, pools=pools),
+                          [r.desc() for r in regions], compat,
                           host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
     return Side(tensors, engine, regions, payload, arena)
 
@@ -232,15 +231,15 @@ def run_producer(ch: Channel, work: Job) -> dict[str, Any]:
             for agent, d in agents:
                 triples = plan.runs(side.payload.rank, d.rank, job.src_blocks, job.dst_blocks,
                                     first_token=job.first_token, num_tokens=job.num_tokens)
-                parts = [(side.regions[sp], RegionDesc.from_dict(d.regions[dp].to_dict()), runs)
+                parts = [(side.regions[sp], d.regions[dp], runs)
                          for sp, dp, runs in triples]
                 route = route_of(job.routes, d.rank, side.payload.rank)  # D's choice; P follows it
                 path = route.path if route is not None else "direct"
                 slot = None
                 if route is not None and route.path == "bounce" and d.staging is not None:
-                    slot = StagingSlot(RegionDesc.from_dict(d.staging.to_dict()), route.offset, route.size)
+                    slot = StagingSlot(d.staging, route.offset, route.size)
                 if path == "ipc" and not transport.mapped(agent) and d.ipc:
-                    transport.map_peer(agent, [e.to_dict() for e in d.ipc], side.tensors[0].device)
+                    transport.map_peer(agent, d.ipc, side.tensors[0].device)
                 mine.append(transport.post(agent, parts, writer=side.payload.rank, tag=job.dst_req_id.encode(),
                                            path=path, slot=slot, pools=[dp for _, dp, _ in triples]))
                 paths[path] = paths.get(path, 0) + 1
@@ -275,14 +274,14 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
     if side.arena is not None:  # the receive arena the bounce routes' slots lie in
         region = receiver.attach(side.arena)
         # the agent's metadata names its registered memory: taken again now that the arena is registered
-        side.payload = msgspec.structs.replace(side.payload, staging=WireRegion.of(region.desc().to_dict()),
+        side.payload = msgspec.structs.replace(side.payload, staging=region.desc(),
                                                agent_metadata=side.engine.metadata())
         slots = SlotAllocator(side.arena.size)
     consumer = Consumer("D", _settings(args), Authenticator(args.secret), lambda: [side.payload],
                         lambda: [encode(side.payload)])
     gate = BounceGate(BounceSettings(mode="always"), device=args.device) if args.path == "bounce" else None
     params = ch.recv(Kind.DATA).body["params"]
-    first = parse_remote_params(params[0])
+    first = RemoteParams.from_dict(params[0])
     deadline = time.monotonic() + 30
     while (peer := consumer.peer("P", first.remote_host, first.remote_port)).future is not None:
         if time.monotonic() > deadline:
@@ -293,7 +292,7 @@ def run_consumer(ch: Channel, work: Job) -> dict[str, Any]:
     agents = {p.rank: p.agent_name for p in peer.meta.payloads}
     e2e_ms: dict[str, float] = {}
     for spec, param in zip(specs, params, strict=True):
-        rp = parse_remote_params(param)
+        rp = RemoteParams.from_dict(param)
         consumer.queue(spec.req_id, rp)
         started = time.perf_counter()
         assert peer.plan is not None

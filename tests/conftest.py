@@ -78,12 +78,12 @@ def processes_on_ports(base: int, span: int) -> list[str]:
 
 
 def fake_page_table(num_blocks: int = 512, *, block_size: int = 0):
-    """A handshake payload's page table (``wire.WirePageTable``) with one pool of ``num_blocks`` blocks and
+    """A handshake payload's page table (``layout.PageTable``) with one pool of ``num_blocks`` blocks and
     nothing else, for tests whose transfer plan is faked (``block_size`` 0: not published)."""
-    from vllm_dsa_connector.handoff.wire import WireModel, WirePageTable, WirePool
+    from vllm_dsa_connector.layout.model import ModelId, PageTable, Pool
 
-    model = WireModel("fake", 1, 0, 0, 0, 0, 0, 0, None, [])
-    return WirePageTable(0, 0, 1, 0, 1, block_size, "auto", model, [], [WirePool(0, 0, 0, num_blocks)])
+    model = ModelId("fake", 1, 0, 0, 0, 0, 0, 0, None, ())
+    return PageTable(0, 0, 1, 0, 1, block_size, "auto", model, (), (Pool(0, 0, 0, num_blocks),))
 
 
 def load_module_from_file(path: Path, name: str) -> types.ModuleType:

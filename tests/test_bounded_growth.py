@@ -35,11 +35,12 @@ def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
 
 
 def _payload(engine: str, table, arena: int) -> bytes:
-    from vllm_dsa_connector.handoff.wire import RankPayload, WirePageTable, WireRegion, encode
+    from vllm_dsa_connector.handoff.wire import RankPayload, encode
+    from vllm_dsa_connector.transport.nixl_data import RegionDesc
 
-    staging = WireRegion(f"agent-{engine}", 0, arena, "DRAM") if arena else None
+    staging = RegionDesc(f"agent-{engine}", 0, arena, "DRAM") if arena else None
     return encode(RankPayload(engine, table.rank, table.pp_rank, table.tp_rank, f"agent-{engine}", b"",
-                              WirePageTable.of(table.to_dict()), [], {"model_dtype": "f32"}, staging=staging))
+                              table, [], {"model_dtype": "f32"}, staging=staging))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,8 @@ def _register(p, d, clock, name: str, src: list[int], dst: list[int]):
 
 
 def test_an_idle_peer_is_forgotten_on_both_sides_and_handshakes_again(pd) -> None:
-    from vllm_dsa_connector.handoff.consumer import LoadState, parse_remote_params
+    from vllm_dsa_connector.handoff.consumer import LoadState
+    from vllm_dsa_connector.handoff.params import RemoteParams
 
     p, d, clock = pd
     before = _control_threads()
@@ -96,7 +98,7 @@ def test_an_idle_peer_is_forgotten_on_both_sides_and_handshakes_again(pd) -> Non
 
     # a request still queued on D keeps its peer, however long it waits; P's D record has no lease naming it
     params = _prefill(p, "p-gcq", BLOCK, [3])
-    d.consumer.queue("d-gcq", parse_remote_params(params))  # waiting for blocks
+    d.consumer.queue("d-gcq", RemoteParams.from_dict(params))  # waiting for blocks
     assert d.consumer.loads["d-gcq"].state is LoadState.QUEUED
     clock.t += IDLE_S - 1
     assert not d.build_connector_meta(None).forget_sources and not p.build_connector_meta(None).forget

@@ -147,24 +147,21 @@ def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
     page table has another shape, or a list over its bound, is refused while it is decoded, naming the field."""
     from vllm_dsa_connector.handoff.wire import (
         MAX_ENTRIES,
-        WireIpcExport,
-        WirePageTable,
-        WireRegion,
     )
     from vllm_dsa_connector.layout import PageTable, build_offline
     from vllm_dsa_connector.tiny_models import glm_dsa_config
-    from vllm_dsa_connector.transport.ipc import IpcDesc
+    from vllm_dsa_connector.transport.ipc_desc import IpcDesc
     from vllm_dsa_connector.transport.nixl_data import RegionDesc
 
     (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
-    wire = WirePageTable.of(table.to_dict())
+    wire = table
     assert encode(wire) == encode(table.to_dict()) and PageTable.from_dict(wire.to_dict()) == table
     region = RegionDesc("agent-d", 4096, 1 << 20, "DRAM", 0)
-    assert RegionDesc.from_dict(WireRegion.of(region.to_dict()).to_dict()) == region
-    export = IpcDesc("host/boot", "GPU-0", 1 << 20, 0, b"\x01" * 64, 2 << 20, 0, b"/torch_1_2", 0, b"\x02" * 64, True)
-    assert IpcDesc.from_dict(WireIpcExport.of(export.to_dict()).to_dict()) == export
-    good = RankPayload("D", 0, 0, 0, "agent-d", b"", wire, [WireRegion.of(region.to_dict())], {},
-                       staging=WireRegion.of(region.to_dict()))
+    assert RegionDesc.from_dict(region.to_dict()) == region
+    export = IpcDesc("host/boot", "GPU-0", 1 << 20, 0, (b"\x01" * 64).hex(), 2 << 20, 0, b"/torch_1_2".hex(), 0,
+                     (b"\x02" * 64).hex(), True)
+    assert IpcDesc.from_dict(export.to_dict()) == export
+    good = RankPayload("D", 0, 0, 0, "agent-d", b"", wire, [region], {}, staging=region)
     assert decode_payload(encode(good)) == good
     plain = dict(msgspec.structs.asdict(good), page_table=wire.to_dict())
     for bad, field in ((dict(plain, page_table={"pools": [{"num_blocks": 8}]}), "page_table"),
@@ -173,8 +170,8 @@ def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
                        (dict(plain, staging={"size": 64}), "staging")):
         with pytest.raises(ValueError, match=rf"malformed DSAConnector handshake payload: .*{field}"):
             decode_payload(msgspec.msgpack.encode(bad))
-    with pytest.raises(ValueError, match="WireRegion: .*agent"):
-        WireRegion.of({"addr": 0, "size": 1, "mem": "DRAM"})
+    with pytest.raises(ValueError, match="region description .*agent"):
+        RegionDesc.from_dict({"addr": 0, "size": 1, "mem": "DRAM"})
 
 
 # ------------------------------------------------------------------------------------------ P side

@@ -457,8 +457,8 @@ def _wait_for(cond, what: str, timeout_s: float = 20.0) -> None:
 def test_heartbeats_of_many_queued_requests_stay_under_p_s_cap(pd) -> None:
     """Issue 29 item 5: more queued loads than P takes in one message (4,096) are heartbeated in chunks
     under the cap; one heartbeat of them all was refused whole and every lease expired."""
-    from vllm_dsa_connector.handoff.consumer import parse_remote_params
     from vllm_dsa_connector.handoff.messages import MAX_REQS_PER_MESSAGE
+    from vllm_dsa_connector.handoff.params import RemoteParams
 
     p, d, clock = pd
     template = _prefill(p, "p-many-0", BLOCK, [30])
@@ -466,10 +466,10 @@ def test_heartbeats_of_many_queued_requests_stay_under_p_s_cap(pd) -> None:
     ids = [f"p-many-{i}" for i in range(1, n)]
     for i, p_req in enumerate(ids, 1):
         token = p.producer.add_lease(p_req, [30 + i % 100])
-        d.consumer.queue(f"d-many-{i}", parse_remote_params({**template, "remote_request_id": p_req,
+        d.consumer.queue(f"d-many-{i}", RemoteParams.from_dict({**template, "remote_request_id": p_req,
                                                              "remote_token": token}))
     ids.append("p-many-0")
-    d.consumer.queue("d-many-0", parse_remote_params(template))
+    d.consumer.queue("d-many-0", RemoteParams.from_dict(template))
     try:
         leases = [p.producer.lease(i) for i in ids]
         start = clock.t
@@ -493,7 +493,7 @@ def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
     counted, and the loads it covered fail by name at allocation instead of waiting for expired leases."""
     import msgspec
 
-    from vllm_dsa_connector.handoff.consumer import parse_remote_params
+    from vllm_dsa_connector.handoff.params import RemoteParams
 
     p, d, clock = pd
     params = _prefill(p, "p-victim", BLOCK, [40])
@@ -502,7 +502,7 @@ def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
     long_id = {**params, "remote_request_id": "x" * 600}
     long_req = _request("d-long", BLOCK, long_id)
     assert d.get_num_new_matched_tokens(long_req, 0) == (BLOCK, True)  # refused by name: its load fails
-    d.consumer.queue("d-poison", msgspec.structs.replace(parse_remote_params(params), remote_request_id="x" * 600))
+    d.consumer.queue("d-poison", msgspec.structs.replace(RemoteParams.from_dict(params), remote_request_id="x" * 600))
     before = d.consumer.heartbeats_refused
     try:
         clock.t += 2

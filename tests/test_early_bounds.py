@@ -175,8 +175,9 @@ def test_d_states_no_post_deadline_past_ps_horizon() -> None:
     its registration; D itself still waits its own budget. Real Consumer and Producer over a real side channel."""
     import time
 
-    from vllm_dsa_connector.handoff.consumer import Consumer, RemoteParams
+    from vllm_dsa_connector.handoff.consumer import Consumer
     from vllm_dsa_connector.handoff.messages import Authenticator
+    from vllm_dsa_connector.handoff.params import RemoteParams
     from vllm_dsa_connector.handoff.side_channel import SideChannelServer
 
     class _Plan:

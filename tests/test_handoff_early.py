@@ -23,7 +23,6 @@ import pytest
 from conftest import fake_page_table
 
 from vllm_dsa_connector.handoff import leases as leases_mod
-from vllm_dsa_connector.handoff.loads import parse_remote_params
 from vllm_dsa_connector.handoff.messages import (
     CancelReq,
     CancelState,
@@ -32,6 +31,7 @@ from vllm_dsa_connector.handoff.messages import (
     prompt_digest,
     transfer_ref,
 )
+from vllm_dsa_connector.handoff.params import RemoteParams
 from vllm_dsa_connector.handoff.producer import LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.wire import RankPayload, encode
@@ -69,14 +69,14 @@ def prod() -> tuple[Producer, Clock]:
 
 
 def test_early_params_parse_and_transfer_ids_are_checked() -> None:
-    rp = parse_remote_params({"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
+    rp = RemoteParams.from_dict({"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
                               "remote_port": 5600, "transfer_id": TID})
     assert rp.early and rp.ref == transfer_ref(TID) and rp.remote_block_ids == []
     for bad in ("short", "x" * 200, "has space in it 0123", 17):
         with pytest.raises(ValueError, match="transfer_id"):
             check_transfer_id(bad)
     with pytest.raises(ValueError, match="malformed kv_transfer_params: transfer_id"):
-        parse_remote_params({"remote_engine_id": "P", "remote_host": "h", "remote_port": 1, "transfer_id": "no"})
+        RemoteParams.from_dict({"remote_engine_id": "P", "remote_host": "h", "remote_port": 1, "transfer_id": "no"})
     assert prompt_digest(PROMPT) != prompt_digest(PROMPT[:-1] + [7]) and prompt_digest([]) == ""
 
 

@@ -6,16 +6,17 @@ bounces all of them in one slot; a P on D's host that reaches D's GPU is routed 
 from __future__ import annotations
 
 from vllm_dsa_connector.handoff.routes import RoutePlanner, ipc_reachable
-from vllm_dsa_connector.handoff.wire import RankPayload, Route, WirePageTable, WireRegion
+from vllm_dsa_connector.handoff.wire import RankPayload, Route
 from vllm_dsa_connector.layout import build_offline
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.tiny_models import glm_dsa_config
 from vllm_dsa_connector.transport.gate_options import BounceSettings
+from vllm_dsa_connector.transport.nixl_data import RegionDesc
 
 
 def _payloads(engine: str, tables, arena: int, **kw) -> list[RankPayload]:
-    return [RankPayload(engine, t.rank, t.pp_rank, t.tp_rank, f"{engine}-{t.rank}", b"", WirePageTable.of(t.to_dict()),
-                        [], {}, staging=WireRegion(f"{engine}-{t.rank}", 0, arena, "DRAM"), **kw) for t in tables]
+    return [RankPayload(engine, t.rank, t.pp_rank, t.tp_rank, f"{engine}-{t.rank}", b"", t,
+                        [], {}, staging=RegionDesc(f"{engine}-{t.rank}", 0, arena, "DRAM"), **kw) for t in tables]
 
 
 def test_staging_slots_reserve_release_and_quarantine() -> None:

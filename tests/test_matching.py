@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from functools import cache
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -133,7 +133,7 @@ def test_coverage_check_fails_on_duplicate_or_missing() -> None:
 
 def test_mask_mismatch_is_refused() -> None:
     (t,) = tables("masked", 1, 1)
-    other = dataclasses.replace(t, model=dataclasses.replace(t.model, owning_layers=(0, 1, 9)))
+    other = msgspec.structs.replace(t, model=msgspec.structs.replace(t.model, owning_layers=(0, 1, 9)))
     with pytest.raises(PlanError, match="indexer mask mismatch"):
         plan_transfer([t], [other])
 
@@ -148,8 +148,8 @@ def test_block_sizes_may_differ_but_bytes_mismatch_is_refused() -> None:
         expand_runs(plan.segments, src, dst, [0], [0])
     (t,) = tables("masked", 1, 1)
     v = t.view(Role.INDEXER_K)
-    bad_view = dataclasses.replace(v, entries=tuple(dataclasses.replace(e, nbytes=e.nbytes + 4) for e in v.entries))
-    bad = dataclasses.replace(t, views=tuple(bad_view if x is v else x for x in t.views))
+    bad_view = msgspec.structs.replace(v, entries=tuple(msgspec.structs.replace(e, nbytes=e.nbytes + 4) for e in v.entries))
+    bad = msgspec.structs.replace(t, views=tuple(bad_view if x is v else x for x in t.views))
     with pytest.raises(PlanError, match=r"indexer_k layer 0: bytes per layer differ \(sender 8448, receiver 8452\)"):
         plan_transfer([t], [bad])
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff.consumer import Consumer, LoadState, RemoteParams
+from vllm_dsa_connector.handoff.consumer import Consumer, LoadState
 from vllm_dsa_connector.handoff.messages import (
     MAX_REQS_PER_MESSAGE,
     REPLAY_WINDOW_S,
@@ -29,6 +29,7 @@ from vllm_dsa_connector.handoff.messages import (
     decode_reply,
     decode_request,
 )
+from vllm_dsa_connector.handoff.params import RemoteParams
 from vllm_dsa_connector.handoff.producer import LeaseState, Producer
 from vllm_dsa_connector.handoff.settings import HandoffSettings
 from vllm_dsa_connector.handoff.side_channel import (

@@ -484,13 +484,13 @@ def test_ipc_desc_roundtrip_and_refusals() -> None:
     from vllm_dsa_connector.transport import IpcUnavailable, export_region, open_region
     from vllm_dsa_connector.transport.ipc import host_id
 
-    d = IpcDesc(host_id(), "GPU-x", 100, 8, b"\x01\x02", 4096, 0, b"ref", 3, b"", False)
+    d = IpcDesc(host_id(), "GPU-x", 100, 8, b"\x01\x02".hex(), 4096, 0, b"ref".hex(), 3, "", False)
     assert IpcDesc.from_dict(d.to_dict()) == d
     with pytest.raises(ValueError):
         IpcDesc.from_dict({"host": "h"})
     with pytest.raises(IpcUnavailable):
         export_region(torch.zeros(4))  # CPU memory cannot be shared this way
-    other = IpcDesc("elsewhere/0", "GPU-x", 100, 8, b"\x01", 4096, 0, b"", 0, b"", False)
+    other = IpcDesc("elsewhere/0", "GPU-x", 100, 8, b"\x01".hex(), 4096, 0, "", 0, "", False)
     with pytest.raises(IpcUnavailable, match="host"):
         open_region(other.to_dict())
 

@@ -1,6 +1,7 @@
 """The P/D proxy's request bodies and merged answers: pure functions over JSON objects (dicts).
 
-What each leg is sent (:func:`prefill_body`, :func:`decode_body`, :func:`early_params`), which requests skip
+What each leg is sent (:func:`prefill_body`, :func:`decode_body`; the ``kv_transfer_params`` themselves are
+:mod:`vllm_dsa_connector.handoff.params`'s), which requests skip
 P (:func:`needs_local_prefill`), how a prompt list is split (:func:`prompt_list`) and D's answers merged back
 (:func:`merge_completions`), and the per-pair request id in vllm-router's form (:func:`pair_request_id`).
 The rules are :mod:`vllm_dsa_connector.pd_proxy`'s docstring ("Fields", the prompt-list split); they are kept
@@ -14,12 +15,11 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["PREFILL_PARAMS", "decode_body", "early_params", "merge_completions", "needs_local_prefill",
-           "pair_request_id", "prefill_body", "prompt_list"]
+from vllm_dsa_connector.handoff.params import PrefillParams
 
-#: The prefill leg's kv_transfer_params: vllm-router's six keys (P fills in the remote_* it hands out).
-PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+__all__ = ["decode_body", "merge_completions", "needs_local_prefill", "pair_request_id", "prefill_body",
+           "prompt_list"]
+
 _PREFILL_DROP = frozenset({"best_of", "use_beam_search", "min_tokens", "min_completion_tokens",
                            "stream_options", "logprobs", "top_logprobs", "logprob_token_ids",
                            "prompt_logprobs", "echo"})
@@ -33,25 +33,14 @@ def _client_fields(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body: one token, ``n=1``, no stream, the proxy's ``kv_transfer_params``."""
+def prefill_body(body: dict[str, Any], transfer_id: str = "") -> dict[str, Any]:
+    """The prefill leg's body: one token, ``n=1``, no stream, the proxy's ``kv_transfer_params``
+    (:class:`~vllm_dsa_connector.handoff.params.PrefillParams`; ``transfer_id``: early registration's)."""
     out = {k: v for k, v in _client_fields(body).items() if k not in _PREFILL_DROP}
-    out.update(max_tokens=1, n=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    out.update(max_tokens=1, n=1, stream=False, kv_transfer_params=PrefillParams(transfer_id=transfer_id).to_dict())
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
-
-
-def early_params(prefill_params: dict[str, Any], transfer_id: str) -> dict[str, Any] | None:
-    """D's ``kv_transfer_params`` of an early registration: P's engine and side channel (from an earlier
-    answer of P, ``prefill_params``) and the pair's ``transfer_id``; ``None`` when those params do not
-    describe a DSAConnector P."""
-    keys = ("remote_engine_id", "remote_host", "remote_port")
-    if prefill_params.get("kv_connector") != "DSAConnector" or any(not prefill_params.get(k) for k in keys):
-        return None
-    return {"do_remote_prefill": True, "do_remote_decode": False, **{k: prefill_params[k] for k in keys},
-            "transfer_id": transfer_id, "transfer_mode": prefill_params.get("transfer_mode", "dsa-push"),
-            "kv_connector": "DSAConnector"}
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:

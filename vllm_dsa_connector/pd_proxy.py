@@ -86,10 +86,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.logger import init_logger
 
+from vllm_dsa_connector.handoff.params import EarlyParams
 from vllm_dsa_connector.pd_bodies import (
-    PREFILL_PARAMS,
     decode_body,
-    early_params,
     merge_completions,
     needs_local_prefill,
     pair_request_id,
@@ -97,8 +96,8 @@ from vllm_dsa_connector.pd_bodies import (
     prompt_list,
 )
 
-__all__ = ["make_app", "main", "prefill_body", "decode_body", "early_params", "needs_local_prefill",
-           "prompt_list", "merge_completions", "pair_request_id", "PREFILL_PARAMS"]
+__all__ = ["make_app", "main", "prefill_body", "decode_body", "needs_local_prefill",
+           "prompt_list", "merge_completions", "pair_request_id"]
 
 logger = init_logger("vllm." + __name__)
 
@@ -250,11 +249,10 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = DEFAULT_READ_
         if not early_registration or not known_p:
             return None
         tid = secrets.token_hex(16)
-        dparams = early_params(known_p, tid)
-        if dparams is None:
+        early = EarlyParams.from_answer(known_p, tid)
+        if early is None:
             return None
-        pbody = prefill_body(body)
-        pbody["kv_transfer_params"] = {**pbody["kv_transfer_params"], "transfer_id": tid}
+        dparams, pbody = early.to_dict(), prefill_body(body, tid)
 
         async def leg() -> tuple[dict[str, Any] | None, float]:
             try:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_dsa_connector.handoff.params import PrefillParams
 from vllm_dsa_connector.harness.engines import BackendChoice, Engine, engine_env, start_engine
 from vllm_dsa_connector.harness.procs import Cluster, cluster
 
@@ -39,14 +40,7 @@ def start_server(c: Cluster, name: str, model: str, kv_config: dict[str, Any], c
                         extra=["--max-num-seqs", "64", *extra])
 
 
-_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+_PREFILL_PARAMS = PrefillParams().to_dict()  # the proxy's prefill leg
 
 
 async def _one(

@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_dsa_connector.handoff.params import DSA_CONNECTOR
+
 __all__ = [
     "MULTI_CONNECTOR",
     "OTHER_PD_CONNECTORS",
@@ -54,7 +56,6 @@ __all__ = [
 ]
 
 MULTI_CONNECTOR = "MultiConnector"
-DSA_CONNECTOR = "DSAConnector"
 
 #: vLLM's P/D connectors (besides those found by their own handshake metadata): a second P/D connector
 #: next to DSAConnector cannot work (kv_transfer_params clash, one handshake collected).

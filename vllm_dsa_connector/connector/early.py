@@ -18,7 +18,7 @@ request. :meth:`EarlyPrefills.hold_back` keeps such reports until ``request_fini
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
@@ -34,13 +34,7 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
-__all__ = ["EarlyPrefills", "is_early_prefill"]
-
-
-def is_early_prefill(params: dict[str, Any] | None) -> bool:
-    """Whether ``params`` are those of an early registration's prefill leg (P side)."""
-    return bool(params and params.get("do_remote_decode") and not params.get("do_remote_prefill")
-                and "transfer_id" in params)
+__all__ = ["EarlyPrefills"]
 
 
 class EarlyPrefills:

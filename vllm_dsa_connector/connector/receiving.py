@@ -39,6 +39,7 @@ from vllm_dsa_connector.handoff.wire import (
     decode_notice,
     route_of,
 )
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
 
 if TYPE_CHECKING:
@@ -288,18 +289,18 @@ class ReceiveSide:
         # "": an unknown engine's (or another start's of it) notices never match
         peer = self._source_agent(job.src_engine, src_rank, job.src_epoch) or ""
         route = route_of(job.routes, me, src_rank)
-        if route is None or route.path == "ipc":
-            return WriterSpec(peer=peer, path=route.path if route else "direct")
+        if route is None or route.path == PathName.IPC:
+            return WriterSpec(peer=peer, path=PathName(route.path) if route else PathName.DIRECT)
         where = (int(route.offset), int(route.size))
         remote = self.sources.get(job.src_engine)
         if remote is None or remote.plan is None or self.receiver.arena is None:
-            return WriterSpec(peer=peer, slot=where, path="bounce",
+            return WriterSpec(peer=peer, slot=where, path=PathName.BOUNCE,
                               error=f"bounced write from rank {src_rank} without a staging arena / peer plan")
         try:
             parts = remote.plan.runs(src_rank, me, job.src_blocks, job.blocks, first_token=job.first_token,
                                      num_tokens=job.num_tokens)
         except Exception as e:  # noqa: BLE001 - a bounced write then fails this writer
-            return WriterSpec(peer=peer, slot=where, path="bounce", error=f"runs of rank {src_rank}: {e}")
+            return WriterSpec(peer=peer, slot=where, path=PathName.BOUNCE, error=f"runs of rank {src_rank}: {e}")
         regions = self._regions()
         spec = WriterSpec.for_bounce(peer, where, [(regions[dp].tensor, runs) for _, dp, runs in parts])
         return replace(spec, error=f"bounced write from rank {src_rank}: {spec.error}") if spec.error else spec

@@ -42,8 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.compose import DSA_CONNECTOR
-from vllm_dsa_connector.connector.early import EarlyPrefills, is_early_prefill
+from vllm_dsa_connector.connector.early import EarlyPrefills
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
@@ -58,7 +57,7 @@ from vllm_dsa_connector.connector.stats import (
 )
 from vllm_dsa_connector.handoff.consumer import Consumer
 from vllm_dsa_connector.handoff.fence_waits import FenceWaits
-from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
+from vllm_dsa_connector.handoff.loads import LoadState
 from vllm_dsa_connector.handoff.messages import (
     Authenticator,
     Origin,
@@ -67,6 +66,7 @@ from vllm_dsa_connector.handoff.messages import (
     new_epoch,
     prompt_digest,
 )
+from vllm_dsa_connector.handoff.params import DSA_CONNECTOR, RemoteParams, is_early_prefill
 from vllm_dsa_connector.handoff.producer import Producer
 from vllm_dsa_connector.handoff.recompute import classify, missing_key, params_reason
 from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
@@ -195,7 +195,7 @@ class DSAConnectorScheduler:
         if problem := other_connector(params):
             return self._unusable_params(request, num_computed_tokens, "other_connector", problem)
         try:
-            rp = parse_remote_params(params)
+            rp = RemoteParams.from_dict(params)
         except ValueError as e:
             return self._unusable_params(request, num_computed_tokens, "malformed",
                                          str(e).removeprefix("malformed kv_transfer_params: "))
@@ -314,7 +314,7 @@ class DSAConnectorScheduler:
             self._fail[req_id] = why
             self.consumer.cancel(load.engine, [load.ref])
             return
-        rp = parse_remote_params(params)
+        rp = RemoteParams.from_dict(params)
         try:
             prompt_tokens = len(request.prompt_token_ids or ())
             src_block_size = peer.plan.src_block_size if peer.plan is not None else self.block_size
@@ -435,7 +435,7 @@ class DSAConnectorScheduler:
         if other_connector(params):
             return
         try:
-            rp = parse_remote_params(params)
+            rp = RemoteParams.from_dict(params)
         except ValueError:
             return
         if not self.consumer.claimed(rp):
@@ -444,22 +444,11 @@ class DSAConnectorScheduler:
     def _params_out(self, request: VllmRequest, blocks: list[int], token: str) -> dict[str, Any]:
         """The ``kv_transfer_params`` P hands out for D (after an early registration they only tell the
         proxy where P's side channel is now)."""
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_epoch": self.epoch,
-            "remote_request_id": request.request_id,
-            "remote_token": token,
-            "remote_host": self.server.host,
-            "remote_port": self.server.port,
-            "remote_block_ids": blocks,
-            "remote_num_tokens": request.num_computed_tokens,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
-            "transfer_mode": TRANSFER_MODE,
-            "kv_connector": DSA_CONNECTOR,
-        }
+        return RemoteParams(
+            remote_engine_id=self.engine_id, remote_request_id=request.request_id, remote_host=self.server.host,
+            remote_port=self.server.port, remote_block_ids=blocks, remote_num_tokens=request.num_computed_tokens,
+            remote_token=token, transfer_mode=TRANSFER_MODE, remote_epoch=self.epoch, tp_size=self.tp_size,
+            pp_size=self.pp_size, kv_connector=DSA_CONNECTOR).to_dict()
 
     # ---------------------------------------------------------------- every step
 

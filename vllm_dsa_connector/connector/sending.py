@@ -62,7 +62,7 @@ from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.agent import PeerReconnecting
 from vllm_dsa_connector.transport.ipc import host_id
-from vllm_dsa_connector.transport.nixl_data import RegionDesc
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.routed import RoutedTransport
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
@@ -410,13 +410,13 @@ class SendSide:
         checks = self._checks(parts) if job.verify and not job.layered else []
         notice = Notice(job.dst_req_id, me, True, nbytes, nruns, checks=checks)
         route = route_of(job.routes, dst.rank, me)
-        path = route.path if route is not None else "direct"
+        path = PathName(route.path) if route is not None else PathName.DIRECT
         slot = None
-        if path == "bounce" and route is not None and dst.staging is not None:
-            slot = StagingSlot(RegionDesc.from_dict(dst.staging.to_dict()), int(route.offset), int(route.size))
-        if path == "ipc":
+        if path == PathName.BOUNCE and route is not None and dst.staging is not None:
+            slot = StagingSlot(dst.staging, int(route.offset), int(route.size))
+        if path == PathName.IPC:
             self._map(agent, dst)
-        send_parts = [(regions[sp], dst.regions[dp].to_dict(), runs) for sp, dp, runs in parts]
+        send_parts = [(regions[sp], dst.regions[dp], runs) for sp, dp, runs in parts]
         how = self.transport.open if job.layered else self.transport.post
         post = how(agent, send_parts, writer=me, tag=encode(notice), path=path, slot=slot,
                    pools=[dp for _, dp, _ in parts], deadline=job.post_deadline)
@@ -425,7 +425,7 @@ class SendSide:
             self._layers.append(_Layers(_Group(agent, dst.rank, post), job, plan, me, dst.rank, parts,
                                         set(plan.layers_of(me, dst.rank)), notice))
         if post.state is not PostState.FAILED:
-            if path != "direct":
+            if path != PathName.DIRECT:
                 self.stats.add(f"{path}_bytes", nbytes)
             if job.layered:
                 self.stats.add("layered_bytes", nbytes)
@@ -441,7 +441,7 @@ class SendSide:
         if self.transport.mapped(agent) or not dst.ipc:
             return
         try:
-            self.transport.map_peer(agent, [e.to_dict() for e in dst.ipc], self._regions()[0].tensor.device)
+            self.transport.map_peer(agent, dst.ipc, self._regions()[0].tensor.device)
             logger.info("DSAConnector %s: mapped the %d KV pool(s) of %s rank %d through CUDA IPC", self.engine_id,
                         len(dst.ipc), dst.engine_id, dst.rank)
         except Exception as e:  # noqa: BLE001 - the post fails with this reason

@@ -60,14 +60,12 @@ from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_pee
 from vllm_dsa_connector.handoff.wire import (
     PeerInfo,
     RankPayload,
-    WireIpcExport,
-    WirePageTable,
-    WireRegion,
     decode_payload,
     encode,
 )
 from vllm_dsa_connector.matching import PeerPlan
 from vllm_dsa_connector.transport.ipc import host_id
+from vllm_dsa_connector.transport.ipc_desc import IpcDesc
 from vllm_dsa_connector.transport.nixl_data import TransferError, metadata_agent_name
 from vllm_dsa_connector.transport.receiver import Receiver
 from vllm_dsa_connector.transport.staging import StagingArena
@@ -159,15 +157,15 @@ class DSAConnectorWorker:
                 send_arena = StagingArena(settings.arena_bytes, device=device)
             if self.role in ("kv_consumer", "kv_both"):
                 recv_arena = StagingArena(settings.arena_bytes, device=device)
-                staging = WireRegion.of(self.recv.attach_arena(recv_arena).desc().to_dict())
+                staging = self.recv.attach_arena(recv_arena).desc()
         self.send.attach_arena(send_arena, reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
         gpu, reach, ipc = self._cuda_identity(device)
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
             self._prefault([r.tensor for r in self.regions] + ([recv_arena.buffer] if recv_arena else []))
         self.payload = RankPayload(
             engine_id=self.engine_id, rank=table.rank, pp_rank=table.pp_rank, tp_rank=table.tp_rank,
-            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=WirePageTable.of(table.to_dict()),
-            regions=[WireRegion.of(r.desc().to_dict()) for r in self.regions], compat=self.compat, staging=staging,
+            agent_name=self.nixl.name, agent_metadata=self.nixl.metadata(), page_table=table,
+            regions=[r.desc() for r in self.regions], compat=self.compat, staging=staging,
             host=host_id(), gpu=gpu, reach=reach, ipc=ipc)
         logger.info("DSAConnector %s rank %d: registered %d pool(s), %d B/block, views %s%s",
                     self.engine_id, table.rank, len(self.regions), table.bytes_per_block,
@@ -175,7 +173,7 @@ class DSAConnectorWorker:
                     ", pools exported for CUDA IPC" if ipc else "")
         return self.payload
 
-    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[WireIpcExport] | None]:
+    def _cuda_identity(self, device: torch.device) -> tuple[str, list[str], list[IpcDesc] | None]:
         """(GPU UUID, UUIDs of the GPUs this rank's kernels can write, the pools' CUDA IPC exports or None)
         for CUDA pools; CPU pools have none of them. The exports are D's (a consumer's) and follow ``ipc_mode``."""
         if device.type != "cuda":
@@ -188,7 +186,7 @@ class DSAConnectorWorker:
         ipc = None
         if self.opts.exports_cuda_ipc(self.role):
             try:
-                ipc = [WireIpcExport.of(export_region(r.tensor).to_dict()) for r in self.regions]
+                ipc = [export_region(r.tensor) for r in self.regions]
             except Exception as e:  # noqa: BLE001 - no ipc path then: NIXL carries every pair
                 logger.warning("DSAConnector %s: cannot export the KV pools for CUDA IPC (%s); peers on this host "
                                "use NIXL", self.engine_id, e)

@@ -35,8 +35,6 @@ from vllm_dsa_connector.handoff.loads import (
     TRANSITIONS,
     Loading,
     LoadState,
-    RemoteParams,
-    parse_remote_params,
     write_bound_s,
 )
 from vllm_dsa_connector.handoff.messages import (
@@ -50,6 +48,7 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     new_epoch,
 )
+from vllm_dsa_connector.handoff.params import RemoteParams
 from vllm_dsa_connector.handoff.peers import Peer, PeerCheck, Peers
 from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
@@ -64,8 +63,6 @@ __all__ = [
     "Loading",
     "Peer",
     "PeerCheck",
-    "RemoteParams",
-    "parse_remote_params",
 ]
 
 logger = logging.getLogger(__name__)

@@ -58,6 +58,7 @@ from vllm_dsa_connector.handoff.messages import MessageError, RegReq
 from vllm_dsa_connector.handoff.states import Transitions
 from vllm_dsa_connector.handoff.wire import PeerInfo, RankPayload, decode_payload, max_block_id
 from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
+from vllm_dsa_connector.transport.paths import PathName
 
 __all__ = ["EARLY_HELD", "TOMBSTONES", "TRANSFER_TOMBSTONES", "TRANSITIONS", "DPeer",
            "DRecords", "HeldReg", "HeldRegistrations", "IdentityError", "Lease", "LeaseState", "Tombstones",
@@ -207,9 +208,9 @@ def check_routes(reg: RegReq, peer: DPeer) -> None:
     staging = peer.staging
     for rank, per in reg.routes.items():
         for route in per.values():
-            if route.path == "ipc" and rank not in peer.ipc:
+            if route.path == PathName.IPC and rank not in peer.ipc:
                 raise MessageError(f"ipc route to D rank {rank}, which exported no pools for it")
-            if route.path == "bounce" and route.offset + route.size > staging.get(rank, 0):
+            if route.path == PathName.BOUNCE and route.offset + route.size > staging.get(rank, 0):
                 raise MessageError(f"bounce route [{route.offset}, +{route.size}) outside D rank {rank}'s "
                                    f"staging arena ({staging.get(rank, 0)} B)")
     bd = peer.block_size

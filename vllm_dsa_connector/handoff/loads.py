@@ -1,4 +1,5 @@
-"""One D request's KV load from P: the params it names, its state machine and its give-up/release bounds.
+"""One D request's KV load from P: its state machine and its give-up/release bounds (the params it names:
+:mod:`.params`).
 
 Each request that takes its prompt's KV from P is a :class:`Loading` with an explicit
 :class:`LoadState`; every state change goes through :meth:`Loading.to`, which refuses a transition not in
@@ -37,95 +38,17 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
-
-import msgspec
 
 from vllm_dsa_connector.handoff.messages import (
-    MAX_ID_CHARS,
-    TRANSFER_REF_PREFIX,
     CancelState,
     RegReq,
     ReqRef,
-    check_transfer_id,
 )
 from vllm_dsa_connector.handoff.routes import Held
 from vllm_dsa_connector.handoff.states import Transitions
-from vllm_dsa_connector.handoff.wire import TRANSFER_MODE
 
 #: Seconds added to every write bound: slack for the clock estimate and the last WRITE's completion.
 SAFETY_MARGIN_S = 1.0
-
-
-class RemoteParams(msgspec.Struct, frozen=True):
-    """The ``kv_transfer_params`` P handed out (through the proxy: untrusted, checked)."""
-
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    remote_block_ids: list[int]
-    remote_num_tokens: int
-    remote_token: str
-    transfer_mode: str = TRANSFER_MODE
-    remote_epoch: int = 0  # the P start holding the lease (0: not named)
-    transfer_id: str = ""  # early registration: the proxy's id of this P/D pair (P has not finished yet)
-
-    @property
-    def ref(self) -> ReqRef:
-        return ReqRef(self.remote_request_id, self.remote_token)
-
-    @property
-    def early(self) -> bool:
-        """Sent to D together with P's leg (early registration): P's blocks and token count are not known
-        yet, P takes its own blocks of the span when they exist."""
-        return bool(self.transfer_id)
-
-
-class EarlyParams(msgspec.Struct, frozen=True):
-    """The ``kv_transfer_params`` of an early registration: the proxy sends them to D together with P's leg
-    (P's side channel as learnt from an earlier answer of P, and the pair's ``transfer_id``)."""
-
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    transfer_id: str
-    transfer_mode: str = TRANSFER_MODE
-    remote_epoch: int = 0
-
-
-def parse_remote_params(params: dict[str, Any]) -> RemoteParams:
-    """Typed params; ``ValueError`` naming the problem. Params with a ``transfer_id`` and no
-    ``remote_request_id`` are an early registration's (:class:`EarlyParams`): P's request is then named by
-    the transfer id (:func:`~.messages.transfer_ref`), its blocks are P's to find."""
-    if "transfer_id" in params and "remote_request_id" not in params:
-        fields = {k: params[k] for k in EarlyParams.__struct_fields__ if k in params}
-        try:
-            early = msgspec.convert(fields, EarlyParams)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"malformed kv_transfer_params: {e}") from None
-        try:
-            tid = check_transfer_id(early.transfer_id)
-        except ValueError as e:
-            raise ValueError(f"malformed kv_transfer_params: {e}") from None
-        params = {**fields, "remote_request_id": TRANSFER_REF_PREFIX + tid, "remote_token": tid,
-                  "remote_block_ids": [], "remote_num_tokens": 0}
-    fields = {k: params[k] for k in RemoteParams.__struct_fields__ if k in params}
-    try:
-        rp = msgspec.convert(fields, RemoteParams)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"malformed kv_transfer_params: {e}") from None
-    if not 0 < rp.remote_port < 65536:
-        raise ValueError(f"remote_port {rp.remote_port} out of range")
-    if not 0 <= rp.remote_epoch < 1 << 63:
-        raise ValueError(f"remote_epoch {rp.remote_epoch} out of range (0..2**63-1)")
-    if rp.remote_num_tokens < 0 or any(b < 0 for b in rp.remote_block_ids):
-        raise ValueError("negative remote_num_tokens or block id")
-    for name in ("remote_engine_id", "remote_request_id", "remote_token"):
-        # P refuses a whole heartbeat or cancel naming one id it cannot take: never let one through
-        if not 0 < len(getattr(rp, name)) <= MAX_ID_CHARS:
-            raise ValueError(f"{name} must be 1..{MAX_ID_CHARS} characters, got {len(getattr(rp, name))}")
-    return rp
 
 
 def write_bound_s(write_timeout_s: float, transfer_timeout_s: float) -> float:

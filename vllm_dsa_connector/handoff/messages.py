@@ -72,6 +72,7 @@ from vllm_dsa_connector.handoff.wire import (
     Id,
     Routes,
 )
+from vllm_dsa_connector.transport.paths import PathName
 
 #: Timestamps further than this from the receiver's wall clock (either way) are refused (with a secret).
 REPLAY_WINDOW_S = 60.0
@@ -404,5 +405,5 @@ def check_request(req: Request) -> None:
             raise MessageError("post_deadline is not a finite number")
         for per in req.routes.values():
             for route in per.values():
-                if route.path == "bounce" and (route.offset < 0 or route.size <= 0):
+                if route.path == PathName.BOUNCE and (route.offset < 0 or route.size <= 0):
                     raise MessageError(f"bounce route [{route.offset}, +{route.size}) is not [offset >= 0, size > 0]")

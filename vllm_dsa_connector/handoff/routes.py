@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm_dsa_connector.handoff.wire import RankPayload, Route, Routes
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.runs import packed_offsets
 from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
 
@@ -59,7 +60,7 @@ def plan_routes(plan: PeerPlan, src: Sequence[RankPayload], dst: Sequence[RankPa
         arena = arenas.get(d.rank) if d.staging is not None else None
         for s in src:
             if ipc and ipc_reachable(s, d):
-                routes.setdefault(d.rank, {})[s.rank] = Route("ipc")
+                routes.setdefault(d.rank, {})[s.rank] = Route(PathName.IPC)
                 continue
             if arena is None or gate is None:
                 continue
@@ -68,12 +69,12 @@ def plan_routes(plan: PeerPlan, src: Sequence[RankPayload], dst: Sequence[RankPa
             _, total = packed_offsets([r.total_bytes for r in parts])
             if total == 0:
                 continue
-            if gate.decision_for(sum(r.num_runs for r in parts), sum(r.total_bytes for r in parts)).path != "bounce":
+            if gate.decision_for(sum(r.num_runs for r in parts), sum(r.total_bytes for r in parts)).path != PathName.BOUNCE:
                 continue
             res = arena.reserve(total, 0.0)
             if res is None:
                 continue
-            routes.setdefault(d.rank, {})[s.rank] = Route("bounce", res.offset, total)
+            routes.setdefault(d.rank, {})[s.rank] = Route(PathName.BOUNCE, res.offset, total)
             held.append((d.rank, res))
     return routes, held
 

@@ -281,7 +281,6 @@ def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Pee
     ``src`` are the producer's (P) payloads, ``dst`` the consumer's (D). PP and TP reshards are planned,
     not refused.
     """
-    from vllm_dsa_connector.layout import PageTable
     from vllm_dsa_connector.matching import PeerPlan, PlanError
 
     if not src or not dst:
@@ -296,8 +295,8 @@ def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> Pee
             "and dtypes)"
         )
     try:
-        src_tables = [PageTable.from_dict(p.page_table.to_dict()) for p in src]
-        dst_tables = [PageTable.from_dict(p.page_table.to_dict()) for p in dst]
+        src_tables = [p.page_table for p in src]
+        dst_tables = [p.page_table for p in dst]
     except ValueError as e:
         raise HandshakeError(f"DSAConnector handshake: {e}") from None
     try:

@@ -7,13 +7,10 @@ decoded, before it costs memory:
 
 - :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
-  which serves them on the side channel (:mod:`.side_channel`). Its page table (:class:`WirePageTable`),
-  regions and staging arena (:class:`WireRegion`) and CUDA IPC exports (:class:`WireIpcExport`) are the
-  wire forms of ``layout.PageTable.to_dict()``, ``transport.RegionDesc.to_dict()`` and
-  ``transport.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
-  those dicts (the protocol is unchanged). :meth:`WireStruct.of` builds one from such a dict,
-  :meth:`WireStruct.to_dict` gives the dict back to the layout's and the transport's ``from_dict``, which
-  check the values (enum names, handles).
+  which serves them on the side channel (:mod:`.side_channel`). Its page table (``layout.PageTable``),
+  regions and staging arena (``transport.RegionDesc``) and CUDA IPC exports (``transport.ipc_desc.IpcDesc``)
+  are those structs themselves: one msgspec struct per concept, in memory and on the wire (the same keys
+  and values as the former wire mirrors, so the same bytes: the protocol is unchanged).
 - :class:`PeerInfo`, :class:`PushJob` (producer), :class:`RecvJob` (consumer): what a scheduler tells its
   workers (the vLLM adapter carries them in its ``KVConnectorMetadata``).
 - :class:`Notice`: the NIXL notification a sender attaches to its WRITE (or sends alone on failure).
@@ -23,9 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any
 
 import msgspec
+
+from vllm_dsa_connector.layout.model import PageTable
+from vllm_dsa_connector.transport.ipc_desc import IpcDesc
+from vllm_dsa_connector.transport.nixl_data import RegionDesc
+from vllm_dsa_connector.transport.paths import PathName
 
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
 #: 3: completion/failure notices travel as transport notifications (``dsa1:<path><rank>:<Notice>``) on
@@ -73,118 +75,6 @@ Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds f
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORKERS)]
 _Str = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
 _Blocks = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
-_Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_ENTRIES)]  # layer ids of a page table
-#: An enum value or memory kind of the layout or transport (checked by their ``from_dict``)
-_Name = Annotated[str, msgspec.Meta(max_length=64)]
-#: A CUDA IPC handle, hex-encoded (``IpcDesc.to_dict``)
-_Hex = Annotated[str, msgspec.Meta(max_length=1024)]
-
-W = TypeVar("W", bound="WireStruct")
-
-
-class WireStruct(msgspec.Struct, frozen=True):
-    """The wire form of a plain ``to_dict()`` of the layout or transport: bounded, typed fields."""
-
-    @classmethod
-    def of(cls: type[W], plain: dict[str, Any]) -> W:
-        """``plain`` (a ``to_dict()``) as this struct; ``ValueError`` naming the field that does not fit."""
-        try:
-            return msgspec.convert(plain, cls)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"{cls.__name__}: {e}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plain dict again (what the layout's or transport's ``from_dict`` takes)."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
-
-
-class WirePool(WireStruct, frozen=True):
-    """``layout.Pool``: block ``b`` of an entry is at ``base_ptr + offset + b * block_stride``."""
-
-    base_ptr: int
-    nbytes: int
-    block_stride: int
-    num_blocks: int
-    device: _Name = "cpu"
-
-
-class WireLayer(WireStruct, frozen=True):
-    """``layout.LayerEntry``: one layer's page in a pool."""
-
-    global_layer: int
-    name: _Str
-    offset: int
-    nbytes: int
-    row: int
-
-
-class WireView(WireStruct, frozen=True):
-    """``layout.PoolView``: one role's pages, in one pool."""
-
-    role: _Name
-    mapper: _Name
-    pool: int
-    entries: Annotated[list[WireLayer], msgspec.Meta(max_length=MAX_ENTRIES)]
-    bytes_per_token: int
-    page_format: _Name = "token_rows"
-
-
-class WireModel(WireStruct, frozen=True):
-    """``layout.ModelId``: what must be identical between peers."""
-
-    architecture: _Str
-    num_hidden_layers: int
-    num_mtp_layers: int
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    index_head_dim: int
-    index_topk_freq: int
-    index_skip_topk_offset: int
-    index_topk_pattern: _Str | None
-    owning_layers: _Ints
-
-
-class WirePageTable(WireStruct, frozen=True):
-    """``layout.PageTable``: one worker's KV cache (``layout.PageTable.from_dict(t.to_dict())`` reads it)."""
-
-    rank: int
-    pp_rank: int
-    pp_size: int
-    tp_rank: int
-    tp_size: int
-    block_size: int
-    kv_cache_dtype: _Name
-    model: WireModel
-    layers: _Ints
-    pools: Annotated[list[WirePool], msgspec.Meta(max_length=MAX_ENTRIES)]
-    views: Annotated[list[WireView], msgspec.Meta(max_length=MAX_ENTRIES)] = []
-
-
-class WireRegion(WireStruct, frozen=True):
-    """``transport.RegionDesc``: a registered region as a peer sees it."""
-
-    agent: Id
-    addr: int
-    size: int
-    mem: _Name  # "DRAM" | "VRAM"
-    dev: int = 0
-
-
-class WireIpcExport(WireStruct, frozen=True):
-    """``transport.ipc.IpcDesc``: one pool exported through CUDA IPC (handles hex-encoded)."""
-
-    host: Id
-    uuid: Id
-    size: int
-    offset: int
-    handle: _Hex
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: _Hex
-    ref_counter_offset: int
-    event_handle: _Hex
-    event_sync_required: bool
 
 
 class RankPayload(msgspec.Struct, frozen=True):
@@ -196,16 +86,16 @@ class RankPayload(msgspec.Struct, frozen=True):
     tp_rank: int
     agent_name: Id
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_PAYLOAD_BYTES)]
-    page_table: WirePageTable
-    regions: Annotated[list[WireRegion], msgspec.Meta(max_length=MAX_ENTRIES)]  # one per pool, in pool order
+    page_table: PageTable
+    regions: Annotated[list[RegionDesc], msgspec.Meta(max_length=MAX_ENTRIES)]  # one per pool, in pool order
     compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
-    staging: WireRegion | None = None  # receive staging arena for bounced writes
+    staging: RegionDesc | None = None  # receive staging arena for bounced writes
     protocol: int = PROTOCOL_VERSION
     host: Id = ""  # this machine (``transport.ipc.host_id``): same host is the first condition of the ipc path
     gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)
     reach: Annotated[list[Id], msgspec.Meta(max_length=MAX_WORKERS)] = []  # GPU UUIDs this rank's kernels can write
     # CUDA IPC export of each pool, in pool order; None: this rank offers no ipc path
-    ipc: Annotated[list[WireIpcExport], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
+    ipc: Annotated[list[IpcDesc], msgspec.Meta(max_length=MAX_ENTRIES)] | None = None
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -223,10 +113,6 @@ class PeerInfo(msgspec.Struct, frozen=True):
     epoch: Epoch = 0
 
 
-#: The paths a :class:`Route` names (a pair without a route is written directly)
-ROUTE_PATHS = ("bounce", "ipc")
-
-
 class Route(msgspec.Struct, frozen=True, array_like=True):
     """How the bytes of one (destination rank, source rank) pair of a request travel, chosen once by D.
 
@@ -237,9 +123,13 @@ class Route(msgspec.Struct, frozen=True, array_like=True):
     A P that cannot follow its route fails that transfer with the reason; it never picks another path.
     """
 
-    path: Literal["bounce", "ipc"]
+    path: PathName  # bounce or ipc (a pair written directly has no route)
     offset: int = 0
     size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.path == PathName.DIRECT:
+            raise ValueError("a route names bounce or ipc; a pair written directly has no route")
 
 
 #: dst rank -> src rank -> its :class:`Route` (a pair not named is written directly)

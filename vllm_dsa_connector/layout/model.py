@@ -8,14 +8,25 @@ block ``b`` lives::
 
 Everything else (matching, transport, connector) reads this model; nothing here knows about transports.
 Global layer ids are model layer indices (identical on every PP stage); MTP/nextn layers continue after
-the backbone (``>= num_hidden_layers``).
+the backbone (``>= num_hidden_layers``). Each class is one msgspec struct, the same in memory and in the
+handshake payload (``handoff.wire.RankPayload`` carries the ``PageTable`` as is), every list and string
+bounded while it is decoded (:data:`MAX_ENTRIES`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = ["MAX_ENTRIES", "LayerEntry", "MapperKind", "ModelId", "PageFormat", "PageTable", "Pool", "PoolView", "Role"]
+
+#: Most entries of a page table's lists (pools, views, a view's layers, layer ids) a peer may send
+MAX_ENTRIES = 4096
+_Name = Annotated[str, msgspec.Meta(max_length=64)]  # a memory kind or dtype name
+_Str = Annotated[str, msgspec.Meta(max_length=4096)]  # a layer or architecture name
+_Ints = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_ENTRIES)]
 
 
 class Role(StrEnum):
@@ -40,36 +51,33 @@ class PageFormat(StrEnum):
     BLOCK_SPLIT = "block_split"  # indexer: [block_size x 128 fp8][block_size x fp32 scale]
 
 
-@dataclass(frozen=True)
-class Pool:
+class Pool(msgspec.Struct, frozen=True):
     """One strided memory region: block ``b`` of an entry is at ``base_ptr + offset + b*block_stride``."""
 
     base_ptr: int
     nbytes: int  # size of the region to register (the backing allocation)
     block_stride: int
     num_blocks: int
-    device: str = "cpu"
+    device: _Name = "cpu"
 
 
-@dataclass(frozen=True)
-class LayerEntry:
+class LayerEntry(msgspec.Struct, frozen=True):
     """One layer's page inside a pool: where block 0 starts, how many bytes, its packed row."""
 
     global_layer: int
-    name: str
+    name: _Str
     offset: int
     nbytes: int
     row: int
 
 
-@dataclass(frozen=True)
-class PoolView:
+class PoolView(msgspec.Struct, frozen=True):
     """One role's pages of the layers of this stage that own that role, in one pool."""
 
     role: Role
     mapper: MapperKind
     pool: int
-    entries: tuple[LayerEntry, ...]
+    entries: Annotated[tuple[LayerEntry, ...], msgspec.Meta(max_length=MAX_ENTRIES)]
     bytes_per_token: int
     page_format: PageFormat = PageFormat.TOKEN_ROWS
 
@@ -96,11 +104,10 @@ class PoolView:
         return None
 
 
-@dataclass(frozen=True)
-class ModelId:
+class ModelId(msgspec.Struct, frozen=True):
     """What must be identical between peers for page-for-page copies to be meaningful."""
 
-    architecture: str
+    architecture: _Str
     num_hidden_layers: int
     num_mtp_layers: int
     kv_lora_rank: int
@@ -108,12 +115,11 @@ class ModelId:
     index_head_dim: int  # 0 for models without an indexer
     index_topk_freq: int
     index_skip_topk_offset: int
-    index_topk_pattern: str | None
-    owning_layers: tuple[int, ...]  # indexer-owning global layers of the whole model (incl. MTP)
+    index_topk_pattern: _Str | None
+    owning_layers: _Ints  # indexer-owning global layers of the whole model (incl. MTP)
 
 
-@dataclass(frozen=True)
-class PageTable:
+class PageTable(msgspec.Struct, frozen=True):
     """The KV cache of one worker, as published to peers."""
 
     rank: int
@@ -122,11 +128,11 @@ class PageTable:
     tp_rank: int
     tp_size: int
     block_size: int
-    kv_cache_dtype: str
+    kv_cache_dtype: _Name
     model: ModelId
-    layers: tuple[int, ...]  # global attention layers held by this stage
-    pools: tuple[Pool, ...]
-    views: tuple[PoolView, ...] = field(default=())
+    layers: _Ints  # global attention layers held by this stage
+    pools: Annotated[tuple[Pool, ...], msgspec.Meta(max_length=MAX_ENTRIES)]
+    views: Annotated[tuple[PoolView, ...], msgspec.Meta(max_length=MAX_ENTRIES)] = ()
 
     def view(self, role: Role | str) -> PoolView | None:
         """The view of one role, or None (e.g. a fully masked stage has no indexer view)."""
@@ -152,37 +158,15 @@ class PageTable:
         return sum(e.nbytes for v in self.views for e in v.entries)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON/msgpack-able) for the handshake."""
-        return asdict(self)
+        """Plain data (JSON-able: lists, enum values) where a plain JSON object carries the table (the KV
+        probe, the benches' table files); the handshake carries the struct itself."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PageTable:
-        """Inverse of ``to_dict``; validates the shape and names what is missing."""
+        """Inverse of ``to_dict``; validates the shape and bounds and names what is missing."""
         try:
-            model = ModelId(**{**d["model"], "owning_layers": tuple(d["model"]["owning_layers"])})
-            pools = tuple(Pool(**p) for p in d["pools"])
-            views = tuple(
-                PoolView(
-                    role=Role(v["role"]),
-                    mapper=MapperKind(v["mapper"]),
-                    pool=v["pool"],
-                    entries=tuple(LayerEntry(**e) for e in v["entries"]),
-                    bytes_per_token=v["bytes_per_token"],
-                    page_format=PageFormat(v["page_format"]),
-                )
-                for v in d["views"]
-            )
-            scalars = {
-                k: d[k]
-                for k in ("rank", "pp_rank", "pp_size", "tp_rank", "tp_size", "block_size")
-            }
-            return cls(
-                **scalars,
-                kv_cache_dtype=d["kv_cache_dtype"],
-                model=model,
-                layers=tuple(d["layers"]),
-                pools=pools,
-                views=views,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed page table from peer: {e!r}") from e
+            return msgspec.convert(d, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"malformed page table from peer: {e}") from e

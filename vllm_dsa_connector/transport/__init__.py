@@ -4,10 +4,11 @@ A byte's way, in five modules (the connector's worker calls the first and the la
 
 1. :mod:`.routed` (P): :class:`RoutedTransport` posts one writer's parts (``[(local Region, remote region,
    Runs)]``, one per pool pair, the plan's runs of :mod:`.runs`) along the route D chose for the pair:
-   ``direct`` (:class:`DirectTransport` of :mod:`.transports`: one NIXL WRITE per part), ``bounce`` (every part
-   gathered into one reservation of the local :class:`StagingArena` at :func:`packed_offsets`, one WRITE
-   into D's slot) or ``ipc`` (one copy per part into this process's CUDA IPC mapping of D's pools,
-   :mod:`.ipc`). ``post(...) -> Post``; ``progress(post)`` from the engine's steps until DONE or FAILED;
+   one module per path in :mod:`.paths`, behind one contract (:class:`~.paths.base.Path`; the names
+   :class:`PathName`, :data:`ROUTE_PATHS`): ``direct`` (one NIXL WRITE per part, :class:`DirectTransport`
+   of :mod:`.transports`), ``bounce`` (every part gathered into one reservation of the local
+   :class:`StagingArena` at :func:`packed_offsets`, one WRITE into D's slot) or ``ipc`` (one copy per part
+   into this process's CUDA IPC mapping of D's pools, opened by :mod:`.ipc`). ``post(...) -> Post``; ``progress(post)`` from the engine's steps until DONE or FAILED;
    never raises; a route it cannot follow is a FAILED post naming why. Layer by layer (:mod:`.layered`):
    ``open(...)`` the whole request's parts, ``add(post, [(part, Runs)])`` each layer's runs as its attention
    ran (direct: its WRITEs; bounce: gathered at the one-shot packed positions, each part's newly complete
@@ -102,8 +103,10 @@ _LAZY = {
     "Transport": "transports",
     "check_deadline": "transports",
     "RoutedTransport": "routed",
-    "LayeredPost": "layered",
-    "IpcDesc": "ipc",
+    "LayeredPost": "paths.base",
+    "PathName": "paths.base",
+    "ROUTE_PATHS": "paths.base",
+    "IpcDesc": "ipc_desc",
     "IpcUnavailable": "ipc",
     "device_uuid": "ipc",
     "enable_peer_access": "ipc",
@@ -132,6 +135,7 @@ __all__ = [
     "Notif",
     "PACK_ALIGN",
     "PROFILES",
+    "PathName",
     "Part",
     "PlainTags",
     "Post",
@@ -141,6 +145,7 @@ __all__ = [
     "Receiver",
     "RecvResult",
     "RecvState",
+    "ROUTE_PATHS",
     "Region",
     "RegionDesc",
     "Reservation",

@@ -21,15 +21,15 @@ import functools
 import logging
 import socket
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_dsa_connector.transport.ipc_desc import IpcDesc
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "IpcDesc",
     "PeerEvents",
     "IpcUnavailable",
     "device_uuid",
@@ -69,52 +69,6 @@ def _local_index(uuid: str) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class IpcDesc:
-    """An exported GPU region as a peer sees it; ``to_dict``/``from_dict`` for the handshake."""
-
-    host: str
-    uuid: str
-    size: int  # bytes of the region
-    offset: int  # byte offset of the region in its storage
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (ints, bools and hex strings)."""
-        d: dict[str, Any] = dict(self.__dict__)
-        for k in ("handle", "ref_counter_handle", "event_handle"):
-            d[k] = (d[k] or b"").hex()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: IpcDesc | dict[str, Any]) -> IpcDesc:
-        """Inverse of :meth:`to_dict`."""
-        if isinstance(d, IpcDesc):
-            return d
-        try:
-            return cls(
-                str(d["host"]),
-                str(d["uuid"]),
-                int(d["size"]),
-                int(d["offset"]),
-                bytes.fromhex(d["handle"]),
-                int(d["storage_size"]),
-                int(d["storage_offset"]),
-                bytes.fromhex(d["ref_counter_handle"]),
-                int(d["ref_counter_offset"]),
-                bytes.fromhex(d["event_handle"]),
-                bool(d["event_sync_required"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"invalid IPC region description: {e}") from None
-
-
 def export_region(tensor: torch.Tensor) -> IpcDesc:
     """Export a contiguous CUDA tensor's bytes (keep the tensor alive while peers may write to it)."""
     if not tensor.is_cuda:
@@ -137,12 +91,12 @@ def export_region(tensor: torch.Tensor) -> IpcDesc:
         device_uuid(tensor.device),
         tensor.numel() * tensor.element_size(),
         int(tensor.storage_offset()) * tensor.element_size(),
-        bytes(handle),
+        bytes(handle).hex(),
         int(storage_size),
         int(storage_offset),
-        bytes(ref_handle or b""),
+        bytes(ref_handle or b"").hex(),
         int(ref_offset),
-        bytes(event_handle or b""),
+        bytes(event_handle or b"").hex(),
         bool(event_sync),
     )
 
@@ -177,19 +131,20 @@ def open_region(
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index != owner:
             enable_peer_access(torch.device("cuda", index), torch.device("cuda", owner))
-    key = (d.handle, d.storage_offset, index)
+    handle, ref_counter_handle, event_handle = d.handles()
+    key = (handle, d.storage_offset, index)
     with _OPEN_LOCK:
         storage = _OPENED.get(key)
         if storage is None:
             try:
                 storage = torch.UntypedStorage._new_shared_cuda(
                     index,
-                    d.handle,
+                    handle,
                     d.storage_size,
                     d.storage_offset,
-                    d.ref_counter_handle,
+                    ref_counter_handle,
                     d.ref_counter_offset,
-                    d.event_handle,
+                    event_handle,
                     d.event_sync_required,
                 )
             except Exception as e:  # e.g. the same process, or IPC refused by the driver

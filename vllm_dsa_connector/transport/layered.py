@@ -8,7 +8,9 @@ whole request as today, gets ONE completion notice per writer (the route's ``dsa
 one-shot bounce (each part at :func:`~.runs.packed_offsets` of the WHOLE request's merged runs, in merged
 run order), so :class:`~.receiver.Receiver` scatters them unchanged.
 
-A layered post (:class:`LayeredPost`) lives in three calls of :class:`~.routed.RoutedTransport`:
+A layered post (:class:`~.paths.base.LayeredPost`) lives in three calls of :class:`~.routed.RoutedTransport`,
+each of which does what is common here and what the route needs through its path (:mod:`.paths`: ``open``,
+``add``, ``close`` of :class:`~.paths.base.Path`):
 
 - :func:`open_post` (``RoutedTransport.open``): the whole request's parts, nothing written. A bounce
   reserves the whole packed size in the local staging arena now; an ipc route checks its mapping.
@@ -40,149 +42,47 @@ a WRITE failed (it may still be read) or a gather never finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 import numpy as np
-import torch
 
-from vllm_dsa_connector.transport.engine import NixlEngine
-from vllm_dsa_connector.transport.fence import Fences
-from vllm_dsa_connector.transport.local_copy import copy_runs
-from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc, TransferError, TransferStats
+from vllm_dsa_connector.transport.nixl_data import TransferError, TransferStats
 from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.runs import Runs, merge_runs, packed_offsets
-from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
-from vllm_dsa_connector.transport.transports import Part, Post, PostState, check_deadline
+from vllm_dsa_connector.transport.paths import ROUTE_PATHS
+from vllm_dsa_connector.transport.paths.base import (
+    LayeredPost,
+    LayerPart,
+    PathHost,
+)
+from vllm_dsa_connector.transport.runs import Runs
+from vllm_dsa_connector.transport.staging import StagingSlot
+from vllm_dsa_connector.transport.transports import Part, PostState, check_deadline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LayerHost", "LayeredPost", "add_layer", "close_post", "open_post", "progress"]
-
-_PATHS = ("direct", "bounce", "ipc")
+__all__ = ["add_layer", "close_post", "open_post", "progress"]
 
 
-class LayerHost(Protocol):
-    """What a layered post needs of its transport (:class:`~.routed.RoutedTransport` is one)."""
-
-    engine: NixlEngine
-    arena: StagingArena | None
-    region: Region | None
-    timeout_s: float
-    reserve_timeout_s: float
-    clock: Callable[[], float]
-    fences: Fences
-
-    def mapping(self, peer: str) -> list[torch.Tensor] | None:
-        """The peer's pools mapped here for ipc (``None``: not mapped)."""
-
-
-@dataclass(eq=False)
-class _Part:
-    """One part of the open: where its bytes go, its whole merged runs and how much of each was added."""
-
-    src: Region
-    dst: RegionDesc | dict[str, Any]
-    merged: Runs
-    stage: np.ndarray  # start of each merged run inside the part's packed region (bounce)
-    start: int = 0  # the part's packed region starts here in the slot (bounce)
-    pool: int = -1  # the receiver's pool written into (ipc)
-    got: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes added per merged run
-    sent: int = 0  # merged runs whose packed bytes were written (bounce)
-    added: tuple[np.ndarray, np.ndarray] = field(  # source byte intervals added so far: sorted, disjoint
-        default_factory=lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64)))
-
-    @property
-    def complete(self) -> bool:
-        """Whether every byte of the part was added."""
-        return bool(np.array_equal(self.got, self.merged.lengths))
-
-
-@dataclass(eq=False)
-class _Pending:
-    """Work of one ``add`` waiting for its CUDA event (``None``: ready): WRITEs to post, or ipc copies."""
-
-    event: Any
-    writes: list[tuple[Region, RegionDesc | dict[str, Any], Runs]]
-    deadline: float | None
-    started: float
-    copied: tuple[int, int] | None = None  # ipc: (runs, bytes) copied, recorded as one TransferStats
-
-
-@dataclass(eq=False)
-class LayeredPost(Post):
-    """A post fed layer by layer (see the module docstring); ``stats``: one TransferStats per WRITE / copy;
-    ``seconds``: one span, from its close (the last layer added) or, on CUDA, the post of a layer whose kernels
-    finished after the close (the CPU runs ahead of the device) to its last part's completion, i.e. the
-    transfer time left after P's last layer was computed."""
-
-    slot: StagingSlot | None = None
-    deadline: float | None = None
-    closed: bool = False
-    _parts: list[_Part] = field(default_factory=list, repr=False)
-    _res: Reservation | None = field(default=None, repr=False)
-    _pending: list[_Pending] = field(default_factory=list, repr=False)
-    _close_event: Any = field(default=None, repr=False)
-    _closed_at: float = field(default=0.0, repr=False)
-    _poisoned: bool = field(default=False, repr=False)  # a failed WRITE or unfinished gather: quarantine
-
-
-def open_post(host: LayerHost, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, path: str,
+def open_post(host: PathHost, peer: str, parts: Sequence[Part], *, writer: int, tag: bytes, path: str,
               slot: StagingSlot | None = None, pools: Sequence[int] = (),
               deadline: float | None = None) -> LayeredPost:
     """Open a layered post of the WHOLE request's ``parts``; nothing is written. Never raises: a route that
     cannot be followed is a FAILED post naming why (as ``RoutedTransport.post``)."""
     post = LayeredPost(peer, writer, tag, path, started=host.clock(), slot=slot, deadline=deadline)
     try:
-        if path not in _PATHS:
-            raise TransferError(f"unknown path {path!r} (known: {', '.join(_PATHS)})", peer=peer)
+        if path not in ROUTE_PATHS:
+            raise TransferError(f"unknown path {path!r} (known: {', '.join(ROUTE_PATHS)})", peer=peer)
         merged = [runs.merged() for _, _, runs in parts]
-        post._parts = [_Part(src, dst, m, m.staging_offsets(), got=np.zeros(m.num_runs, np.int64))
+        post._parts = [LayerPart(src, dst, m, m.staging_offsets(), got=np.zeros(m.num_runs, np.int64))
                        for (src, dst, _), m in zip(parts, merged, strict=True)]
-        if path == "bounce":
-            _open_bounce(host, post)
-        elif path == "ipc":
-            _open_ipc(host, post, pools)
+        host.paths[path].open(post, pools)
     except Exception as e:  # noqa: BLE001 - a path that cannot be followed fails the post, never a crash
         post.error = f"cannot follow the receiver's {path} route to {peer!r}: {e}"
         post.state = PostState.FAILED
     return post
 
 
-def _open_bounce(host: LayerHost, post: LayeredPost) -> None:
-    """Reserve the whole packed size now; each part's packed region as the one-shot bounce lays it out."""
-    peer, slot = post.peer, post.slot
-    if host.arena is None or host.region is None:
-        raise TransferError("this writer has no staging arena (bounce_mode=never here)", peer=peer)
-    if slot is None:
-        raise TransferError("the receiver named a bounce without a staging slot", peer=peer)
-    offsets, total = packed_offsets([p.merged.total_bytes for p in post._parts])
-    if total > slot.size:
-        raise TransferError(f"its slot holds {slot.size} B, the parts need {total} B", peer=peer)
-    res = host.arena.reserve(total, host.reserve_timeout_s)
-    if res is None:
-        raise TransferError(f"no {total} B free in the local staging arena within {host.reserve_timeout_s} s "
-                            f"({host.arena.free_bytes} B free)", peer=peer)
-    post._res = res
-    for p, off in zip(post._parts, offsets, strict=True):
-        p.start = off
-
-
-def _open_ipc(host: LayerHost, post: LayeredPost, pools: Sequence[int]) -> None:
-    maps = host.mapping(post.peer)
-    if maps is None:
-        raise TransferError("the receiver's pools are not mapped here", peer=post.peer)
-    if len(pools) != len(post._parts) or any(not 0 <= q < len(maps) for q in pools):
-        raise TransferError(f"pools {list(pools)} do not name {len(post._parts)} of the {len(maps)} mapped pools",
-                            peer=post.peer)
-    for p, q in zip(post._parts, pools, strict=True):
-        p.merged.check_bounds(p.src.size, maps[q].numel(), what=f"ipc copy to pool {q} of {post.peer!r}")
-        p.pool = q
-
-
-def _locate(part: _Part, idx: int, runs: Runs) -> tuple[Runs, np.ndarray]:
+def _locate(part: LayerPart, idx: int, runs: Runs) -> tuple[Runs, np.ndarray]:
     """``runs`` without empty ones and the merged run each lies in; ``ValueError`` for a run outside the
     part's whole runs or bytes added twice (vectorised)."""
     keep = runs.lengths > 0
@@ -203,7 +103,7 @@ def _locate(part: _Part, idx: int, runs: Runs) -> tuple[Runs, np.ndarray]:
     return r, kk
 
 
-def _check_once(part: _Part, idx: int, start: np.ndarray, end: np.ndarray) -> None:
+def _check_once(part: LayerPart, idx: int, start: np.ndarray, end: np.ndarray) -> None:
     """``ValueError`` when a source byte in ``[start, end)`` was added before or twice now (vectorised:
     the new intervals sorted, each checked against its neighbours and the added ones by searchsorted);
     records them as added (a refused add fails its post, so nothing relies on them then)."""
@@ -229,7 +129,7 @@ def _check_once(part: _Part, idx: int, start: np.ndarray, end: np.ndarray) -> No
     part.added = (cs[starts], np.r_[ce[starts[1:] - 1], ce[-1:]])
 
 
-def add_layer(host: LayerHost, post: LayeredPost, layer_parts: Sequence[tuple[int, Runs]], *,
+def add_layer(host: PathHost, post: LayeredPost, layer_parts: Sequence[tuple[int, Runs]], *,
               deadline: float | None = None) -> None:
     """Post one layer's runs (``(part index of the open, Runs)`` each; see the module docstring).
 
@@ -256,74 +156,13 @@ def add_layer(host: LayerHost, post: LayeredPost, layer_parts: Sequence[tuple[in
     deadline = post.deadline if deadline is None else deadline
     try:
         check_deadline(deadline, f"layered {post.path} post to {post.peer!r}")
-        _stage(host, post, located, deadline)
+        host.paths[post.path].add(post, located, deadline)
         _flush(host, post)
     except Exception as e:  # noqa: BLE001 - a failed layer fails the post, never a crash
         post.error = post.error or f"layered {post.path} post to {post.peer!r}: {e}"
 
 
-def _event_after(tensors: Sequence[torch.Tensor]) -> Any:
-    """A CUDA event recorded on the current stream of the first CUDA tensor (``None``: all on CPU)."""
-    for t in tensors:
-        if t.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(t.device))
-            return ev
-    return None
-
-
-def _stage(host: LayerHost, post: LayeredPost, located: list[tuple[int, Runs, np.ndarray]],
-           deadline: float | None) -> None:
-    """Enqueue one layer's copies and queue its WRITEs (posted by :func:`_flush` once its event fired)."""
-    now = host.clock()
-    srcs = [post._parts[idx].src.tensor for idx, *_ in located]
-    if post.path == "direct":
-        writes = []
-        for idx, runs, k in located:
-            p = post._parts[idx]
-            writes.append((p.src, p.dst, merge_runs(runs.src_offsets, runs.dst_offsets, runs.lengths)))
-            np.add.at(p.got, k, runs.lengths)
-        post._pending.append(_Pending(_event_after(srcs), writes, deadline, now))
-        return
-    if post.path == "ipc":
-        maps = host.mapping(post.peer)
-        if maps is None:
-            raise TransferError("the receiver's pools are no longer mapped here", peer=post.peer)
-        nruns = nbytes = 0
-        for idx, runs, k in located:
-            p = post._parts[idx]
-            copy_runs(p.src.tensor, maps[p.pool], runs)
-            np.add.at(p.got, k, runs.lengths)
-            nruns, nbytes = nruns + runs.num_runs, nbytes + runs.total_bytes
-        if nbytes:
-            post._pending.append(_Pending(_event_after(srcs), [], deadline, now, (nruns, nbytes)))
-        return
-    assert host.arena is not None and host.region is not None and post._res is not None and post.slot is not None
-    base = post._res.offset
-    for idx, runs, k in located:  # gather at the packed positions of the whole request's layout
-        p = post._parts[idx]
-        packed = base + p.start + p.stage[k] + (runs.src_offsets - p.merged.src_offsets[k])
-        copy_runs(p.src.tensor, host.arena.buffer, Runs(runs.src_offsets, packed, runs.lengths))
-        np.add.at(p.got, k, runs.lengths)
-    local, remote, lens = [], [], []
-    for p in post._parts:  # the newly complete prefix of each part's packed region
-        done = p.got[p.sent:] == p.merged.lengths[p.sent:]
-        front = p.sent + (int(np.argmin(done)) if not done.all() else done.size)
-        if front == p.sent:
-            continue
-        a = int(p.stage[p.sent])
-        b = int(p.stage[front]) if front < p.merged.num_runs else p.merged.total_bytes
-        local.append(base + p.start + a)
-        remote.append(post.slot.offset + p.start + a)
-        lens.append(b - a)
-        p.sent = front
-    if lens:
-        one = merge_runs(local, remote, lens)
-        post._pending.append(_Pending(_event_after([host.arena.buffer, *srcs]), [(host.region, post.slot.region, one)],
-                                      deadline, now))
-
-
-def _flush(host: LayerHost, post: LayeredPost) -> None:
+def _flush(host: PathHost, post: LayeredPost) -> None:
     """Post the WRITEs (and count the copies) of pending layers whose event fired, in order; raises what
     fails (a passed deadline, a refused WRITE, an event past the timeout)."""
     now = host.clock()
@@ -346,7 +185,7 @@ def _flush(host: LayerHost, post: LayeredPost) -> None:
                 post._inflight.append(host.engine.write(post.peer, src, dst, runs, deadline=pend.deadline))
 
 
-def close_post(host: LayerHost, post: LayeredPost) -> None:
+def close_post(host: PathHost, post: LayeredPost) -> None:
     """No more layers: :func:`progress` completes the post once everything added is DONE (a second close
     does nothing). ipc: a CUDA event behind every copy, recorded now."""
     if not isinstance(post, LayeredPost):
@@ -355,11 +194,10 @@ def close_post(host: LayerHost, post: LayeredPost) -> None:
         return
     post.closed = True
     post._closed_at = post.started = host.clock()  # its span runs from here: the layers before were computing
-    if post.path == "ipc" and post.state is PostState.IN_FLIGHT:
-        post._close_event = _event_after([p.src.tensor for p in post._parts])
+    host.paths[post.path].close(post)
 
 
-def _settle_writes(host: LayerHost, post: LayeredPost) -> None:
+def _settle_writes(host: PathHost, post: LayeredPost) -> None:
     """Complete the WRITEs that are DONE, ERR or past the timeout (as the direct transport does)."""
     now = host.clock()
     remaining = []
@@ -378,7 +216,7 @@ def _settle_writes(host: LayerHost, post: LayeredPost) -> None:
     post._inflight = remaining
 
 
-def _finish(host: LayerHost, post: LayeredPost, state: PostState) -> bool:
+def _finish(host: PathHost, post: LayeredPost, state: PostState) -> bool:
     res, post._res = post._res, None
     if res is not None and host.arena is not None:
         if post._poisoned:
@@ -389,7 +227,7 @@ def _finish(host: LayerHost, post: LayeredPost, state: PostState) -> bool:
     return True
 
 
-def progress(host: LayerHost, post: LayeredPost) -> bool:
+def progress(host: PathHost, post: LayeredPost) -> bool:
     """Drive a layered post; ``True`` once it is over (``post.state`` DONE or FAILED). Never raises."""
     if post.state is not PostState.IN_FLIGHT:
         return True

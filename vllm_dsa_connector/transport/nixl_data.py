@@ -1,6 +1,6 @@
 """What the NIXL engine hands out and takes: region descriptions, transfers, their stats and errors.
 
-Plain data (no NIXL import): :class:`RegionDesc` travels in handshakes (``to_dict`` / ``from_dict``),
+Plain data (no NIXL import): :class:`RegionDesc` travels in handshakes (a msgspec struct, as is),
 :class:`Region` is a local registered tensor, :class:`Transfer` an in-flight WRITE, :class:`TransferStats`
 its completion record, :class:`PreparedList` a descriptor list prepared once; :class:`TransferError`
 names the peer and the transfer.
@@ -9,8 +9,9 @@ names the peer and the transfer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 
 __all__ = ["PreparedList", "Region", "RegionDesc", "Transfer", "TransferError", "TransferStats", "metadata_agent_name"]
@@ -27,36 +28,34 @@ class TransferError(RuntimeError):
         self.transfer = transfer
 
 
-@dataclass(frozen=True)
-class RegionDesc:
-    """A registered region as a peer sees it; ``to_dict``/``from_dict`` for msgspec/JSON handshakes."""
+#: Bounds of a region description from a peer (an agent name as long as any id of the side channel)
+_AgentName = Annotated[str, msgspec.Meta(max_length=512)]
+_MemKind = Annotated[str, msgspec.Meta(max_length=64)]
 
-    agent: str
+
+class RegionDesc(msgspec.Struct, frozen=True):
+    """A registered region as a peer sees it: the one type in memory and in the handshake (``RankPayload``
+    carries it as is, its strings bounded while decoding); ``to_dict``/``from_dict`` only where a plain JSON
+    object carries it (the benches' control channel)."""
+
+    agent: _AgentName
     addr: int
     size: int
-    mem: str  # "DRAM" | "VRAM"
+    mem: _MemKind  # "DRAM" | "VRAM"
     dev: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (ints and strings only)."""
-        return {
-            "agent": self.agent,
-            "addr": self.addr,
-            "size": self.size,
-            "mem": self.mem,
-            "dev": self.dev,
-        }
+        return msgspec.structs.asdict(self)
 
     @classmethod
     def from_dict(cls, d: RegionDesc | dict[str, Any]) -> RegionDesc:
-        """Inverse of :meth:`to_dict` (a ``RegionDesc`` passes through)."""
+        """Inverse of :meth:`to_dict` (a ``RegionDesc`` passes through); ``ValueError`` naming the field."""
         if isinstance(d, RegionDesc):
             return d
         try:
-            return cls(
-                str(d["agent"]), int(d["addr"]), int(d["size"]), str(d["mem"]), int(d.get("dev", 0))
-            )
-        except (KeyError, TypeError, ValueError) as e:
+            return msgspec.convert(d, cls, strict=False)
+        except msgspec.ValidationError as e:
             raise ValueError(f"invalid region description {d!r}: {e}") from None
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_dsa_connector.transport.paths import PathName
+
 __all__ = [
     "Notif",
     "decode_chunk_notif",
@@ -27,7 +29,7 @@ __all__ = [
 
 _NOTIF_PREFIX = b"dsa1:"
 
-_PATH_CODE = {"bounce": b"b", "direct": b"d", "ipc": b"i"}
+_PATH_CODE: dict[str, bytes] = {PathName.BOUNCE: b"b", PathName.DIRECT: b"d", PathName.IPC: b"i"}
 _CODE_PATH = {v: k for k, v in _PATH_CODE.items()}
 
 
@@ -114,7 +116,7 @@ def parse_notif(msg: bytes) -> Notif | None:
     launched = decode_event_notif(msg)
     if launched is not None:
         writer, handle, tag = launched
-        return Notif("ipc", writer, tag, handle=handle)
+        return Notif(PathName.IPC, writer, tag, handle=handle)
     parsed = decode_notif(msg)
     if parsed is None:
         return None

@@ -43,6 +43,7 @@ from vllm_dsa_connector.transport.engine import NixlEngine, Region
 from vllm_dsa_connector.transport.ipc import PeerEvents
 from vllm_dsa_connector.transport.local_copy import scatter
 from vllm_dsa_connector.transport.notices import Notif, parse_notif
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.receiver_data import (
     COMPLETES,
     PlainTags,
@@ -171,7 +172,7 @@ class Receiver:
         if exp is not None:
             self._arrive(exp, peer, n, payload)
         elif key in self._closed:  # a late writer of a settled or cancelled request
-            if n.path == "ipc":  # the sender's "copy done" after we completed on its event
+            if n.path == PathName.IPC:  # the sender's "copy done" after we completed on its event
                 logger.debug("receiver: ipc notification for finished %r dropped", key)
             else:
                 logger.warning("receiver: late notification for finished/cancelled %r dropped", key)
@@ -196,7 +197,7 @@ class Receiver:
             return
         state = exp.states[w]
         if state in _FINAL:
-            if n.path != "ipc":  # ipc: the other half of the event signal, nothing to do
+            if n.path != PathName.IPC:  # ipc: the other half of the event signal, nothing to do
                 logger.warning("receiver: duplicate notification from writer %d of %r", w, exp.key)
             return
         try:
@@ -213,7 +214,7 @@ class Receiver:
             self._mark(exp, w, WriterState.FAILED, f"writer {w} sent a {n.path} notification; its route is {spec.path}")
         elif n.path == "pipelined":
             self._chunk(exp, w, spec, n)
-        elif n.path == "ipc" and n.handle:  # launched: landed once the sender's event fired
+        elif n.path == PathName.IPC and n.handle:  # launched: landed once the sender's event fired
             if state is WriterState.PARTIAL:
                 logger.warning("receiver: duplicate launch notification from writer %d of %r", w, exp.key)
                 return
@@ -221,7 +222,7 @@ class Receiver:
             if ev is not None:  # else the sender's notification after the copy will come
                 exp.events[w] = ev
                 self._mark(exp, w, WriterState.PARTIAL)
-        elif n.path != "bounce" or self._scatter_all(exp, w, spec):
+        elif n.path != PathName.BOUNCE or self._scatter_all(exp, w, spec):
             exp.events.pop(w, None)
             self._landed(exp, w)
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.runs import Runs, packed_parts
 
 __all__ = ["COMPLETES", "PlainTags", "ReceiveHooks", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
@@ -100,7 +101,7 @@ class WriterSpec:
     slot: tuple[int, int] | None = None
     error: str = ""
     parts: tuple[tuple[torch.Tensor, Runs, int], ...] = ()
-    path: str | None = None  # the route the receiver chose ("direct"/"bounce"/"ipc"); None: any path
+    path: PathName | None = None  # the route the receiver chose; None: any path
 
     @classmethod
     def for_bounce(cls, peer: str | None, slot: tuple[int, int],
@@ -111,18 +112,18 @@ class WriterSpec:
         none) the spec carries that as its ``error`` and no parts: a bounced write then fails the writer."""
         merged, offsets, total = packed_parts([runs for _, runs in parts])
         if not parts or total > slot[1]:
-            return cls(peer=peer, slot=slot, path="bounce",
+            return cls(peer=peer, slot=slot, path=PathName.BOUNCE,
                        error=f"its parts need {total} B, the slot holds {slot[1]} B")
-        return cls(peer=peer, slot=slot, path="bounce",
+        return cls(peer=peer, slot=slot, path=PathName.BOUNCE,
                    parts=tuple((dst, r, off) for (dst, _), r, off in zip(parts, merged, offsets, strict=True)))
 
 
 #: The notification kinds that complete a writer of each route (:class:`WriterSpec` ``path``); any other kind
 #: fails the writer. A failure notice (the caller's ``admit`` says FAIL) counts whatever its kind.
 COMPLETES: dict[str, frozenset[str]] = {
-    "direct": frozenset({"direct"}),
-    "bounce": frozenset({"bounce", "pipelined"}),
-    "ipc": frozenset({"ipc"}),
+    PathName.DIRECT: frozenset({PathName.DIRECT}),
+    PathName.BOUNCE: frozenset({PathName.BOUNCE, "pipelined"}),  # "pipelined": the benches' chunked bounce
+    PathName.IPC: frozenset({PathName.IPC}),
 }
 
 

@@ -51,6 +51,7 @@ from vllm_dsa_connector.transport.nixl_data import (
     TransferStats,
 )
 from vllm_dsa_connector.transport.notices import encode_notif
+from vllm_dsa_connector.transport.paths import PathName
 from vllm_dsa_connector.transport.runs import Runs
 from vllm_dsa_connector.transport.staging import StagingSlot
 
@@ -138,7 +139,7 @@ class DirectTransport:
     ``fences`` (:class:`~.fence.Fences`) its connection is fenced by the next :meth:`notify` to that peer.
     """
 
-    path = "direct"
+    path: str = PathName.DIRECT
 
     def __init__(self, engine: NixlEngine, timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.perf_counter, *, fences: Fences | None = None) -> None:
@@ -191,7 +192,7 @@ class DirectTransport:
         if not post.error and post._notify and not post._noticed:
             post._noticed = True
             try:
-                self.engine.send_notification(post.peer, encode_notif("direct", post.writer, post.tag))
+                self.engine.send_notification(post.peer, encode_notif(PathName.DIRECT, post.writer, post.tag))
             except Exception as e:  # noqa: BLE001 - the receiver gives up after its timeout instead
                 logger.warning("transport: completion notification to %r not sent: %s", post.peer, e)
         if self.engine.notification_pending(post.peer):
@@ -211,7 +212,7 @@ class DirectTransport:
         notice: no later call progresses it). After an aborted WRITE to ``peer`` it goes as a fence
         (:class:`~.fence.Fences`): it arrives only once no byte of that WRITE can land any more."""
         if self.fences is not None and self.fences.needed(peer):
-            self.fences.send(peer, encode_notif("direct", writer, tag))
+            self.fences.send(peer, encode_notif(PathName.DIRECT, writer, tag))
             return
-        self.engine.send_notification(peer, encode_notif("direct", writer, tag))
+        self.engine.send_notification(peer, encode_notif(PathName.DIRECT, writer, tag))
         self.engine.flush_notifications(peer)
