@@ -45,16 +45,16 @@ def test_each_failure_text_has_its_reason(why: str, reason: str) -> None:
 
 
 def test_params_reasons_name_the_missing_key() -> None:
-    from vllm_dsa_connector.handoff.loads import parse_remote_params
+    from vllm_dsa_connector.handoff.params import RemoteParams
 
     params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_token": "t",
               "remote_host": "h", "remote_port": 1, "remote_block_ids": [1]}
     with pytest.raises(ValueError) as e:
-        parse_remote_params(params)
+        RemoteParams.from_dict(params)
     assert missing_key(str(e.value)) == "remote_num_tokens"
     assert params_reason("malformed", str(e.value)) == "params_missing_key"
     with pytest.raises(ValueError) as e:
-        parse_remote_params({**params, "remote_num_tokens": "16"})
+        RemoteParams.from_dict({**params, "remote_num_tokens": "16"})
     assert params_reason("malformed", str(e.value)) == "params_malformed"
     assert params_reason("other_connector", "transfer_mode 'pull'") == "params_other_connector"
 
