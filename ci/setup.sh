@@ -21,6 +21,6 @@ log "installing NIXL 1.5.1 (UCX bundled)"
 log "installing vllm-dsa-connector with test and lint extras (pre-commit hooks, mypy, build, twine)"
 "$PY" -m pip install -q -e ".[test,lint]"
 log "fetching GPT-2 ranks (openai-whisper sdist, gpt2.tiktoken only) for the tokenizer tests"
-"$PY" -m vllm_dsa_connector.tokenizer.assets fetch || log "warning: GPT-2 ranks not fetched; GPT-2 tokenizer tests skip"
+"$PY" -m vllm_dsa_dev.tokenizer.assets fetch || log "warning: GPT-2 ranks not fetched; GPT-2 tokenizer tests skip"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$PY" -c "import vllm, nixl, vllm_dsa_connector; print('[setup] ok: vllm', vllm.__version__)"

@@ -33,7 +33,7 @@ INDEX_TOPK = 16
 
 @pytest.fixture(scope="module")
 def glm_dsa_dir() -> Path:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     return make_tiny_glm_dsa(index_topk_freq=2, index_topk=INDEX_TOPK)
 
@@ -105,7 +105,7 @@ def test_engine_uses_reference_backends_and_gpu_cache_layout(llm):
 
 
 def test_greedy_tokens_equal_transformers(llm, glm_dsa_dir, prompt_ids):
-    from vllm_dsa_connector.cpu_dsa.tiny_model import transformers_greedy
+    from vllm_dsa_dev.cpu_dsa.tiny_model import transformers_greedy
 
     got = _generate(llm, prompt_ids)
     want = transformers_greedy(glm_dsa_dir, prompt_ids, MAX_NEW, emulate_fp8_indexer=True)

@@ -171,14 +171,14 @@ def test_no_import_cycles() -> None:
 def test_the_checker_sees_lazy_and_string_imports(tmp_path: Path) -> None:
     """The graph reader itself: a function-level import and an importlib string are edges."""
     src = ("import importlib\n"
-           "def f():\n    from vllm_dsa_connector.transport import runs\n"
-           "MOD = importlib.import_module('vllm_dsa_connector.layout')\n")
+           "def f():\n    from vllm_dsa_connector.core.transfer import runs\n"
+           "MOD = importlib.import_module('vllm_dsa_connector.core.plan')\n")
     tree = ast.parse(src)
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
                and isinstance(n.value, str) and n.value.startswith(PACKAGE + ".")]
-    assert imports and imports[0].module == "vllm_dsa_connector.transport"
-    assert strings == ["vllm_dsa_connector.layout"]
+    assert imports and imports[0].module == "vllm_dsa_connector.core.transfer"
+    assert strings == ["vllm_dsa_connector.core.plan"]
     cyc = _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
     assert cyc == [["a", "b", "c"]]
 

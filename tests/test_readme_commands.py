@@ -85,10 +85,10 @@ def test_module_commands_parse(command: str, monkeypatch: pytest.MonkeyPatch) ->
     module = words[2]
     if module == "vllm_dsa_connector.cli":
         build_parser().parse_args(words[3:])
-    elif module == "vllm_dsa_connector.pd_proxy":
+    elif module == "vllm_dsa_connector.proxy.app":
         import uvicorn
 
-        from vllm_dsa_connector import pd_proxy
+        from vllm_dsa_connector.proxy import app as pd_proxy
 
         served: list[dict[str, object]] = []
         monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(kw))

@@ -15,17 +15,17 @@ import sys
 # name -> (module, one-line help). ``bench`` takes a second-level name.
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("vllm_dsa_connector.commands.inspect", "print the KV page tables of a model"),
-    "demo": ("vllm_dsa_connector.commands.demo", "run a prefill/decode pair with DSAConnector"),
-    "make-model": ("vllm_dsa_connector.commands.make_model", "make a tiny random test model (mla or dsa)"),
+    "demo": ("vllm_dsa_dev.commands.demo", "run a prefill/decode pair with DSAConnector"),
+    "make-model": ("vllm_dsa_dev.commands.make_model", "make a tiny random test model (mla or dsa)"),
     "options": ("vllm_dsa_connector.commands.options", "list every option: key, environment variable, default"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "transfer": ("vllm_dsa_connector.commands.bench_transfer", "NIXL scattered vs bounce vs gate"),
-    "pd": ("vllm_dsa_connector.commands.bench_pd", "DSAConnector vs NixlConnector P/D pair"),
-    "tokenizer": ("vllm_dsa_connector.commands.bench_tokenizer", "prefix token cache vs full encode"),
-    "admission": ("vllm_dsa_connector.commands.bench_admission", "admission policies and overhead"),
-    "serve": ("vllm_dsa_connector.commands.bench_serve", "vLLM's serving benchmark through the P/D proxy"),
-    "report": ("vllm_dsa_connector.commands.bench_report", "docs/benchmarks.md tables and plots from bench/results"),
+    "transfer": ("vllm_dsa_dev.commands.bench_transfer", "NIXL scattered vs bounce vs gate"),
+    "pd": ("vllm_dsa_dev.commands.bench_pd", "DSAConnector vs NixlConnector P/D pair"),
+    "tokenizer": ("vllm_dsa_dev.commands.bench_tokenizer", "prefix token cache vs full encode"),
+    "admission": ("vllm_dsa_dev.commands.bench_admission", "admission policies and overhead"),
+    "serve": ("vllm_dsa_dev.commands.bench_serve", "vLLM's serving benchmark through the P/D proxy"),
+    "report": ("vllm_dsa_dev.commands.bench_report", "docs/benchmarks.md tables and plots from dev/bench/results"),
 }
 
 

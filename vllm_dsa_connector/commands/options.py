@@ -12,14 +12,15 @@ import argparse
 
 def sections() -> list[tuple[str, type]]:
     """``(title, settings class)`` of every settings class users set, in the document's order."""
+    from vllm_dsa_dev.tiny_models import ModelDirSettings
+    from vllm_dsa_dev.tokenizer.assets import AssetSettings
+
     from vllm_dsa_connector.admission.options import AdmissionConfig
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.core.transfer.copy.kernels import CopySettings
     from vllm_dsa_connector.options import RuntimeFixesOptions
-    from vllm_dsa_connector.tiny_models import ModelDirSettings
-    from vllm_dsa_connector.tokenizer.assets import AssetSettings
     from vllm_dsa_connector.tokenizer.modes import BaseModeSettings
     from vllm_dsa_connector.tokenizer.options import CacheOptions
-    from vllm_dsa_connector.transport.kernels import CopySettings
 
     return [
         ("DSAConnector, `kv_connector_extra_config` (the `bounce_*` keys tune the bounce gate):",
@@ -32,7 +33,7 @@ def sections() -> list[tuple[str, type]]:
         ("Transport run copies (bounce gather/scatter, same-node copies):", CopySettings),
         ("Plugin:", RuntimeFixesOptions),
         ("Tiny models (tests, demo, `vllm-dsa make-model`):", ModelDirSettings),
-        ("Test tokenizers (`python -m vllm_dsa_connector.tokenizer.assets`):", AssetSettings),
+        ("Test tokenizers (`python -m vllm_dsa_dev.tokenizer.assets`):", AssetSettings),
     ]
 
 

@@ -1,5 +1,5 @@
 """Scheduler side of DSAConnector: vLLM's scheduler calls mapped onto the core's roles,
-:mod:`vllm_dsa_connector.handoff.producer` (P) and :mod:`vllm_dsa_connector.handoff.consumer` (D).
+:mod:`vllm_dsa_connector.core.handoff.producer` (P) and :mod:`vllm_dsa_connector.core.handoff.consumer` (D).
 
 Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for why push):
 
@@ -25,7 +25,7 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    they WRITE into D's blocks and report ``finished_sending``: P frees the blocks.
 5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
    abort) are decided here, on the scheduler, and reach the workers as ``fail_recv`` only once no WRITE
-   can land any more (the argument is in :mod:`vllm_dsa_connector.handoff.loads`).
+   can land any more (the argument is in :mod:`vllm_dsa_connector.core.handoff.loads`).
 
 Each engine start draws one epoch (``self.epoch``): every side-channel message and reply names it, the
 ``kv_transfer_params`` P hands out name it (``remote_epoch``), and the :class:`PeerInfo` this scheduler hands
@@ -49,22 +49,22 @@ from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, staging_full, unusable_key
-from vllm_dsa_connector.handoff.consumer import Consumer
-from vllm_dsa_connector.handoff.fence_waits import FenceWaits
-from vllm_dsa_connector.handoff.loads import LoadState, parse_remote_params
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.consumer import Consumer
+from vllm_dsa_connector.core.handoff.fence_waits import FenceWaits
+from vllm_dsa_connector.core.handoff.ids import prompt_digest
+from vllm_dsa_connector.core.handoff.loads import LoadState, parse_remote_params
+from vllm_dsa_connector.core.handoff.messages import (
     Authenticator,
     Origin,
     Reply,
     Request,
     new_epoch,
-    prompt_digest,
 )
-from vllm_dsa_connector.handoff.producer import Producer
-from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
-from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import SideChannelServer
-from vllm_dsa_connector.handoff.wire import (
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.routes import Held, RoutePlanner
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+from vllm_dsa_connector.core.handoff.side_channel import SideChannelServer
+from vllm_dsa_connector.core.handoff.wire import (
     TRANSFER_MODE,
     PeerInfo,
     RankPayload,
@@ -72,7 +72,7 @@ from vllm_dsa_connector.handoff.wire import (
     Routes,
     decode_payload,
 )
-from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
+from vllm_dsa_connector.core.plan.pairing import PairingError, pair_blocks_by_position
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
