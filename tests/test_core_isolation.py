@@ -10,11 +10,10 @@ import subprocess
 import sys
 import textwrap
 
-#: Packages walked module by module (every submodule, so a new module is covered without listing it).
-CORE_PACKAGES = ("vllm_dsa_connector.core.handoff", "vllm_dsa_connector.core.transfer")
-#: Single modules of the core (``layout.build`` reads vLLM's specs: it is the adapter's, not the core's).
-CORE_MODULES = ("vllm_dsa_connector.core.plan", "vllm_dsa_connector.core.plan.pages", "vllm_dsa_connector.core.plan.rules",
-                "vllm_dsa_connector.core.plan.peer_plan", "vllm_dsa_connector.core.plan.segments")
+#: The core is one package, walked module by module (every submodule, so a new module is covered without listing
+#: it). ``connector.page_tables`` reads vLLM's specs: it is the adapter's, not the core's.
+CORE_PACKAGES = ("vllm_dsa_connector.core",)
+CORE_MODULES: tuple[str, ...] = ()
 
 _PROBE = textwrap.dedent("""
     import importlib, importlib.abc, pkgutil, sys

@@ -76,7 +76,7 @@ def test_the_readme_shows_the_ci_commands() -> None:
 def test_vllm_dsa_commands_parse(command: str) -> None:
     words = _argv(command)
     args = build_parser().parse_args(words[1:])  # SystemExit (exit code 2) on a wrong command or option
-    assert args._module.startswith("vllm_dsa_connector.commands."), command
+    assert args._module.startswith(("vllm_dsa_connector.commands.", "vllm_dsa_dev.commands.")), command
 
 
 @pytest.mark.parametrize("command", _ours("module"))

@@ -45,8 +45,8 @@ import msgspec
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the package, and dev/ for vllm_dsa_dev
+sys.path[:0] = [str(ROOT), str(ROOT / "dev")]
 
 from vllm_dsa_dev.harness.channel import Channel, Kind, run_two  # noqa: E402
 

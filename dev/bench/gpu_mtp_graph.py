@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 from vllm_dsa_connector.fixes import mtp_stale_caches  # noqa: E402
 from vllm_dsa_connector.fixes.token_to_req_indices import compute_token_to_req_indices  # noqa: E402

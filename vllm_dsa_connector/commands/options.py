@@ -11,11 +11,10 @@ import argparse
 
 
 def sections() -> list[tuple[str, type]]:
-    """``(title, settings class)`` of every settings class users set, in the document's order."""
-    from vllm_dsa_dev.tiny_models import ModelDirSettings
-    from vllm_dsa_dev.tokenizer.assets import AssetSettings
-
+    """``(title, settings class)`` of every settings class users set, in the document's order (the dev
+    package's last, where it is installed)."""
     from vllm_dsa_connector.admission.options import AdmissionConfig
+    from vllm_dsa_connector.commands import dev_packages
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.core.transfer.copy.kernels import CopySettings
     from vllm_dsa_connector.options import RuntimeFixesOptions
@@ -32,8 +31,7 @@ def sections() -> list[tuple[str, type]]:
         ("Prefix token cache base mode (`--tokenizer-mode dsa-prefix-cache`):", BaseModeSettings),
         ("Transport run copies (bounce gather/scatter, same-node copies):", CopySettings),
         ("Plugin:", RuntimeFixesOptions),
-        ("Tiny models (tests, demo, `vllm-dsa make-model`):", ModelDirSettings),
-        ("Test tokenizers (`python -m vllm_dsa_dev.tokenizer.assets`):", AssetSettings),
+        *(section for dev in dev_packages() for section in dev.option_sections()),
     ]
 
 

@@ -24,6 +24,7 @@ scatter) and ``auto``, side by side with the equal-size cases of the same sizes,
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import os
 import random
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = JSON_KEYS
 
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "glm5_2_shape.json"
+EXAMPLE = Path(str(importlib.resources.files("vllm_dsa_connector") / "examples" / "glm5_2_shape.json"))
 JSON_KEYS = """JSON keys (--json), synthetic blocks: contiguous_ms, scattered_ms, bounce_ms, auto_ms (medians per
 request), min_ms, auto_path, phases_ms, gather_ms, scatter_ms, runs, total_bytes, profile, gate_reason,
 blocks, block_bytes, reps, ucx_tls.
