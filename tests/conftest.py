@@ -106,7 +106,7 @@ def load_module_from_file(path: Path, name: str) -> types.ModuleType:
 
 def check_conversation_exact(tok: Any, kind: str, options: dict[str, Any], seed: int,
                              check: Callable[[Any], None]) -> None:
-    """A ``kind`` conversation of ``tokenizer.workloads.requests`` (12k-character turns, 6 of them) through one
+    """A ``kind`` conversation of ``vllm_dsa_dev.tokenizer.workloads.requests`` (12k-character turns, 6 of them) through one
     ``PrefixTokenCache(tok, **options)``: every text it encodes (the workload's counts and each prompt) equals a
     full encode, nearly all are hits, none a mismatch, and what is re-tokenized stays a small tail (from the
     last anchor, not the start). ``check(req)``: the workload's own checks of each request."""

@@ -8,7 +8,7 @@ direction and D for the other:
   caching on: engine ``b64`` runs ``--block-size 64``, engine ``b16`` ``--block-size 16``. Directions
   P64 -> D16 and P16 -> D64. The engines register MLA latent and indexer K in two pools, so a writer's runs
   are two (source pool, destination pool) parts; D16 runs ``bounce_mode=always``, so D routes every load into
-  it through one staging slot holding both parts (``handoff.routes``), which P gathers and writes once and
+  it through one staging slot holding both parts (``core.handoff.routes``), which P gathers and writes once and
   D16 scatters part by part; D64 never bounces. A request goes one path, whole. The reference ("one
   engine") is P's own plain request, made before P's prefill leg: so each direction also compares the two
   block sizes' engines.

@@ -3,7 +3,7 @@
 Starts ONE real vLLM engine for the module (in-process; default mode, i.e. torch.compile'd, so the
 reference ops run as opaque custom ops inside the compiled graph) and checks it against
 transformers' own ``GlmMoeDsaForCausalLM`` on the same weights, float32 on both sides, with the
-reference indexer rounding q/k through vLLM's fp8 quantization (see ``cpu_dsa.tiny_model``).
+reference indexer rounding q/k through vLLM's fp8 quantization (see ``vllm_dsa_dev.cpu_dsa.tiny_model``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""D's routes (``handoff.routes``): real page tables and plan, the real bounce gate and allocator.
+"""D's routes (``core.handoff.routes``): real page tables and plan, the real bounce gate and allocator.
 A forced-bounce request gets one slot per writer inside the arena, a request that does not fit gets none
 (a direct WRITE), a released slot is reused and a quarantined one never is; a writer of several pool pairs
 bounces all of them in one slot; a P on D's host that reaches D's GPU is routed through ipc."""

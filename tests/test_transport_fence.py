@@ -15,7 +15,7 @@
   transfer's notification); D gives the load up (``Receiver.give_up``) and "reuses" the block (zeroes it) only
   once the receiver settles the load, then keeps progressing for other loads: the block stays zero. Without
   the fence D handed the block back at once and all 65,536 B of the aborted WRITE landed in it later.
-- D's wait for P's fence ends early only when P's start is gone (``handoff.fence_waits``): its side channel
+- D's wait for P's fence ends early only when P's start is gone (``core.handoff.fence_waits``): its side channel
   refuses connections (a real listening socket closed), or P answers from another start; a P that still
   listens (stalled, or just slow) keeps it waiting.
 - P's staging arena does not leak on failed bounces: bounced WRITEs to a receiver that never progresses

@@ -1,4 +1,4 @@
-"""Layer-by-layer push (``transport.layered`` through ``RoutedTransport.open/add/close``), on CPU.
+"""Layer-by-layer push (``core.transfer.layered`` through ``RoutedTransport.open/add/close``), on CPU.
 
 Two real NIXL agents in this process (as ``tests/test_transport_routed.py``) and the real :class:`Receiver`.
 P and D each have two pools (an MLA-like pool holding every layer, an indexer-like pool holding the owning

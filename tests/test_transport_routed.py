@@ -1,4 +1,4 @@
-"""The routed transport (``transport.routed``): a writer follows the path the receiver chose, never another.
+"""The routed transport (``core.transfer.routed``): a writer follows the path the receiver chose, never another.
 
 Two real NIXL agents in this process, each with two registered pools (a GPU engine's layout: the MLA latent
 and the indexer K cache in separate pools), and the one :class:`Receiver`:

@@ -1,7 +1,7 @@
 """The transfer core end to end, without vLLM: a producer and a consumer process push KV through NIXL.
 
 What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.core.handoff`, the planner
-``matching.PeerPlan``, :mod:`vllm_dsa_connector.core.transfer`), with nothing from vLLM imported:
+``core.plan.peer_plan.PeerPlan``, :mod:`vllm_dsa_connector.core.transfer`), with nothing from vLLM imported:
 
 - P and D each allocate KV pools with torch, laid out as vLLM lays out a GLM-5.2-shaped model's KV cache
   (the page table built offline by :mod:`vllm_dsa_connector.core.plan` from ``examples/glm5_2_shape.json``:
@@ -14,9 +14,9 @@ What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.core.handoff`,
 - D handshakes over the side channel (:class:`~vllm_dsa_connector.core.handoff.consumer.Consumer`: payloads,
   compatibility check, plan), registers its blocks (scattered, out of order; one request with a prefix
   already on D, so P sends from its second block), and arms the transport's receiver.
-- D chooses each pair's route as the connector's scheduler does (``handoff.routes.plan_routes``; ``--path``:
+- D chooses each pair's route as the connector's scheduler does (``core.handoff.routes.plan_routes``; ``--path``:
   direct, bounce with the gate forced, or ipc between two processes on one CUDA host), P dispatches each
-  registration and follows the route (``transport.routed.RoutedTransport``) and reports the lease finished;
+  registration and follows the route (``core.transfer.routed.RoutedTransport``) and reports the lease finished;
   D's receiver settles the request (a bounced writer's parts scattered from its slot).
 - D then checks EVERY byte of its pools: the paired blocks hold P's bytes (P's seeded pools regenerated on
   D, copied with torch index ops along the plan's runs), every other byte is still zero.

@@ -2,7 +2,7 @@
 
 The worker knows its KV cache only as a :class:`~vllm_dsa_connector.core.plan.PageTable` (pools + per-role
 views, MLA latent AND indexer K), so the indexer pages, for which vLLM's per-layer hooks never fire, move
-with everything else: a transfer is the byte runs of the peer's plan (``matching.PeerPlan.runs``, built
+with everything else: a transfer is the byte runs of the peer's plan (``core.plan.peer_plan.PeerPlan.runs``, built
 once when the worker learns the peer: merged where contiguous on both sides), not a per-layer loop.
 
 P (sender): :class:`~.sending.SendSide`, owned by the worker, which hands it its NIXL engine, stats, rank,

@@ -48,7 +48,7 @@ def plan_routes(plan: PeerPlan, src: Sequence[RankPayload], dst: Sequence[RankPa
                 num_tokens: int | None = None, ipc: bool = True) -> tuple[Routes, Held]:
     """The routes of one request: per (destination rank, source rank) pair with bytes to move.
 
-    ``plan`` is the peer's ``matching.PeerPlan`` from the handshake (``first_token``/``num_tokens`` the
+    ``plan`` is the peer's ``core.plan.peer_plan.PeerPlan`` from the handshake (``first_token``/``num_tokens`` the
     request's token span, as ``PeerPlan.runs`` takes it); ``gate`` the bounce gate (``None``: no bounce);
     ``arenas`` maps a destination rank to the allocator of its staging arena; ``ipc``: whether D allows the
     ipc path. Returns the routes and the slot reservations to free once the transfer is over.

@@ -9,8 +9,8 @@ decoded, before it costs memory:
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
   which serves them on the side channel (:mod:`.side_channel`). Its page table (:class:`WirePageTable`),
   regions and staging arena (:class:`WireRegion`) and CUDA IPC exports (:class:`WireIpcExport`) are the
-  wire forms of ``layout.PageTable.to_dict()``, ``transport.RegionDesc.to_dict()`` and
-  ``transport.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
+  wire forms of ``core.plan.PageTable.to_dict()``, ``core.transfer.RegionDesc.to_dict()`` and
+  ``core.transfer.ipc.IpcDesc.to_dict()``: the same keys and values, so they encode to the same bytes as
   those dicts (the protocol is unchanged). :meth:`WireStruct.of` builds one from such a dict,
   :meth:`WireStruct.to_dict` gives the dict back to the layout's and the transport's ``from_dict``, which
   check the values (enum names, handles).
@@ -43,7 +43,7 @@ import msgspec
 #: exports of the pools (6 sent bare ``[offset, size]`` staging slots and P's gate could go direct).
 #: 8: P's answer to a registration says when its staging arena is (nearly) full (``Reply.staging_full``): D
 #: routes that P's next requests direct; a P fences the connection of an aborted WRITE before its failure
-#: notice and D keeps a given-up load's blocks until it arrives (``transport/fence.py``).
+#: notice and D keeps a given-up load's blocks until it arrives (``core/transfer/fence.py``).
 PROTOCOL_VERSION = 8
 #: The ``transfer_mode`` DSAConnector's P hands out in its ``kv_transfer_params`` (they travel through the
 #: router, not the side channel: no protocol bump). Not ``"push"`` (what 0.1.0 handed out; issue 31): vllm-router takes
@@ -100,7 +100,7 @@ class WireStruct(msgspec.Struct, frozen=True):
 
 
 class WirePool(WireStruct, frozen=True):
-    """``layout.Pool``: block ``b`` of an entry is at ``base_ptr + offset + b * block_stride``."""
+    """``core.plan.Pool``: block ``b`` of an entry is at ``base_ptr + offset + b * block_stride``."""
 
     base_ptr: int
     nbytes: int
@@ -110,7 +110,7 @@ class WirePool(WireStruct, frozen=True):
 
 
 class WireLayer(WireStruct, frozen=True):
-    """``layout.LayerEntry``: one layer's page in a pool."""
+    """``core.plan.LayerEntry``: one layer's page in a pool."""
 
     global_layer: int
     name: _Str
@@ -120,7 +120,7 @@ class WireLayer(WireStruct, frozen=True):
 
 
 class WireView(WireStruct, frozen=True):
-    """``layout.PoolView``: one role's pages, in one pool."""
+    """``core.plan.PoolView``: one role's pages, in one pool."""
 
     role: _Name
     mapper: _Name
@@ -131,7 +131,7 @@ class WireView(WireStruct, frozen=True):
 
 
 class WireModel(WireStruct, frozen=True):
-    """``layout.ModelId``: what must be identical between peers."""
+    """``core.plan.ModelId``: what must be identical between peers."""
 
     architecture: _Str
     num_hidden_layers: int
@@ -146,7 +146,7 @@ class WireModel(WireStruct, frozen=True):
 
 
 class WirePageTable(WireStruct, frozen=True):
-    """``layout.PageTable``: one worker's KV cache (``layout.PageTable.from_dict(t.to_dict())`` reads it)."""
+    """``core.plan.PageTable``: one worker's KV cache (``core.plan.PageTable.from_dict(t.to_dict())`` reads it)."""
 
     rank: int
     pp_rank: int
@@ -162,7 +162,7 @@ class WirePageTable(WireStruct, frozen=True):
 
 
 class WireRegion(WireStruct, frozen=True):
-    """``transport.RegionDesc``: a registered region as a peer sees it."""
+    """``core.transfer.RegionDesc``: a registered region as a peer sees it."""
 
     agent: Id
     addr: int
@@ -172,7 +172,7 @@ class WireRegion(WireStruct, frozen=True):
 
 
 class WireIpcExport(WireStruct, frozen=True):
-    """``transport.ipc.IpcDesc``: one pool exported through CUDA IPC (handles hex-encoded)."""
+    """``core.transfer.ipc.IpcDesc``: one pool exported through CUDA IPC (handles hex-encoded)."""
 
     host: Id
     uuid: Id
@@ -201,7 +201,7 @@ class RankPayload(msgspec.Struct, frozen=True):
     compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
     staging: WireRegion | None = None  # receive staging arena for bounced writes
     protocol: int = PROTOCOL_VERSION
-    host: Id = ""  # this machine (``transport.ipc.host_id``): same host is the first condition of the ipc path
+    host: Id = ""  # this machine (``core.transfer.ipc.host_id``): same host is the first condition of the ipc path
     gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)
     reach: Annotated[list[Id], msgspec.Meta(max_length=MAX_WORKERS)] = []  # GPU UUIDs this rank's kernels can write
     # CUDA IPC export of each pool, in pool order; None: this rank offers no ipc path
@@ -255,7 +255,7 @@ def route_of(routes: Routes, dst_rank: int, src_rank: int) -> Route | None:
 class PushJob(msgspec.Struct, frozen=True):
     """P side: write ``src_blocks`` of request ``req_id`` into ``dst_blocks`` of ``dst_engine``.
 
-    The blocks hold tokens ``[first_token, first_token + num_tokens)`` (``matching.PeerPlan.runs``'
+    The blocks hold tokens ``[first_token, first_token + num_tokens)`` (``core.plan.peer_plan.PeerPlan.runs``'
     convention: each list starts at the block of its own size holding ``first_token``).
     """
 

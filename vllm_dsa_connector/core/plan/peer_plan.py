@@ -5,7 +5,7 @@ The plan itself (one elected source rank per destination page, PP/TP reshard, pa
 over page tables alone; every public name there is re-exported here, so this module stays the planner's
 one entry point. What this module adds is the per-request side: ``expand_runs`` turns segments and block
 ids into byte runs (:class:`PoolRuns`), merged again across consecutive blocks (the merge rule itself lives
-in ``transport.runs``: one implementation for planner and transport).
+in ``core.plan.runs``: one implementation for planner and transport).
 
 :class:`PeerPlan` is what a connector keeps per peer: both sides' decoded page tables and the plan, built
 once at the handshake; ``PeerPlan.runs(src_rank, dst_rank, src_blocks, dst_blocks, first_token=,
@@ -211,7 +211,7 @@ class PeerPlan:
         chunks of ``g = gcd(Bp, Bd)`` tokens, ``end = first_token + num_tokens`` rounded up to ``g``
         (``None``: everything both block lists cover). ``Bp == Bd``: whole pages, exactly the plan's
         page-for-page runs of the blocks the span touches. Runs are merged with sorting
-        (``transport.merge_runs``): blocks listed out of order (vLLM's free list hands them out in
+        (``core.transfer.merge_runs``): blocks listed out of order (vLLM's free list hands them out in
         reverse) and layer-outermost layouts still collapse into long runs. Empty when the pair exchanges
         nothing. Raises :class:`PlanError` for an unknown rank, a block id out of range or a span the
         lists do not cover.

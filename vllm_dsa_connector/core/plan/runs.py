@@ -137,7 +137,7 @@ def merge_runs(
 def merge_adjacent(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
     """Merge each run into its predecessor when it continues it on BOTH sides (given order; vectorised).
 
-    The one implementation of the merge rule: the planner (``matching.expand_runs``) and the transport
+    The one implementation of the merge rule: the planner (``core.plan.peer_plan.expand_runs``) and the transport
     (:func:`merge_runs`) both use it. Returns ``(src, dst, length)`` arrays.
     """
     if src.size <= 1:

@@ -207,7 +207,7 @@ def assert_exactly_once(plan: TransferPlan, dst_tables: Sequence[PageTable],
     """Every (destination, role, layer) is covered by exactly one segment; nothing else is.
 
     With ``src_tables`` whose block size differs from a destination's, also byte by byte: the token maps of
-    every sender of that destination tile each of its pages exactly once (:func:`token_map.check_dst_tiling`).
+    every sender of that destination tile each of its pages exactly once (:func:`core.plan.token_map.check_dst_tiling`).
     """
     seen: dict[tuple[int, str, int], int] = defaultdict(int)
     for s in plan.segments:

@@ -1,6 +1,6 @@
 """Token-position mapping between two block sizes: P pages of ``Bp`` tokens onto D pages of ``Bd`` tokens.
 
-When both sides use the same block size a page is copied whole (:func:`matching.expand_runs`). When they
+When both sides use the same block size a page is copied whole (:func:`core.plan.peer_plan.expand_runs`). When they
 differ, a page of one side is not a page of the other, and for the DSA indexer it is not even a run of
 rows: its page is block-split (``[B x values][B x scales]``), so the scales of token ``t`` sit at
 ``B * values_per_token + (t % B) * scale_bytes`` and depend on each side's own ``B``. So the planner maps
@@ -35,7 +35,7 @@ __all__ = ["PieceGroup", "PlanError", "TokenMap", "build_token_map", "check_dst_
 class PlanError(ValueError):
     """Two sets of page tables that cannot exchange KV; the message names what differs.
 
-    (Defined here, below the planner, so the token map can raise it; ``matching.PlanError`` is this class.)
+    (Defined here, below the planner, so the token map can raise it; ``core.plan.peer_plan.PlanError`` is this class.)
     """
 
 
@@ -76,7 +76,7 @@ class TokenMap:
 
         ``src_blocks[i]`` holds tokens ``[(start // Bp + i) * Bp, +Bp)``, ``dst_blocks[j]`` tokens
         ``[(start // Bd + j) * Bd, +Bd)`` (the caller checked the span lies inside both lists). Runs come
-        chunk by chunk in token order, then merged with sorting (``transport.merge_runs``): the sender and
+        chunk by chunk in token order, then merged with sorting (``core.transfer.merge_runs``): the sender and
         the receiver compute the same runs in the same order.
         """
         bp, bd, g = self.src_block_size, self.dst_block_size, self.chunk

@@ -2,7 +2,7 @@
 
 The connector posts through :class:`~.routed.RoutedTransport`, which follows each pair's route and uses
 :class:`DirectTransport` for the direct one; the benches' bounce sender adds its own paths on the same
-interface (``harness.paths``).
+interface (``vllm_dsa_dev.harness.paths``).
 
 A caller describes one writer's part of a request as ``parts``: ``[(local Region, remote region, Runs)]``
 (one per pool pair), and calls every transport the same way::
