@@ -20,7 +20,7 @@ from vllm_dsa_dev.commands.bench_report import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "dev" / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 

@@ -28,7 +28,7 @@ def test_core_pushes_every_byte_between_two_processes(tmp_path: Path, path: str,
     (tmp_path / "table.json").write_text(json.dumps(table.to_dict()))
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "core_pd.py"), "--table", str(tmp_path / "table.json"),
+    r = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "core_pd.py"), "--table", str(tmp_path / "table.json"),
                         "--requests", "4,3,2,1", "--out", str(out), "--path", path, "--arena-bytes", str(64 << 20)],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]

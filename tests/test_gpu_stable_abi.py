@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def abi():
-    return load_module_from_file(ROOT / "bench" / "gpu_stable_abi.py", "gpu_stable_abi")
+    return load_module_from_file(ROOT / "dev" / "bench" / "gpu_stable_abi.py", "gpu_stable_abi")
 
 
 def test_version_guards_are_read(abi, tmp_path: Path) -> None:
