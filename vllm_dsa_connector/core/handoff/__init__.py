@@ -5,15 +5,15 @@ blocks it allocated for the same token positions, P's workers WRITE into them an
 either side gives up under rules that never let a WRITE land in blocks D gave back. This package is
 that protocol and nothing else; it imports nothing from vLLM (``tests/test_core_isolation.py`` proves
 it), so the vLLM adapter (:mod:`vllm_dsa_connector.connector`) and an SGLang adapter would share it.
-Together with :mod:`vllm_dsa_connector.core.plan` (page tables), :mod:`vllm_dsa_connector.core.plan.peer_plan`
-(the transfer plan) and :mod:`vllm_dsa_connector.core.transfer` (moving bytes) it is the transfer core.
+Together with :mod:`vllm_dsa_connector.core.plan` (page tables, the transfer plan) and
+:mod:`vllm_dsa_connector.core.transfer` (moving bytes) it is the transfer core.
 
 Reading order:
 
 - :mod:`.wire`: handshake payloads, push/receive jobs, completion notices (msgspec structs).
 - :mod:`.messages`: side-channel requests and replies, the authenticated envelope; beside it :mod:`.clock`
   (the peer clock estimate that turns D's give-up time into a deadline in P's clock) and :mod:`.ids`
-  (transfer ids and prompt digests), both re-exported by :mod:`.messages`.
+  (transfer ids and prompt digests).
 - :mod:`.side_channel`: the ZMQ server and client, the handshake (``fetch_payloads``) and the
   compatibility check that builds the transfer plan (``validate_peer``).
 - :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and, for D, :mod:`.loads` (one load,
