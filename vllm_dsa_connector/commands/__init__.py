@@ -18,5 +18,7 @@ DEV_HINT = "part of the dev package, not of the wheel: install it with `pip inst
 
 
 def dev_packages() -> list[ModuleType]:
-    """The installed dev packages' command modules (none in a deployment: the wheel alone)."""
-    return [ep.load() for ep in sorted(importlib.metadata.entry_points(group=DEV_GROUP), key=lambda e: e.name)]
+    """The installed dev packages' command modules (none in a deployment: the wheel alone). An entry point seen
+    twice (an editable install and a build's ``*.egg-info`` on the path) counts once."""
+    eps = {ep.value: ep for ep in importlib.metadata.entry_points(group=DEV_GROUP)}
+    return [eps[value].load() for value in sorted(eps)]
