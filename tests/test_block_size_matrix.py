@@ -1,7 +1,7 @@
 """P and D with different KV block sizes: ``PeerPlan.runs`` proven byte for byte (issue 19, item 1).
 
 The simulation is independent of the planner's arithmetic. Page tables come from vLLM's own spec and
-allocation code (``core.plan.build_offline``, as in ``tests/test_matching.py``); every byte of every source
+allocation code (``connector.page_tables.build_offline``, as in ``tests/test_matching.py``); every byte of every source
 pool is labelled with what it means, computed here from the page-table model alone::
 
     label = (role, global layer, token position, page part, byte within the token's row of that part)

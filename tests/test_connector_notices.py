@@ -1,6 +1,6 @@
 """D's checks of the completion notices a P worker sends (issue 29 item 4), in one process: a real P and a
 real D :class:`~vllm_dsa_connector.connector.worker.DSAConnectorWorker` over vLLM-allocated KV caches
-(``core.plan.allocate_offline``, a GLM-MoE-DSA config), two real NIXL agents, the worker's real Receiver.
+(``connector.page_tables.allocate_offline``, a GLM-MoE-DSA config), two real NIXL agents, the worker's real Receiver.
 
 A real push with ``verify_transfers`` lands and is checksummed; then notices a real sender never writes
 are fed to D's receiver as its own progress thread does (the fault cannot be caused on a real wire: the

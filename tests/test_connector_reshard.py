@@ -2,7 +2,7 @@
 
 DSA attention cannot run on CPU, so these tests prove the DSA path below the engine: each rank lives in
 its own spawned process holding ``kv_caches`` allocated by vLLM's own allocation code for a GLM-MoE-DSA
-config (``core.plan.allocate_offline``: vLLM's spec grouping + ``allocate_kv_cache``, BLHNC layout), wrapped
+config (``connector.page_tables.allocate_offline``: vLLM's spec grouping + ``allocate_kv_cache``, BLHNC layout), wrapped
 by :class:`DSAConnectorWorker` exactly as ``DSAConnector.register_kv_caches`` does; the test plays the
 scheduler (it builds the same step metadata) and checks every byte:
 

@@ -30,7 +30,7 @@ from P. Per turn D's greedy tokens must equal the reference, and D's per-(P rank
 (``vllm:dsa_kv_pair_bytes_total``) must show every page moved exactly once by the expected rank:
 
 - tp2 -> tp1: MLA latent and indexer pages are replicated over TP ranks: only the elected sender (P rank 0,
-  ``core.plan.peer_plan.elected_sender``) writes, rank 1 writes nothing; D gets ``blocks x (4 MLA + 3 indexer pages)``.
+  ``core.plan.segments.elected_sender``) writes, rank 1 writes nothing; D gets ``blocks x (4 MLA + 3 indexer pages)``.
 - tp1 -> tp2: P rank 0 writes a whole copy into each D rank.
 - pp2 -> pp1 / pp1 -> pp2: stage 0 (layers 0-2) moves 3 MLA + 2 indexer pages per block, stage 1 (layer 3)
   1 MLA + 1 indexer page (with MTP: layers 3-4, 2 + 2): each owning layer's indexer page once.

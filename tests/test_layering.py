@@ -169,13 +169,13 @@ def test_no_import_cycles() -> None:
 def test_the_checker_sees_lazy_and_string_imports(tmp_path: Path) -> None:
     """The graph reader itself: a function-level import and an importlib string are edges."""
     src = ("import importlib\n"
-           "def f():\n    from vllm_dsa_connector.core.transfer import runs\n"
+           "def f():\n    from vllm_dsa_connector.core.plan import runs\n"
            "MOD = importlib.import_module('vllm_dsa_connector.core.plan')\n")
     tree = ast.parse(src)
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
                and isinstance(n.value, str) and n.value.startswith(PACKAGE + ".")]
-    assert imports and imports[0].module == "vllm_dsa_connector.core.transfer"
+    assert imports and imports[0].module == "vllm_dsa_connector.core.plan"
     assert strings == ["vllm_dsa_connector.core.plan"]
     cyc = _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
     assert cyc == [["a", "b", "c"]]
@@ -257,6 +257,8 @@ def _reexports(path: Path) -> list[str]:
 #: (plugin.py), users pass ``--scheduler-cls vllm_dsa_connector.admission.DSAScheduler`` and the tokenizer cache's
 #: classes. Nothing inside the package imports through them.
 PUBLIC_FACES = {"vllm_dsa_connector.connector", "vllm_dsa_connector.admission", "vllm_dsa_connector.tokenizer"}
+#: Modules that name a face for outside code, not to import through it: the plugin hands vLLM's factory the module.
+NAMES_A_FACE = {("vllm_dsa_connector.plugin", "vllm_dsa_connector.connector")}
 
 
 def test_no_reexport_shims_and_modules_stay_readable() -> None:
@@ -266,7 +268,7 @@ def test_no_reexport_shims_and_modules_stay_readable() -> None:
     shims = {name: r for name, path in sorted(mods.items()) if name not in PUBLIC_FACES and (r := _reexports(path))}
     assert not shims, f"re-export shims: {shims}"
     through = sorted(f"{src} -> {dst}" for src, ts in _graph().items() for dst in ts if dst in PUBLIC_FACES
-                     and not src.startswith(dst + "."))
+                     and not src.startswith(dst + ".") and (src, dst) not in NAMES_A_FACE)
     assert not through, "imports through a public face (import the real module):\n" + "\n".join(through)
     long = {name: n for name, path in mods.items() if (n := len(path.read_text().splitlines())) > HARD_LIMIT_LINES}
     assert not long, f"modules over {HARD_LIMIT_LINES} lines (split near {SOFT_LIMIT_LINES}, in the folder): {long}"

@@ -116,9 +116,9 @@ _INTERPRET = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from vllm_dsa_connector.core.transfer import local_copy as C
-from vllm_dsa_connector.core.transfer import kernels as K
-from vllm_dsa_connector.core.transfer import launches as LA
+from vllm_dsa_connector.core.transfer.copy import local_copy as C
+from vllm_dsa_connector.core.transfer.copy import kernels as K
+from vllm_dsa_connector.core.transfer.copy import launches as LA
 from vllm_dsa_connector.core.plan.runs import Runs
 assert C.triton_available(), K._KERNEL_ERROR
 rng = np.random.default_rng(0)
@@ -158,9 +158,9 @@ _PLANS = r"""
 import gc, os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from vllm_dsa_connector.core.transfer import local_copy as C
-from vllm_dsa_connector.core.transfer import kernels as K
-from vllm_dsa_connector.core.transfer import launches as LA
+from vllm_dsa_connector.core.transfer.copy import local_copy as C
+from vllm_dsa_connector.core.transfer.copy import kernels as K
+from vllm_dsa_connector.core.transfer.copy import launches as LA
 from vllm_dsa_connector.core.plan.runs import Runs
 assert C.triton_available(), K._KERNEL_ERROR
 rng = np.random.default_rng(1)
@@ -183,10 +183,10 @@ assert torch.equal(d1, ref)
 d1.zero_()
 LA.copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
 assert torch.equal(d1, ref)
-st = C.plan_stats()
+st = LA.plan_stats()
 assert st["plans"] == 1 and st["plan_hits"] == 1, st
 LA.copy_planned(runs, s, d2, cfg)  # another destination: its own plan
-assert C.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
+assert LA.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
 try:
     LA.copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
     raise SystemExit("no bounds check")

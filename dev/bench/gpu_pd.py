@@ -19,7 +19,7 @@ Per pair:
   its ``kv_transfer_params``, read before D loads). Every full block must be equal on every layer (a block D
   served from its own prefix cache: equal to what P computed for it in the earlier turn).
 - **page table** (DSAConnector pairs): the table the connector built from the engine's ``kv_caches``
-  (``KVProbe.dsa_page_table``) against the offline builder's prediction (``core.plan.build_offline``, what
+  (``KVProbe.dsa_page_table``) against the offline builder's prediction (``connector.page_tables.build_offline``, what
   ``vllm-dsa inspect`` prints) for the same model, block size, KV cache dtype, KV cache layout and block
   count, every offset included; pointers, allocation sizes and the device left out.
 - **burst** (``--burst N``): first of all, on the fresh pair, N P/D requests at once (an early pair's through

@@ -18,7 +18,7 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    prefill: counted (``vllm:dsa_kv_unusable_params_total{reason}``) and logged once per peer with what was
    received (:meth:`DSAConnectorScheduler._unusable_params`).
 3. D: :meth:`update_state_after_alloc` pairs D's new blocks with P's blocks of the SAME token positions
-   (``core.plan.peer_plan.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
+   (``core.plan.pairing.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
    count must match D's prompt; P's block size, from its page tables, may differ from D's), tells its
    workers which notices to expect and registers the token span with P.
 4. P: the registration becomes a ``PushJob`` for P's workers on the next step (before its post deadline);

@@ -34,7 +34,7 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
 - ``vllm:dsa_kv_setup_waits_total``: pushes P held because their destination's set-up (its NIXL remote
   agents, loaded on the worker's set-up thread) was not over yet; posted once it is, without blocking a step
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
-  P rank sent what (replicated layers come from the one elected sender, ``core.plan.peer_plan.elected_sender``)
+  P rank sent what (replicated layers come from the one elected sender, ``core.plan.segments.elected_sender``)
 """
 
 from __future__ import annotations

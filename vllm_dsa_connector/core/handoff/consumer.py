@@ -178,7 +178,7 @@ class Consumer:
     def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
                  src_blocks: list[int], dst_blocks: list[int], routes: Routes,
                  held_slots: Held, *, prompt_tokens: int = 0, prompt_digest: str = "") -> RecvJob:
-        """Blocks are allocated and paired (``core.plan.peer_plan.BlockPairing``: tokens ``[first_token, +num_tokens)``
+        """Blocks are allocated and paired (``core.plan.pairing.BlockPairing``: tokens ``[first_token, +num_tokens)``
         in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
         workers. ``prompt_tokens``/``prompt_digest`` (D's prompt) let P refuse a registration for another
         prompt (required by an early registration, whose P has not said how many tokens it holds)."""
