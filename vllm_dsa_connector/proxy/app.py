@@ -62,7 +62,7 @@ last, and a load balancer in front of several P engines would hand the request t
 registration then waits at the wrong P until its deadline). ``--prefill-pool`` says the prefill URL is such
 a pool; the proxy then refuses ``--early-registration`` at start-up (run one proxy per P instead).
 
-The bodies and the merge are pure functions in :mod:`vllm_dsa_connector.proxy.bodies` (re-exported here);
+The bodies and the merge are pure functions in :mod:`vllm_dsa_connector.proxy.bodies`;
 this module is the app: the legs' HTTP, timeouts, errors and early registration.
 
 Alone: ``python -m vllm_dsa_connector.proxy.app --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``.

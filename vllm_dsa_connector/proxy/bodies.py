@@ -5,7 +5,7 @@ P (:func:`needs_local_prefill`), how a prompt list is split (:func:`prompt_list`
 (:func:`merge_completions`), and the per-pair request id in vllm-router's form (:func:`pair_request_id`).
 The rules are :mod:`vllm_dsa_connector.proxy.app`'s docstring ("Fields", the prompt-list split); they are kept
 here, apart from the app's HTTP, timeouts and errors, so they can be read and tested without a server or
-vLLM. :mod:`vllm_dsa_connector.proxy.app` re-exports every public name.
+vLLM.
 """
 
 from __future__ import annotations

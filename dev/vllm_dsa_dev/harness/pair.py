@@ -16,7 +16,7 @@ through the parent) with ONE message protocol, :class:`Kind`::
 
 :func:`run_two` is the process part alone (spawn, channel, values, failures, timeout, clean-up) for other
 roles, e.g. the transfer core's producer and consumer; ``DATA`` messages carry what such roles exchange. It,
-:class:`Channel` and the message kinds live in :mod:`.channel` (importable from here too); this module holds
+:class:`Channel` and the message kinds live in :mod:`.channel`; this module holds
 the two sides of the consumer service: their specs and resources, D's loop, P's view of D and :func:`run_pair`.
 
 P runs the caller's ``driver(producer_side, args)`` (a module-level function: spawn pickles it by name);
@@ -38,7 +38,19 @@ from vllm_dsa_dev.harness.channel import Channel, Kind, ProtocolError, run_two
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConsumerSide", "Driver", "PairSpec", "ProducerSide", "RemoteConsumer", "Side", "SideSpec", "fill", "run_pair", "serve_consumer", "sync"]
+__all__ = [
+    "ConsumerSide",
+    "Driver",
+    "PairSpec",
+    "ProducerSide",
+    "RemoteConsumer",
+    "Side",
+    "SideSpec",
+    "fill",
+    "run_pair",
+    "serve_consumer",
+    "sync",
+]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 D gives up on a load at a time of its own clock; P must never post a WRITE after it, so D maps that time
 into P's clock through this estimate (``to_peer_before``: surely not later, whatever the offset's error).
 Samples come from the side channel's replies (``Reply.clock``, :mod:`.side_channel`); the estimate itself is
-plain arithmetic, kept apart from the message structs of :mod:`.messages` (which re-exports it).
+plain arithmetic, kept apart from the message structs of :mod:`.messages`.
 """
 
 from __future__ import annotations

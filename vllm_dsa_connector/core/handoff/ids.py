@@ -4,7 +4,7 @@ A *transfer id* is the proxy's random capability shared by both legs of one requ
 D names P's request by it before P has answered); a *prompt digest* lets P refuse a registration whose
 prompt differs from its own. Both are plain values with no msgspec or state, checked wherever they arrive
 (the proxy's ``kv_transfer_params``, a registration), so they live apart from the side-channel structs of
-:mod:`.messages`, which bounds its fields by them and re-exports every name here.
+:mod:`.messages`, which bounds its fields by them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Side-channel messages: typed msgspec structs and an authenticated envelope.
 
 The peer clock estimate (:class:`ClockEstimate`, :mod:`.clock`) and the request identifiers P, D and the
-proxy share (:func:`check_transfer_id`, :func:`prompt_digest`, :mod:`.ids`) live in their own modules and
-are re-exported here; :func:`transfer_ref` stays, as it makes a :class:`ReqRef`.
+proxy share (:func:`check_transfer_id`, :func:`prompt_digest`, :mod:`.ids`) live in their own modules;
+:func:`transfer_ref` stays, as it makes a :class:`ReqRef`.
 
 Every message between two engines' schedulers is one :class:`Envelope` (msgpack) around one tagged
 request struct (:data:`Request`); every reply is an envelope around a :class:`Reply`. Peers are

@@ -5,7 +5,7 @@ tokens its own prefix cache does not hold; :func:`pair_blocks_by_position` lines
 position (P with ``Bp``-token blocks, D with ``Bd``) and returns the :class:`BlockPairing` that
 :meth:`vllm_dsa_connector.core.plan.peer_plan.PeerPlan.runs` turns into byte runs. Whatever does not add up (another
 prompt, too few ids, a hit that is not whole D blocks) is a :class:`PairingError`: a load failure, never a
-guess. (Split out of :mod:`vllm_dsa_connector.core.plan.peer_plan`, which re-exports all three names.)
+guess.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 The plan itself (one elected source rank per destination page, PP/TP reshard, pages merged into
 ``Segment``s, the exactly-once proof) is built once per handshake by :mod:`vllm_dsa_connector.core.plan.segments`
-over page tables alone; every public name there is re-exported here, so this module stays the planner's
-one entry point. What this module adds is the per-request side: ``expand_runs`` turns segments and block
+over page tables alone. What this module adds is the per-request side: ``expand_runs`` turns segments and block
 ids into byte runs (:class:`PoolRuns`), merged again across consecutive blocks (the merge rule itself lives
 in ``core.plan.runs``: one implementation for planner and transport).
 
@@ -18,7 +17,7 @@ role, layer), but pages are then mapped by token position (:mod:`vllm_dsa_connec
 instead of copied whole. ``Bp == Bd`` keeps the page-for-page runs exactly.
 
 Which of P's blocks go into which of D's blocks (by token position) is :mod:`vllm_dsa_connector.core.plan.pairing`
-(``pair_blocks_by_position``, ``BlockPairing``, ``PairingError``; re-exported here).
+(``pair_blocks_by_position``, ``BlockPairing``, ``PairingError``).
 """
 
 from __future__ import annotations

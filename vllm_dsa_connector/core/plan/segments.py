@@ -11,7 +11,7 @@ coverage (and, when block sizes differ, the token maps' tiling byte by byte).
 
 This is the once-per-handshake half of the planner, over page tables only: it knows nothing of a request's
 blocks. The per-request half (byte runs for given block lists, :class:`~vllm_dsa_connector.core.plan.peer_plan.PeerPlan`)
-is :mod:`vllm_dsa_connector.core.plan.peer_plan`, which re-exports every public name here.
+is :mod:`vllm_dsa_connector.core.plan.peer_plan`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,15 @@ from vllm_dsa_connector.core.plan.runs import Runs
 from vllm_dsa_connector.core.transfer.gate import BounceGate, Decision
 from vllm_dsa_connector.core.transfer.ipc import device_uuid, host_id
 
-__all__ = ["LINKS", "LINK_OF_PROFILE", "PATHS", "LinkProfile", "LinkSettings", "PathChooser", "link_between"]
+__all__ = [
+    "LINKS",
+    "LINK_OF_PROFILE",
+    "PATHS",
+    "LinkProfile",
+    "LinkSettings",
+    "PathChooser",
+    "link_between",
+]
 
 #: Every path :meth:`PathChooser.choose` knows (ties go to the earlier one).
 PATHS: tuple[str, ...] = ("direct", "bounce", "pipelined", "ipc")

@@ -59,7 +59,19 @@ from vllm_dsa_connector.core.transfer.copy.widths import element_width
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_INDEX_ROWS", "byte_view", "copy_arrays", "ce_available", "copy_runs", "default_impl", "gather", "row_index", "row_view", "scatter", "sync"]
+__all__ = [
+    "MAX_INDEX_ROWS",
+    "byte_view",
+    "copy_arrays",
+    "ce_available",
+    "copy_runs",
+    "default_impl",
+    "gather",
+    "row_index",
+    "row_view",
+    "scatter",
+    "sync",
+]
 
 
 def default_impl(environ: Any = None) -> str:
