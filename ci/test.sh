@@ -24,9 +24,9 @@ if [ "${CI_TEST_JOBS:-2}" = 1 ] || [ "$#" -gt 0 ]; then
 fi
 echo "[test] tiny models (made once, reused by both shards)"
 python - <<'PY'
-from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
-from vllm_dsa_connector.tiny_models import make_tiny_mla
-from vllm_dsa_connector.tokenizer.tiny_models import make_tiny_glm_qwen, make_tiny_v32
+from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
+from vllm_dsa_dev.tiny_models import make_tiny_mla
+from vllm_dsa_dev.tokenizer.tiny_models import make_tiny_glm_qwen, make_tiny_v32
 
 for path in (make_tiny_mla(), make_tiny_glm_dsa(index_topk_freq=2, index_topk=16),
              make_tiny_glm_dsa(index_topk_freq=2, index_topk=16, num_mtp_layers=1), make_tiny_v32(),

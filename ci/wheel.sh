@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Release check: build the sdist and wheel, `twine check` them, install the wheel into a clean
-# venv (no vLLM there) and check what it ships: version, entry points, example data, LICENSE.
+# venv (no vLLM there) and check what it ships: version, entry points, example data, LICENSE, and that the
+# dev package's commands are absent with a clear message (tests/test_wheel_contents.py checks the file list).
 # Uses the build/twine of the venv made by ci/setup.sh. Output in dist/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,12 @@ extras = dist.metadata.get_all("Provides-Extra")
 assert {"cpu", "gpu", "test", "lint"} <= set(extras), extras
 reqs = " ".join(dist.requires or [])
 assert "vllm<0.35,>=0.32" in reqs.replace(" ", "") or "vllm>=0.32,<0.35" in reqs.replace(" ", ""), reqs
-print(f"[wheel] vllm-dsa-connector {dist.version}: entry points, data, LICENSE, extras ok")
+import subprocess
+
+bench = subprocess.run([sys.executable, "-m", "vllm_dsa_connector.cli", "bench", "transfer"], capture_output=True,
+                       text=True, timeout=120)
+assert bench.returncode == 2 and "pip install -e dev/" in bench.stderr, (bench.returncode, bench.stderr[-2000:])
+print(f"[wheel] vllm-dsa-connector {dist.version}: entry points, data, LICENSE, extras ok; dev commands absent")
 PY
 )
 ls -l dist

@@ -94,14 +94,14 @@ def test_admission_source_has_no_collective_or_wait(path: Path) -> None:
 def test_admission_runtime_calls_no_collective(tiny_mla_dir, monkeypatch) -> None:
     import torch.distributed as dist
     from vllm.distributed import parallel_state
-
-    from vllm_dsa_connector.admission import DSAScheduler
-    from vllm_dsa_connector.admission.harness import (
+    from vllm_dsa_dev.admission.harness import (
         build_scheduler,
         build_vllm_config,
         drive,
         remote_request,
     )
+
+    from vllm_dsa_connector.admission import DSAScheduler
 
     calls: list[str] = []
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_dsa_connector.admission.policy import (
-    ADMISSION_OPTION_KEYS,
-    AdmissionConfig,
-    AdmissionLedger,
-)
+from vllm_dsa_connector.admission.options import ADMISSION_OPTION_KEYS, AdmissionConfig
+from vllm_dsa_connector.admission.policy import AdmissionLedger
 from vllm_dsa_connector.options import OptionError
 
 

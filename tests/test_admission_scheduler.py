@@ -17,15 +17,15 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
-
-from vllm_dsa_connector.admission import DSAAsyncScheduler, DSAScheduler
-from vllm_dsa_connector.admission.harness import (
+from vllm_dsa_dev.admission.harness import (
     build_scheduler,
     build_vllm_config,
     drive,
     fixed_latency,
     remote_request,
 )
+
+from vllm_dsa_connector.admission import DSAAsyncScheduler, DSAScheduler
 from vllm_dsa_connector.options import OptionError
 
 pytestmark = pytest.mark.compat

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from vllm_dsa_connector.commands import bench_pd
+from vllm_dsa_dev.commands import bench_pd
 
 
 def _parser() -> argparse.ArgumentParser:

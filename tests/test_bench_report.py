@@ -1,4 +1,4 @@
-"""docs/benchmarks.md's tables are generated from bench/results/ (``vllm-dsa bench report``): regenerated here,
+"""docs/benchmarks.md's tables are generated from dev/bench/results/ (``vllm-dsa bench report``): regenerated here,
 a difference fails; every result names its machine, date and versions."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from vllm_dsa_connector.commands.bench_report import (
+from vllm_dsa_dev.commands.bench_report import (
     add_arguments,
     check,
     fmt,
@@ -21,7 +20,7 @@ from vllm_dsa_connector.commands.bench_report import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "dev" / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 
 
@@ -57,7 +56,7 @@ def test_a_stale_or_missing_block_is_reported(tmp_path: Path) -> None:
     doc = "intro\n<!-- results:begin x -->\nold\n<!-- results:end x -->\n<!-- results:begin y -->\n<!-- results:end y -->\n"
     new, problems = regenerate(doc, results)
     assert "| 1 | 2-3 |" in new and "old" not in new
-    assert problems == ["block 'y' has no bench/results/y.json"]
+    assert problems == ["block 'y' has no dev/bench/results/y.json"]
     _, problems = regenerate("no blocks\n", results)
     assert problems and "has no block" in problems[0]
     (tmp_path / "r").mkdir()
@@ -87,7 +86,7 @@ def test_cells() -> None:
 
 def test_plots_render(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib not installed (the [plots] extra): plots not drawn")
-    from vllm_dsa_connector.commands.bench_plots import plot_all
+    from vllm_dsa_dev.commands.bench_plots import plot_all
 
     lines = plot_all(load_results(RESULTS), tmp_path)
     assert all(line.startswith("wrote") for line in lines), lines

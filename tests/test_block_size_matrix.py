@@ -1,7 +1,7 @@
 """P and D with different KV block sizes: ``PeerPlan.runs`` proven byte for byte (issue 19, item 1).
 
 The simulation is independent of the planner's arithmetic. Page tables come from vLLM's own spec and
-allocation code (``layout.build_offline``, as in ``tests/test_matching.py``); every byte of every source
+allocation code (``connector.page_tables.build_offline``, as in ``tests/test_matching.py``); every byte of every source
 pool is labelled with what it means, computed here from the page-table model alone::
 
     label = (role, global layer, token position, page part, byte within the token's row of that part)
@@ -31,11 +31,12 @@ from functools import cache
 
 import numpy as np
 import pytest
+from vllm_dsa_dev.tiny_models import glm_dsa_config
 
-from vllm_dsa_connector.layout import build_offline
-from vllm_dsa_connector.layout.model import PageFormat, PageTable, Role
-from vllm_dsa_connector.matching import PeerPlan, expand_runs, pair_blocks_by_position
-from vllm_dsa_connector.tiny_models import glm_dsa_config
+from vllm_dsa_connector.connector.page_tables import build_offline
+from vllm_dsa_connector.core.plan.pages import PageFormat, PageTable, Role
+from vllm_dsa_connector.core.plan.pairing import pair_blocks_by_position
+from vllm_dsa_connector.core.plan.peer_plan import PeerPlan, expand_runs
 
 MODELS = {
     "freq2_mtp": dict(num_layers=9, index_topk_freq=2, index_skip_topk_offset=1, num_nextn_predict_layers=1),
@@ -241,7 +242,7 @@ def test_every_layer_arrives_from_one_sender(model) -> None:
 @pytest.mark.parametrize("bs", SIZES)
 def test_equal_block_sizes_keep_page_for_page_runs(bs) -> None:
     """``Bp == Bd`` with a D hit of k blocks: exactly the page-for-page runs of the blocks after the hit."""
-    from vllm_dsa_connector.transport.runs import merge_runs
+    from vllm_dsa_connector.core.plan.runs import merge_runs
 
     peer = peer_plan("freq2_mtp", (1, 1), (1, 1), bs, bs)
     (s,), (d,) = peer.src_tables, peer.dst_tables
@@ -300,7 +301,7 @@ def test_simulation_catches_a_wrong_run() -> None:
         src_tables, dst_tables = peer.src_tables, peer.dst_tables
 
         def runs(self, *a, **kw):
-            from vllm_dsa_connector.transport.runs import Runs
+            from vllm_dsa_connector.core.plan.runs import Runs
 
             return [(sp, dp, Runs(r.src_offsets + 160, r.dst_offsets, r.lengths))
                     for sp, dp, r in peer.runs(*a, **kw)]

@@ -8,7 +8,7 @@ direction and D for the other:
   caching on: engine ``b64`` runs ``--block-size 64``, engine ``b16`` ``--block-size 16``. Directions
   P64 -> D16 and P16 -> D64. The engines register MLA latent and indexer K in two pools, so a writer's runs
   are two (source pool, destination pool) parts; D16 runs ``bounce_mode=always``, so D routes every load into
-  it through one staging slot holding both parts (``handoff.routes``), which P gathers and writes once and
+  it through one staging slot holding both parts (``core.handoff.routes``), which P gathers and writes once and
   D16 scatters part by part; D64 never bounces. A request goes one path, whole. The reference ("one
   engine") is P's own plain request, made before P's prefill leg: so each direction also compares the two
   block sizes' engines.
@@ -36,16 +36,15 @@ from typing import Any
 
 import pytest
 from conftest import free_port
-
-from vllm_dsa_connector.harness.client import complete, metric, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import complete, metric, scrape
+from vllm_dsa_dev.harness.engines import (
     Engine,
     choose_backend,
     connector_config,
     engine_env,
     start_engine,
 )
-from vllm_dsa_connector.harness.procs import cluster
+from vllm_dsa_dev.harness.procs import cluster
 
 pytestmark = pytest.mark.slow
 
@@ -110,14 +109,14 @@ def _has_amx_tiles() -> bool:
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     kind = KINDS[request.param]
     if kind.name == "dsa":
-        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+        from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
         model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
     else:
         if not _has_amx_tiles():
             pytest.skip("no amx_tile in /proc/cpuinfo: vLLM runs AMX_MLA only on CPUs with AMX tiles, so the "
                         "AMX_MLA (block 32) / CPU_MLA (block 16) pair runs on AMX machines only")
-        from vllm_dsa_connector.tiny_models import make_tiny_mla
+        from vllm_dsa_dev.tiny_models import make_tiny_mla
 
         model = make_tiny_mla()
     with cluster(tmp_path_factory.mktemp(f"block-size-{kind.name}")) as c:

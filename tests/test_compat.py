@@ -142,7 +142,8 @@ def test_every_module_imports(module: str) -> None:
 @pytest.mark.parametrize("pp_size", [1, 2, 3])
 def test_glm5_2_offline_page_tables(pp_size: int) -> None:
     """0.33: ``get_kv_cache_configs`` moved to ``kv_cache_planning`` with a 4th argument."""
-    from vllm_dsa_connector.layout import Role, allocate_offline, build_offline
+    from vllm_dsa_connector.connector.page_tables import allocate_offline, build_offline
+    from vllm_dsa_connector.core.plan.pages import Role
 
     tables = build_offline(EXAMPLE, pp_size=pp_size, kv_cache_dtype="fp8_ds_mla", num_blocks=4)
     assert [t.pp_rank for t in tables] == list(range(pp_size))
@@ -541,7 +542,7 @@ def test_prompt_digest_of_vllms_request_is_the_same_on_every_release() -> None:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from vllm_dsa_connector.handoff.ids import prompt_digest
+    from vllm_dsa_connector.core.handoff.ids import prompt_digest
 
     ids = [*range(100, 140), 2**31 - 1, 0]
     request = Request("r", ids, SamplingParams(max_tokens=1), None)
@@ -604,7 +605,7 @@ def test_vllm_cli_accepts_the_plugins_options() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_dsa_connector.admission.policy import AdmissionConfig
+    from vllm_dsa_connector.admission.options import AdmissionConfig
     from vllm_dsa_connector.connector.options import ConnectorOptions
 
     extra = {
@@ -641,7 +642,8 @@ def test_vllm_cli_accepts_the_plugins_options() -> None:
 
 
 def test_option_errors_name_the_key() -> None:
-    from vllm_dsa_connector.connector.options import ConnectorOptions, OptionError
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.options import OptionError
 
     with pytest.raises(OptionError, match="verify_transfer"):
         ConnectorOptions.from_config({"verify_transfer": True}, environ={})

@@ -226,7 +226,7 @@ def test_foreign_handshake_entries_are_skipped_and_none_of_ours_is_an_error() ->
 
 @pytest.mark.compat  # also against vLLM 0.33's and 0.34's sources (ci/compat.sh)
 def test_admission_keys_are_read_where_users_put_them() -> None:
-    from vllm_dsa_connector.admission.policy import AdmissionConfig
+    from vllm_dsa_connector.admission.options import AdmissionConfig
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.options import OptionError
 

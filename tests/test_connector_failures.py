@@ -43,8 +43,16 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from vllm_dsa_dev.harness.client import metric, scrape
+from vllm_dsa_dev.harness.engines import (
+    check_backend,
+    choose_backend,
+    engine_cmd,
+    engine_env,
+)
+from vllm_dsa_dev.harness.procs import Cluster, Proc, cluster, group_pids, wait_healthy
 
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.messages import (
     Authenticator,
     CancelReq,
     HeartbeatReq,
@@ -52,15 +60,7 @@ from vllm_dsa_connector.handoff.messages import (
     RegReq,
     ReqRef,
 )
-from vllm_dsa_connector.handoff.side_channel import HandshakeError, request
-from vllm_dsa_connector.harness.client import metric, scrape
-from vllm_dsa_connector.harness.engines import (
-    check_backend,
-    choose_backend,
-    engine_cmd,
-    engine_env,
-)
-from vllm_dsa_connector.harness.procs import Cluster, Proc, cluster, group_pids, wait_healthy
+from vllm_dsa_connector.core.handoff.side_channel import HandshakeError, request
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def _post(url: str, body: dict, path: str = "/v1/completions", timeout: float = 
         return e.code, {"error": e.read().decode(errors="replace")}
 
 
-PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+PROBE = ["--worker-extension-cls", "vllm_dsa_dev.kv_probe.KVProbe"]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """D's checks of the completion notices a P worker sends (issue 29 item 4), in one process: a real P and a
 real D :class:`~vllm_dsa_connector.connector.worker.DSAConnectorWorker` over vLLM-allocated KV caches
-(``layout.allocate_offline``, a GLM-MoE-DSA config), two real NIXL agents, the worker's real Receiver.
+(``connector.page_tables.allocate_offline``, a GLM-MoE-DSA config), two real NIXL agents, the worker's real Receiver.
 
 A real push with ``verify_transfers`` lands and is checksummed; then notices a real sender never writes
 are fed to D's receiver as its own progress thread does (the fault cannot be caused on a real wire: the
@@ -23,11 +23,11 @@ CFG = {"num_layers": 4, "index_topk_pattern": "FSFS"}
 
 def _worker(engine: str, role: str) -> tuple[Any, dict[str, Any]]:
     import torch
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
 
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.page_tables import allocate_offline
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-    from vllm_dsa_connector.layout import allocate_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
 
     kv_caches, _, table = allocate_offline(glm_dsa_config(**CFG), pp_rank=0, pp_size=1, tp_rank=0, tp_size=1,
                                            block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
@@ -68,7 +68,7 @@ def _results(worker: Any, want: str, timeout_s: float = 20.0) -> tuple[set[str],
 
 def _arm(p: Any, d: Any, req: str) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, RecvJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, RecvJob, encode
 
     peers = [] if p.engine_id in d.sources else [PeerInfo(p.engine_id, [encode(p.payload)], as_source=True)]
     d.start_load_kv(DSAConnectorMetadata(peers=peers, recv=[RecvJob(req, p.engine_id, DST_BLOCKS, {0: [0]}, 30.0,
@@ -76,8 +76,8 @@ def _arm(p: Any, d: Any, req: str) -> None:
 
 
 def _feed(p: Any, d: Any, notice: Any) -> None:
-    from vllm_dsa_connector.handoff.wire import encode
-    from vllm_dsa_connector.transport.notices import encode_notif
+    from vllm_dsa_connector.core.handoff.wire import encode
+    from vllm_dsa_connector.core.transfer.notices import encode_notif
 
     with d._lock:  # as the worker's own progress thread does
         d.receiver.handle(p.nixl.name, encode_notif("direct", 0, encode(notice)))
@@ -114,7 +114,7 @@ def _until_received(p, d, req_id: str, what: str) -> set[str]:
 
 def test_a_real_verified_push_lands_and_is_checksummed(pd) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     _arm(p, d, "d-good")
@@ -128,7 +128,7 @@ def test_a_real_verified_push_lands_and_is_checksummed(pd) -> None:
 
 
 def _bad_notices(p: Any, d: Any) -> dict[str, tuple[Any, str]]:
-    from vllm_dsa_connector.handoff.wire import Notice
+    from vllm_dsa_connector.core.handoff.wire import Notice
 
     good = _good_checks(p, d)
     nbytes = sum(c[2] for c in good)
@@ -159,7 +159,7 @@ def _bad_notices(p: Any, d: Any) -> dict[str, tuple[Any, str]]:
 
 
 def test_every_bad_notice_fails_its_load_and_never_raises(pd) -> None:
-    from vllm_dsa_connector.transport.receiver import RecvState
+    from vllm_dsa_connector.core.transfer.receiver_data import RecvState
 
     p, d = pd
     if p.engine_id not in d.sources:
@@ -182,7 +182,7 @@ def test_every_bad_notice_fails_its_load_and_never_raises(pd) -> None:
 
 def test_a_checksum_mismatch_on_the_expected_runs_is_corrupt(pd) -> None:
     """The entries are exactly the expected runs, one CRC is wrong: the bytes landed but are not P's."""
-    from vllm_dsa_connector.handoff.wire import Notice
+    from vllm_dsa_connector.core.handoff.wire import Notice
 
     p, d = pd
     _arm(p, d, "d-crc")
@@ -203,8 +203,8 @@ def test_a_restarted_peer_s_nixl_agent_is_removed_and_the_new_one_added(pd) -> N
     new start registered lands in the new start's pools (checksummed), and a push the old start registered is
     failed without a WRITE."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
-    from vllm_dsa_connector.transport.nixl_data import TransferError
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.transfer.nixl.data import TransferError
 
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
@@ -248,7 +248,7 @@ def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
     remote agents (P: D's agent; D: P's plan); a later handshake's PeerInfo brings them back and a verified
     push lands again."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
@@ -273,7 +273,7 @@ def test_a_forgotten_peer_s_remote_agents_go_and_come_back(pd) -> None:
 def test_a_flood_of_early_notices_for_one_load_fails_it(pd) -> None:
     """Issue 29 item 8: more early notices for one request than ``early_per_key`` (before its job is armed)
     are dropped, and the load fails when armed instead of memory growing."""
-    from vllm_dsa_connector.handoff.wire import Notice
+    from vllm_dsa_connector.core.handoff.wire import Notice
 
     p, d = pd
     good = _good_checks(p, d) if p.engine_id in d.sources else []
@@ -296,7 +296,7 @@ def test_kv_both_engines_swap_roles_and_each_direction_lands() -> None:
     A's PeerInfo as a destination, so B's push posted nothing, was reported sent, and A waited until its
     load timed out."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     a, _ = _worker("A-both", "kv_both")
     b, _ = _worker("B-both", "kv_both")
@@ -339,7 +339,7 @@ def _layered_push(p: Any, d: Any, monkeypatch: Any) -> None:
 
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.sending import SendSide
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     _arm(p, d, "d-layered")
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),

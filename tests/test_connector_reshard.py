@@ -2,7 +2,7 @@
 
 DSA attention cannot run on CPU, so these tests prove the DSA path below the engine: each rank lives in
 its own spawned process holding ``kv_caches`` allocated by vLLM's own allocation code for a GLM-MoE-DSA
-config (``layout.allocate_offline``: vLLM's spec grouping + ``allocate_kv_cache``, BLHNC layout), wrapped
+config (``connector.page_tables.allocate_offline``: vLLM's spec grouping + ``allocate_kv_cache``, BLHNC layout), wrapped
 by :class:`DSAConnectorWorker` exactly as ``DSAConnector.register_kv_caches`` does; the test plays the
 scheduler (it builds the same step metadata) and checks every byte:
 
@@ -70,11 +70,12 @@ def h_setup(key: str, side: str, cfg: dict[str, Any], pp_rank: int, pp: int, tp_
         os.environ.pop("UCX_TLS", None)
     else:
         os.environ["UCX_TLS"] = tls
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
+
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.page_tables import allocate_offline
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-    from vllm_dsa_connector.handoff.wire import encode
-    from vllm_dsa_connector.layout import allocate_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
+    from vllm_dsa_connector.core.handoff.wire import encode
 
     kv_caches, _, table = allocate_offline(glm_dsa_config(**cfg), pp_rank=pp_rank, pp_size=pp,
                                            tp_rank=tp_rank, tp_size=tp, block_size=BLOCK_SIZE,
@@ -270,11 +271,12 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
     registration's (stand-in source blocks 0..n-1, P's real ones are not contiguous): the checksums must
     still be taken as the runs D expects."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.routes import plan_routes
-    from vllm_dsa_connector.handoff.side_channel import validate_peer
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob, decode_payload
-    from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings
-    from vllm_dsa_connector.transport.slots import SlotAllocator
+    from vllm_dsa_connector.core.handoff.routes import plan_routes
+    from vllm_dsa_connector.core.handoff.side_channel import validate_peer
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, RecvJob, decode_payload
+    from vllm_dsa_connector.core.transfer.gate import BounceGate
+    from vllm_dsa_connector.core.transfer.gate_options import BounceSettings
+    from vllm_dsa_connector.core.transfer.slots import SlotAllocator
 
     case = CASES[name]
     tag = f"{name}-{tls}-{path}"
@@ -334,14 +336,14 @@ def test_reshard_moves_every_owning_page(hosts: list[Host], name: str, tls: str,
 
 
 def test_mask_mismatch_refused_at_handshake(hosts: list[Host]) -> None:
-    from vllm_dsa_connector.handoff.messages import Origin, Reply
-    from vllm_dsa_connector.handoff.side_channel import (
+    from vllm_dsa_connector.core.handoff.messages import Origin, Reply
+    from vllm_dsa_connector.core.handoff.side_channel import (
         HandshakeError,
         SideChannelServer,
         fetch_payloads,
         validate_peer,
     )
-    from vllm_dsa_connector.handoff.wire import decode_payload
+    from vllm_dsa_connector.core.handoff.wire import decode_payload
 
     case = CASES["pp1_to_pp2"]
     other = {**case["cfg"], "index_topk_freq": 2}  # same model otherwise, different indexer mask
@@ -364,8 +366,8 @@ def h_corrupt_notice(key: str, src_engine: str, src_payloads: list[bytes], src_b
     first checksum cannot match (a fault we cannot cause on a real wire: the notice is fabricated, the rest is
     the worker's real receive path)."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import Notice, PeerInfo, RecvJob, encode
-    from vllm_dsa_connector.transport.notices import encode_notif
+    from vllm_dsa_connector.core.handoff.wire import Notice, PeerInfo, RecvJob, encode
+    from vllm_dsa_connector.core.transfer.notices import encode_notif
 
     worker = _STATE[key][0]
     me = worker.table.rank

@@ -73,7 +73,7 @@ def _sent(p: Any, req_id: str, timeout_s: float) -> float:
 
 def test_a_slow_peer_set_up_never_blocks_the_step_and_its_push_lands_after(pd, monkeypatch) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     started = _slow_add(p, monkeypatch, 2.0)
@@ -102,7 +102,7 @@ def test_a_slow_peer_set_up_never_blocks_the_step_and_its_push_lands_after(pd, m
 @pytest.mark.parametrize("lost", ["dropped by NIXL", "closed"])
 def test_a_slow_reconnect_never_blocks_the_step_and_its_push_lands_after(pd, monkeypatch, lost) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     _arm(p, d, "d-first")
@@ -141,7 +141,7 @@ def test_a_slow_reconnect_never_blocks_the_step_and_its_push_lands_after(pd, mon
 
 def test_a_push_still_waiting_for_set_up_at_its_post_deadline_fails_as_late(pd, monkeypatch) -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     _slow_add(p, monkeypatch, 4.0)
@@ -161,7 +161,7 @@ def test_start_load_kv_never_polls_the_write_it_posted(pd, monkeypatch) -> None:
     thread completes it: this thread (the engine's step) polls nothing, D gets the request, P reports it."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.sending import SendSide
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),
@@ -187,7 +187,7 @@ def test_ucx_fail_fast_knobs_are_set_unless_the_environment_sets_them(pd) -> Non
     configuration (the workers above made real agents), and a value the environment gives wins."""
     import os
 
-    from vllm_dsa_connector.transport.agent import UCX_FAIL_FAST, ucx_fail_fast_defaults
+    from vllm_dsa_connector.core.transfer.nixl.agent import UCX_FAIL_FAST, ucx_fail_fast_defaults
 
     assert all(os.environ.get(k) for k in UCX_FAIL_FAST)  # set in this process by the agents made above
     env = {"UCX_TCP_SYN_CNT": "6"}
@@ -202,7 +202,7 @@ def test_a_failure_notice_met_by_a_reconnect_is_sent_after_it(pd, monkeypatch) -
     connection being made again is kept and sent once the set-up thread reconnected: D keeps a given-up load's
     blocks until every writer's notice, so a dropped notice would cost D those blocks until its fence timeout."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
 
     p, d = pd
     _arm(p, d, "d-first")

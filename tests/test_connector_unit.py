@@ -24,7 +24,8 @@ def test_factory_resolves_dsaconnector_by_name() -> None:
 
 
 def test_options_validated_at_startup() -> None:
-    from vllm_dsa_connector.connector.options import ConnectorOptions, OptionError
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.options import OptionError
 
     opts = ConnectorOptions.from_config({"verify_transfers": "true", "kv_lease_duration": 12,
                                          "bounce_min_runs": 4}, environ={})
@@ -166,7 +167,7 @@ def test_fences_and_staging_arena_are_exported() -> None:
 
 
 def test_notice_and_payload_round_trip() -> None:
-    from vllm_dsa_connector.handoff.wire import (
+    from vllm_dsa_connector.core.handoff.wire import (
         PROTOCOL_VERSION,
         Notice,
         RankPayload,
@@ -187,8 +188,12 @@ def test_notice_and_payload_round_trip() -> None:
 
 
 def test_side_channel_dead_peer_times_out_fast() -> None:
-    from vllm_dsa_connector.handoff.messages import HeartbeatReq, MetaReq, Reply, ReqRef
-    from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
+    from vllm_dsa_connector.core.handoff.messages import HeartbeatReq, MetaReq, Reply, ReqRef
+    from vllm_dsa_connector.core.handoff.side_channel import (
+        HandshakeError,
+        SideChannelServer,
+        request,
+    )
 
     seen = []
     server = SideChannelServer("127.0.0.1", 24990, lambda req, sender: (seen.append(req), Reply(True))[1])
@@ -208,10 +213,10 @@ def test_handshake_refusals_say_whether_asking_again_can_help() -> None:
     """A producer whose workers have not registered yet (starting up) refuses transiently; so does one that
     cannot authenticate D (a wrong secret): its refusal is unsigned, so it is never taken as P's final word
     (D retries inside the transfer budget). Real producers behind real side channels."""
-    from vllm_dsa_connector.handoff.messages import Authenticator
-    from vllm_dsa_connector.handoff.producer import Producer
-    from vllm_dsa_connector.handoff.settings import HandoffSettings
-    from vllm_dsa_connector.handoff.side_channel import (
+    from vllm_dsa_connector.core.handoff.messages import Authenticator
+    from vllm_dsa_connector.core.handoff.producer import Producer
+    from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+    from vllm_dsa_connector.core.handoff.side_channel import (
         HandshakeError,
         SideChannelServer,
         fetch_payloads,
@@ -237,7 +242,7 @@ def test_worker_drops_a_push_past_its_deadline_and_reports_it_once() -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-    from vllm_dsa_connector.handoff.wire import PushJob
+    from vllm_dsa_connector.core.handoff.wire import PushJob
 
     worker = DSAConnectorWorker("P-unit", ConnectorOptions(), {}, role="kv_producer")  # a real NIXL agent
     try:
@@ -263,9 +268,9 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker, _RemoteEngine
-    from vllm_dsa_connector.handoff.wire import Notice, RankPayload, RecvJob, encode
-    from vllm_dsa_connector.transport.notices import encode_notif
-    from vllm_dsa_connector.transport.receiver import WriterState
+    from vllm_dsa_connector.core.handoff.wire import Notice, RankPayload, RecvJob, encode
+    from vllm_dsa_connector.core.transfer.notices import encode_notif
+    from vllm_dsa_connector.core.transfer.receiver_data import WriterState
 
     def feed(agent: str, n: Notice) -> bool:
         with worker._lock:  # as the worker's own progress thread does

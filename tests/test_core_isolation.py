@@ -10,11 +10,10 @@ import subprocess
 import sys
 import textwrap
 
-#: Packages walked module by module (every submodule, so a new module is covered without listing it).
-CORE_PACKAGES = ("vllm_dsa_connector.handoff", "vllm_dsa_connector.transport")
-#: Single modules of the core (``layout.build`` reads vLLM's specs: it is the adapter's, not the core's).
-CORE_MODULES = ("vllm_dsa_connector.layout", "vllm_dsa_connector.layout.model", "vllm_dsa_connector.layout.rules",
-                "vllm_dsa_connector.matching", "vllm_dsa_connector.plan_segments")
+#: The core is one package, walked module by module (every submodule, so a new module is covered without listing
+#: it). ``connector.page_tables`` reads vLLM's specs: it is the adapter's, not the core's.
+CORE_PACKAGES = ("vllm_dsa_connector.core",)
+CORE_MODULES: tuple[str, ...] = ()
 
 _PROBE = textwrap.dedent("""
     import importlib, importlib.abc, pkgutil, sys
@@ -52,8 +51,8 @@ def test_core_imports_nothing_from_vllm() -> None:
     r = _probe(CORE_PACKAGES, CORE_MODULES)
     assert r.returncode == 0, r.stderr[-4000:]
     loaded = set(r.stdout.split())
-    for name in ("vllm_dsa_connector.handoff.producer", "vllm_dsa_connector.handoff.consumer",
-                 "vllm_dsa_connector.handoff.side_channel", "vllm_dsa_connector.transport.engine",
+    for name in ("vllm_dsa_connector.core.handoff.producer", "vllm_dsa_connector.core.handoff.consumer",
+                 "vllm_dsa_connector.core.handoff.side_channel", "vllm_dsa_connector.core.transfer.nixl.engine",
                  *CORE_MODULES):
         assert name in loaded, f"{name} was not imported by the probe"
 
@@ -80,7 +79,7 @@ def test_core_log_lines_reach_vllms_log_output() -> None:
         init_logger("vllm.probe").info("vllm line")
         share_vllm_log_output()
         share_vllm_log_output()  # once: no duplicate handlers
-        logging.getLogger("vllm_dsa_connector.handoff.producer").info("core line")
+        logging.getLogger("vllm_dsa_connector.core.handoff.producer").info("core line")
     """)
     env = {**__import__("os").environ, "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CONFIGURE_LOGGING": "1"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -3,7 +3,7 @@
 Starts ONE real vLLM engine for the module (in-process; default mode, i.e. torch.compile'd, so the
 reference ops run as opaque custom ops inside the compiled graph) and checks it against
 transformers' own ``GlmMoeDsaForCausalLM`` on the same weights, float32 on both sides, with the
-reference indexer rounding q/k through vLLM's fp8 quantization (see ``cpu_dsa.tiny_model``).
+reference indexer rounding q/k through vLLM's fp8 quantization (see ``vllm_dsa_dev.cpu_dsa.tiny_model``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ INDEX_TOPK = 16
 
 @pytest.fixture(scope="module")
 def glm_dsa_dir() -> Path:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     return make_tiny_glm_dsa(index_topk_freq=2, index_topk=INDEX_TOPK)
 
@@ -105,7 +105,7 @@ def test_engine_uses_reference_backends_and_gpu_cache_layout(llm):
 
 
 def test_greedy_tokens_equal_transformers(llm, glm_dsa_dir, prompt_ids):
-    from vllm_dsa_connector.cpu_dsa.tiny_model import transformers_greedy
+    from vllm_dsa_dev.cpu_dsa.tiny_model import transformers_greedy
 
     got = _generate(llm, prompt_ids)
     want = transformers_greedy(glm_dsa_dir, prompt_ids, MAX_NEW, emulate_fp8_indexer=True)

@@ -3,7 +3,7 @@
 vLLM's own ``vllm.utils.deep_gemm`` module (the CPU build has it, without DeepGEMM) gets the fix; the
 DeepGEMM kernels cannot run on a CPU, so the newer-API kernel is a torch stand-in with the newer contract
 (compressed rows ``[M, max_seqlen_k]``, row ``i`` starting at key ``ks[i]``, tail garbage): the one fault
-this file cannot cause with the real kernel. On the GPU, ``bench/gpu_pd.py`` checks the real kernel through
+this file cannot cause with the real kernel. On the GPU, ``dev/bench/gpu_pd.py`` checks the real kernel through
 the fix against the same torch reference.
 """
 

@@ -46,7 +46,7 @@ def _ignore_sigint() -> None:
 def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
     """A SIGINT while the servers start stops every one of them, also when the demo was started with SIGINT
     ignored: bash gives a background job (``cmd &`` with job control off, as in a CI script) SIG_IGN and
-    Python keeps it; the demo's :func:`~vllm_dsa_connector.harness.procs.cluster` installs its own handler.
+    Python keeps it; the demo's :func:`~vllm_dsa_dev.harness.procs.cluster` installs its own handler.
     (Before it did, the demo ignored this SIGINT in the sharded CI and was SIGKILLed, its servers left.)"""
     base = 24600
     proc = subprocess.Popen(
@@ -80,8 +80,8 @@ def test_demo_cleans_up_on_ctrl_c(tiny_mla_dir: Path, tmp_path: Path) -> None:
 
 
 def test_layout_flags_parse_and_refuse_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_dsa_connector.commands import demo
-    from vllm_dsa_connector.harness.engines import NOBIND, Layout, engine_env
+    from vllm_dsa_dev.commands import demo
+    from vllm_dsa_dev.harness.engines import NOBIND, Layout, engine_env
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
@@ -104,7 +104,7 @@ def test_layout_flags_parse_and_refuse_zero(capsys: pytest.CaptureFixture[str]) 
 def test_pp_partition_starts_every_stage_with_an_owning_layer(tmp_path: Path) -> None:
     import json
 
-    from vllm_dsa_connector.harness.engines import pp_layer_partition
+    from vllm_dsa_dev.harness.engines import pp_layer_partition
 
     (tmp_path / "config.json").write_text(json.dumps({"indexer_types": ["full", "full", "shared", "full"]}))
     assert pp_layer_partition(tmp_path, 2) == "3,1"  # vLLM's even 2,2 would start stage 1 on a shared layer

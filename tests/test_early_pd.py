@@ -39,18 +39,16 @@ from typing import Any
 
 import pytest
 from conftest import free_port
-
-from vllm_dsa_connector.harness.client import complete, metric, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import complete, metric, scrape
+from vllm_dsa_dev.harness.engines import (
     Engine,
     choose_backend,
     connector_config,
     engine_env,
     proxy_cmd,
     start_engine,
-    wait_healthy,
 )
-from vllm_dsa_connector.harness.procs import Cluster, Proc, cluster, kill_group
+from vllm_dsa_dev.harness.procs import Cluster, Proc, cluster, kill_group, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +73,7 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
     backend = choose_backend(model, "float32", "auto")

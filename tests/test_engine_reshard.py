@@ -30,12 +30,12 @@ from P. Per turn D's greedy tokens must equal the reference, and D's per-(P rank
 (``vllm:dsa_kv_pair_bytes_total``) must show every page moved exactly once by the expected rank:
 
 - tp2 -> tp1: MLA latent and indexer pages are replicated over TP ranks: only the elected sender (P rank 0,
-  ``matching.elected_sender``) writes, rank 1 writes nothing; D gets ``blocks x (4 MLA + 3 indexer pages)``.
+  ``core.plan.segments.elected_sender``) writes, rank 1 writes nothing; D gets ``blocks x (4 MLA + 3 indexer pages)``.
 - tp1 -> tp2: P rank 0 writes a whole copy into each D rank.
 - pp2 -> pp1 / pp1 -> pp2: stage 0 (layers 0-2) moves 3 MLA + 2 indexer pages per block, stage 1 (layer 3)
   1 MLA + 1 indexer page (with MTP: layers 3-4, 2 + 2): each owning layer's indexer page once.
 
-On the DSA sets the KV probe (:mod:`vllm_dsa_connector.kv_probe`, ``collective_rpc``) then reads the last
+On the DSA sets the KV probe (:mod:`vllm_dsa_dev.kv_probe`, ``collective_rpc``) then reads the last
 turn's prompt blocks on every rank of P and D (block lists from each engine's own scheduler): every layer's
 page, MTP layer included, must be the same bytes on D as on P. Byte checksums of a transfer prove only that
 bytes arrived; this proves D holds what P computed, at the same positions, after P's MTP draft step wrote
@@ -60,17 +60,17 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
-
-from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, pair_bytes, pair_key
-from vllm_dsa_connector.harness.client import complete, metric, probe_running, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import complete, metric, probe_running, scrape
+from vllm_dsa_dev.harness.engines import (
     Engine,
     Layout,
     choose_backend,
     connector_config,
     start_engine,
 )
-from vllm_dsa_connector.harness.procs import cluster, group_pids
+from vllm_dsa_dev.harness.procs import cluster, group_pids
+
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, pair_bytes, pair_key
 
 TURNS = 3
 MAX_TOKENS = 8
@@ -116,7 +116,7 @@ KINDS = {
                     ((0, 1, 2), (3, 4)), mtp=True),
     "mla": Kind("mla", 16, (Layout(1, 1), Layout(2, 1)), (0, 1, 2, 3), (), ((0, 1), (2, 3))),
 }
-PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+PROBE = ["--worker-extension-cls", "vllm_dsa_dev.kv_probe.KVProbe"]
 SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 
 
@@ -189,11 +189,11 @@ def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     kind = KINDS[request.param]
     layouts = kind.layouts
     if kind.prefix_caching:
-        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+        from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
         model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16, num_mtp_layers=int(kind.mtp))
     else:
-        from vllm_dsa_connector.tiny_models import make_tiny_mla
+        from vllm_dsa_dev.tiny_models import make_tiny_mla
 
         model = make_tiny_mla()
     backend = choose_backend(model, "float32")

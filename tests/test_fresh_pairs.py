@@ -40,18 +40,16 @@ from typing import Any
 
 import pytest
 from conftest import free_port
-
-from vllm_dsa_connector.harness.client import complete, metric, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import complete, metric, scrape
+from vllm_dsa_dev.harness.engines import (
     Engine,
     Layout,
     choose_backend,
     connector_config,
     proxy_cmd,
     start_engine,
-    wait_healthy,
 )
-from vllm_dsa_connector.harness.procs import Cluster, cluster, kill_group
+from vllm_dsa_dev.harness.procs import Cluster, cluster, kill_group, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -218,7 +216,7 @@ def _with_stream(model: str, p: Engine, d: Engine, ids: list[int], own: list[int
 
 def test_fresh_pairs_first_requests_succeed_on_a_busy_host(busy_host: list[subprocess.Popen],
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
     rng = random.Random(44)

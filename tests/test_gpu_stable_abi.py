@@ -1,4 +1,4 @@
-"""``bench/gpu_stable_abi.py``: the static check whether a vLLM wheel's CUDA extensions load on an older
+"""``dev/bench/gpu_stable_abi.py``: the static check whether a vLLM wheel's CUDA extensions load on an older
 torch (issue 45: vLLM 0.34 on the GPU host's torch 2.11). Its rules on synthetic inputs and torch's own
 headers; the run on the real 0.34 wheel is recorded in README's version table."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def abi():
-    return load_module_from_file(ROOT / "bench" / "gpu_stable_abi.py", "gpu_stable_abi")
+    return load_module_from_file(ROOT / "dev" / "bench" / "gpu_stable_abi.py", "gpu_stable_abi")
 
 
 def test_version_guards_are_read(abi, tmp_path: Path) -> None:

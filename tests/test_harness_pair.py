@@ -1,4 +1,4 @@
-"""The two-process transfer harness (``vllm_dsa_connector.harness.pair``): real NIXL agents in two spawned
+"""The two-process transfer harness (``vllm_dsa_dev.harness.pair``): real NIXL agents in two spawned
 processes on the CPU, one control channel; and the GPU bench scripts that run on it, small, on the CPU."""
 
 from __future__ import annotations
@@ -12,17 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from vllm_dsa_connector.harness.pair import (
-    Channel,
-    ConsumerSide,
-    Kind,
-    PairSpec,
-    ProducerSide,
-    SideSpec,
-    run_pair,
-    run_two,
-)
+from vllm_dsa_dev.harness.channel import Channel, Kind, run_two
+from vllm_dsa_dev.harness.pair import ConsumerSide, PairSpec, ProducerSide, SideSpec, run_pair
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +22,7 @@ BLOCK = 96
 
 
 def _runs(seed: int, blocks: int = 40, pool_blocks: int = 128) -> Any:
-    from vllm_dsa_connector.transport import Runs
+    from vllm_dsa_connector.core.plan.runs import Runs
 
     rng = np.random.default_rng(seed)
     src = rng.choice(pool_blocks, blocks, replace=False) * BLOCK
@@ -49,8 +40,10 @@ def _boom(side: ConsumerSide) -> None:
 
 def _drive_paths(side: ProducerSide, args: dict[str, Any]) -> dict[str, Any]:
     """Direct and bounce over the real sender; a send with the wrong source bytes must fail verification."""
-    from vllm_dsa_connector.harness.paths.sender import BounceSender
-    from vllm_dsa_connector.transport import BounceGate, Runs
+    from vllm_dsa_dev.harness.paths.sender import BounceSender
+
+    from vllm_dsa_connector.core.plan.runs import Runs
+    from vllm_dsa_connector.core.transfer.gate import BounceGate
 
     d = side.consumer
     assert d is not None
@@ -154,15 +147,15 @@ def _script(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
-@pytest.mark.parametrize("script", ["bench/gpu_transfer.py", "bench/gpu_two_gpu.py", "bench/gpu_mtp_graph.py"])
+@pytest.mark.parametrize("script", ["dev/bench/gpu_transfer.py", "dev/bench/gpu_two_gpu.py", "dev/bench/gpu_mtp_graph.py"])
 def test_gpu_scripts_help_on_cpu(script: str) -> None:
     proc = _script(script, "--help", timeout=120)
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_gpu_transfer_runs_small_on_cpu() -> None:
-    """bench/gpu_transfer.py's two-process path (the harness) on the CPU with a tiny request."""
-    proc = _script("bench/gpu_transfer.py", "--src-device", "cpu", "--dst-device", "cpu", "--pool-blocks", "32",
+    """dev/bench/gpu_transfer.py's two-process path (the harness) on the CPU with a tiny request."""
+    proc = _script("dev/bench/gpu_transfer.py", "--src-device", "cpu", "--dst-device", "cpu", "--pool-blocks", "32",
                    "--shapes", "8", "--mla-pages", "4", "--mla-page-bytes", "64", "--idx-pages", "2",
                    "--idx-page-bytes", "32", "--reps", "1", "--paths", "per_page,merged,direct,bounce,auto")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

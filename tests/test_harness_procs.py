@@ -1,4 +1,4 @@
-"""The server harness (``vllm_dsa_connector.harness.procs``) on real process trees, no engine needed.
+"""The server harness (``vllm_dsa_dev.harness.procs``) on real process trees, no engine needed.
 
 A small Python server stands in for ``api_server``: it answers ``/health`` and forks a grandchild in its
 own process group (as vLLM's EngineCore is); the tests prove the whole group is gone after ``stop``,
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
-
-from vllm_dsa_connector.harness.procs import (
+from vllm_dsa_dev.harness.procs import (
     Cluster,
     NotReady,
     cluster,
@@ -128,7 +127,7 @@ def test_cluster_context_stops_on_signal(tmp_path: Path, sig: signal.Signals,
     code = (
         "import signal, sys, time\n"
         "from pathlib import Path\n"
-        "from vllm_dsa_connector.harness.procs import cluster\n"
+        "from vllm_dsa_dev.harness.procs import cluster\n"
         "before = signal.getsignal(signal.SIGINT)\n"
         "try:\n"
         "    with cluster(Path(sys.argv[1]), grace_s=2.0) as c:\n"

@@ -81,7 +81,7 @@ def _check_block_map(out: dict, src_tables, dst_tables) -> None:
 
     import numpy as np
 
-    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
 
     peer = PeerPlan.build(src_tables, dst_tables)
     bp, bd = peer.src_block_size, peer.dst_block_size
@@ -118,7 +118,7 @@ def _check_block_map(out: dict, src_tables, dst_tables) -> None:
 
 def test_inspect_block_map_p64_d32_matches_peer_plan_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """``inspect --src-block-size 64 --dst-block-size 32`` as a user runs it; the shown mapping is the plan's."""
-    from vllm_dsa_connector.layout import build_offline
+    from vllm_dsa_connector.connector.page_tables import build_offline
 
     r = _vllm_dsa("inspect", str(EXAMPLE), "--src-block-size", "64", "--dst-block-size", "32", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -140,7 +140,7 @@ def test_inspect_block_map_p64_d32_matches_peer_plan_runs(capsys: pytest.Capture
 def test_block_map_matches_peer_plan_runs(bp, bd, p_tp, d_pp, layer) -> None:
     """``block_map`` (what ``inspect`` prints) under TP/PP reshard and a non-multiple pair, in process."""
     from vllm_dsa_connector.commands.inspect import block_map
-    from vllm_dsa_connector.layout import build_offline
+    from vllm_dsa_connector.connector.page_tables import build_offline
 
     span = __import__("math").lcm(bp, bd)
     src = build_offline(EXAMPLE, tp_size=p_tp, block_size=bp, num_blocks=span // bp + 2)

@@ -1,6 +1,6 @@
 """KV lands at the right token positions: D's pages equal P's, block by block, across multi-turn prefix hits.
 
-Real servers (slow): a DSAConnector prefill and decode engine with the :mod:`vllm_dsa_connector.kv_probe`
+Real servers (slow): a DSAConnector prefill and decode engine with the :mod:`vllm_dsa_dev.kv_probe`
 worker extension. Each turn sends a prompt of whole blocks plus one token through P (``max_tokens=1``)
 and D (P's ``kv_transfer_params``); while D's request runs, the probe returns D's block list (from D's
 scheduler) and a CRC32 per full prompt block over every KV layer (MLA latent and indexer K). The same
@@ -29,9 +29,8 @@ from typing import Any
 
 import pytest
 from conftest import free_port
-
-from vllm_dsa_connector.harness.client import metric, probe_running, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import metric, probe_running, scrape
+from vllm_dsa_dev.harness.engines import (
     BackendChoice,
     check_backend,
     choose_backend,
@@ -39,11 +38,11 @@ from vllm_dsa_connector.harness.engines import (
     engine_cmd,
     engine_env,
 )
-from vllm_dsa_connector.harness.procs import Cluster, cluster, wait_healthy
+from vllm_dsa_dev.harness.procs import Cluster, cluster, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+PROBE = ["--worker-extension-cls", "vllm_dsa_dev.kv_probe.KVProbe"]
 
 
 @dataclass
@@ -87,7 +86,7 @@ def _start(c: Cluster, tmp: Path, model: Path, dtype: str, backend: BackendChoic
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp(f"placement-{request.param}")
     if request.param == "dsa":
-        from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+        from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
         model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
         dtype, extra = "float32", []
@@ -96,7 +95,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         if not cpu_has_amx():
             pytest.skip("no AMX tiles on this CPU: vLLM runs AMX_MLA only where amx_tile exists "
                         "(CI covers it on AMX machines)")
-        from vllm_dsa_connector.tiny_models import make_tiny_mla
+        from vllm_dsa_dev.tiny_models import make_tiny_mla
 
         model = make_tiny_mla()
         dtype, extra = "bfloat16", ["--block-size", "32"]

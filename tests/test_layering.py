@@ -5,7 +5,7 @@ statements anywhere in a module (function-level imports count: a lazy import is 
 string constants naming one of our modules (``importlib.import_module("vllm_dsa_connector.x")``, the CLI's
 command table, the plugin's hook table), so a dependency cannot hide behind ``importlib``.
 
-The layer table is the architecture stated once (vllm_dsa_connector/README.md "Layers"): a module of a layer may import
+The layer table is the architecture stated once (docs/architecture.md "Module map", vllm_dsa_connector/README.md "Layers"): a module of a layer may import
 its own layer and the layers below it, never one above. A new top-level module or subpackage must be
 placed in the table: the test names it.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 from pathlib import Path
 
 import vllm_dsa_connector
@@ -21,25 +22,20 @@ import vllm_dsa_connector
 PACKAGE = "vllm_dsa_connector"
 ROOT = Path(vllm_dsa_connector.__file__).parent
 
-# Lowest first. Names are the first component under the package ("(root)" is vllm_dsa_connector/__init__).
+# Lowest first. Names are the first component under the package, and under ``core`` the first two ("core.plan";
+# "(root)" is vllm_dsa_connector/__init__). The dev package (dev/vllm_dsa_dev, not in the wheel) sits above all of
+# them: it may import anything of the wheel, the wheel never imports it (test_the_wheel_never_imports_dev).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("options", "compat"),                     # no project imports besides each other
-    ("transport",),                            # NIXL, bounce, runs: no vLLM, nothing above
-    ("layout",),                               # page tables (layout.build reads vLLM's specs)
-    ("token_map", "pairing"),                  # the planner's token-position map (Bp != Bd); block pairing
-                                               # by token position: both below matching (re-exported there)
-    ("plan_segments",),                        # the plan over page tables: elected senders, segments,
-                                               # exactly once (re-exported by matching)
-    ("matching",),                             # the planner's per-request runs: layout + transport's run merging
-    ("handoff",),                              # the vLLM-free core: protocol, producer/consumer state
-    ("tiny_models",),
-    ("tokenizer", "admission", "cpu_dsa", "kv_probe"),
-    ("connector",),                            # vLLM's connector API -> the core
+    ("core.plan",),                            # what moves: pages, rules, runs, token map, pairing, segments, peer plan
+    ("core.transfer",),                        # how bytes move: routed sends, receiver, NIXL (nixl/), copies (copy/)
+    ("core.handoff",),                         # who may write where and when: protocol, producer/consumer state
+    ("core",),                                 # core/__init__ (engine-free: tests/test_core_isolation.py)
+    ("tokenizer", "admission", "cpu_dsa"),
+    ("connector",),                            # vLLM's connector API -> the core (+ page tables from vLLM specs)
     ("fixes",),
     ("plugin",),
-    ("pd_bodies",),                            # the proxy's pure body/merge rules (re-exported by pd_proxy)
-    ("pd_proxy",),                             # the P/D proxy app (the harness launches it by module name)
-    ("harness",),                              # server and two-process launchers (benches, tests)
+    ("proxy",),                                # the P/D proxy app and its pure body/merge rules
     ("commands",),
     ("cli",),
     ("(root)",),                               # vllm_dsa_connector/__init__: the entry point, calls plugin
@@ -93,6 +89,8 @@ def _graph() -> dict[str, set[str]]:
 
 def _layer(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "core":
+        return "core." + parts[2]
     return parts[1] if len(parts) > 1 else "(root)"
 
 
@@ -171,14 +169,14 @@ def test_no_import_cycles() -> None:
 def test_the_checker_sees_lazy_and_string_imports(tmp_path: Path) -> None:
     """The graph reader itself: a function-level import and an importlib string are edges."""
     src = ("import importlib\n"
-           "def f():\n    from vllm_dsa_connector.transport import runs\n"
-           "MOD = importlib.import_module('vllm_dsa_connector.layout')\n")
+           "def f():\n    from vllm_dsa_connector.core.plan import runs\n"
+           "MOD = importlib.import_module('vllm_dsa_connector.core.plan')\n")
     tree = ast.parse(src)
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
                and isinstance(n.value, str) and n.value.startswith(PACKAGE + ".")]
-    assert imports and imports[0].module == "vllm_dsa_connector.transport"
-    assert strings == ["vllm_dsa_connector.layout"]
+    assert imports and imports[0].module == "vllm_dsa_connector.core.plan"
+    assert strings == ["vllm_dsa_connector.core.plan"]
     cyc = _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
     assert cyc == [["a", "b", "c"]]
 
@@ -210,3 +208,67 @@ def test_no_private_name_is_imported_across_modules() -> None:
                     and not node.attr.startswith("__"):
                 bad.append(f"{name} uses {imported_modules[node.value.id]}.{node.attr}")
     assert not bad, "private names used across modules:\n" + "\n".join(sorted(set(bad)))
+
+
+DEV = "vllm_dsa_dev"
+#: The soft limit: a module that grows past it is split inside its concept's folder (no re-export shim).
+SOFT_LIMIT_LINES = 600
+#: Over this a module fails the test (the soft limit leaves room for a concept that reads best in one file).
+HARD_LIMIT_LINES = 700
+
+
+def test_the_wheel_never_imports_dev() -> None:
+    """Nothing of the wheel names the dev package: no import, no module string (an optional import would still make
+    a deployment depend on what the wheel does not ship). The CLI finds dev's commands through an entry point."""
+    bad = []
+    for name, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                targets = [node.value.strip()]
+            bad += [f"{name}: {t}" for t in targets if t == DEV or t.startswith(DEV + ".")]
+    assert not bad, "the wheel imports the dev package:\n" + "\n".join(bad)
+
+
+def _reexports(path: Path) -> list[str]:
+    """Names a module imports from the package and hands on without using them itself (``__all__`` or nothing)."""
+    tree = ast.parse(path.read_text(), str(path))
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    strings = " ".join(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                       and not any(isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                                     for t in s.targets) for s in tree.body
+                                   if n in ast.walk(s)))
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE)):
+            for a in node.names:
+                local = a.asname or a.name
+                if local not in used and f"{node.module}.{a.name}" not in _modules() \
+                        and not re.search(rf"\b{re.escape(local)}\b", strings):
+                    out.append(f"{local} (from {node.module})")
+    return out
+
+
+#: Package faces outside code reaches by name: vLLM's factory loads ``vllm_dsa_connector.connector:DSAConnector``
+#: (plugin.py), users pass ``--scheduler-cls vllm_dsa_connector.admission.DSAScheduler`` and the tokenizer cache's
+#: classes. Nothing inside the package imports through them.
+PUBLIC_FACES = {"vllm_dsa_connector.connector", "vllm_dsa_connector.admission", "vllm_dsa_connector.tokenizer"}
+#: Modules that name a face for outside code, not to import through it: the plugin hands vLLM's factory the module.
+NAMES_A_FACE = {("vllm_dsa_connector.plugin", "vllm_dsa_connector.connector")}
+
+
+def test_no_reexport_shims_and_modules_stay_readable() -> None:
+    """No module of the wheel re-exports what another defines (importers import the real module), nothing imports
+    through a public face, and no module grows past the limit (split near SOFT_LIMIT_LINES, inside its folder)."""
+    mods = _modules()
+    shims = {name: r for name, path in sorted(mods.items()) if name not in PUBLIC_FACES and (r := _reexports(path))}
+    assert not shims, f"re-export shims: {shims}"
+    through = sorted(f"{src} -> {dst}" for src, ts in _graph().items() for dst in ts if dst in PUBLIC_FACES
+                     and not src.startswith(dst + ".") and (src, dst) not in NAMES_A_FACE)
+    assert not through, "imports through a public face (import the real module):\n" + "\n".join(through)
+    long = {name: n for name, path in mods.items() if (n := len(path.read_text().splitlines())) > HARD_LIMIT_LINES}
+    assert not long, f"modules over {HARD_LIMIT_LINES} lines (split near {SOFT_LIMIT_LINES}, in the folder): {long}"

@@ -6,16 +6,11 @@ import os
 
 import pytest
 import torch
+from vllm_dsa_dev.tiny_models import glm5_2_shape_config, glm_dsa_config
 
-from vllm_dsa_connector.layout import (
-    LayoutError,
-    PageTable,
-    Role,
-    allocate_offline,
-    build_offline,
-    owning_layers,
-)
-from vllm_dsa_connector.tiny_models import glm5_2_shape_config, glm_dsa_config
+from vllm_dsa_connector.connector.page_tables import allocate_offline, build_offline
+from vllm_dsa_connector.core.plan.pages import PageTable, Role
+from vllm_dsa_connector.core.plan.rules import LayoutError, owning_layers
 
 CONFIGS = {
     "dense": dict(num_layers=6),
@@ -143,7 +138,7 @@ def test_tables_from_a_real_cpu_engine(tiny_mla_dir, backend: str, block_size: i
     """The runtime builder over the kv_caches of a real vLLM CPU engine (tiny MLA model, bf16), for each
     CPU MLA backend as users run it: CPU_MLA (block 16) everywhere, AMX_MLA (block 32) where AMX exists.
     The backend is requested and then checked: a vLLM that picks another one fails here."""
-    from vllm_dsa_connector.harness.engines import cpu_has_amx
+    from vllm_dsa_dev.harness.engines import cpu_has_amx
 
     if backend == "AMX_MLA" and not cpu_has_amx():
         pytest.skip("no AMX tiles on this CPU: vLLM runs AMX_MLA only where amx_tile exists")
@@ -151,7 +146,7 @@ def test_tables_from_a_real_cpu_engine(tiny_mla_dir, backend: str, block_size: i
     from vllm import LLM
 
     def probe(worker):
-        from vllm_dsa_connector.layout import build_from_kv_caches
+        from vllm_dsa_connector.connector.page_tables import build_from_kv_caches
 
         runner = worker.model_runner
         ctx = worker.vllm_config.compilation_config.static_forward_context

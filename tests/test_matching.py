@@ -7,16 +7,13 @@ from functools import cache
 import msgspec
 import numpy as np
 import pytest
+from vllm_dsa_dev.tiny_models import glm_dsa_config
 
-from vllm_dsa_connector.layout import Role, build_offline
-from vllm_dsa_connector.matching import (
-    PlanError,
-    TransferPlan,
-    assert_exactly_once,
-    expand_runs,
-    plan_transfer,
-)
-from vllm_dsa_connector.tiny_models import glm_dsa_config
+from vllm_dsa_connector.connector.page_tables import build_offline
+from vllm_dsa_connector.core.plan.pages import Role
+from vllm_dsa_connector.core.plan.peer_plan import expand_runs
+from vllm_dsa_connector.core.plan.segments import TransferPlan, assert_exactly_once, plan_transfer
+from vllm_dsa_connector.core.plan.token_map import PlanError
 
 MODELS = {
     "dense": dict(num_layers=6),
@@ -167,8 +164,8 @@ def test_block_lists_are_validated() -> None:
 def test_peer_plan_runs_are_the_plans_merged_runs(p_pp, p_tp, d_pp, d_tp) -> None:
     """``PeerPlan.runs`` (tables decoded once, segments indexed per pair) gives exactly the plan's runs,
     merged with sorting (the order sender and receiver pack a bounce in); unknown pairs give nothing."""
-    from vllm_dsa_connector.matching import PeerPlan
-    from vllm_dsa_connector.transport.runs import merge_runs
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+    from vllm_dsa_connector.core.plan.runs import merge_runs
 
     src, dst = tables("masked", p_pp, p_tp), tables("masked", d_pp, d_tp)
     peer = PeerPlan.build(list(reversed(src)), dst)  # any order in: ranks index the tables

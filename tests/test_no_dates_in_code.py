@@ -1,6 +1,6 @@
 """The package's comments and docstrings say what and why, not when: no dates in ``vllm_dsa_connector/``.
 
-Dated measurements belong in ``docs/`` and ``bench/results/`` (machine, date and versions in each result
+Dated measurements belong in ``docs/`` and ``dev/bench/results/`` (machine, date and versions in each result
 file); a date in the code is a measurement or a history note that went stale the day it was written.
 """
 

@@ -96,7 +96,11 @@ def test_runtime_fixes_switch() -> None:
 
 def test_copy_switches_go_through_the_mechanism() -> None:
     """VLLM_DSA_COPY_*: parsed by CopySettings; a bad value names the variable, the value and what is allowed."""
-    from vllm_dsa_connector.transport.local_copy import DEFAULT_CONFIG, CopySettings, copy_settings
+    from vllm_dsa_connector.core.transfer.copy.kernels import (
+        DEFAULT_CONFIG,
+        CopySettings,
+        copy_settings,
+    )
 
     assert copy_settings({}) == CopySettings() and CopySettings().config is DEFAULT_CONFIG
     s = copy_settings({"VLLM_DSA_COPY_IMPL": " CE ", "VLLM_DSA_COPY_GRAPH": "off",
@@ -112,8 +116,8 @@ def test_copy_switches_go_through_the_mechanism() -> None:
 
 
 def test_cache_directories_go_through_the_mechanism(tmp_path: Path) -> None:
-    from vllm_dsa_connector.tiny_models import default_model_root
-    from vllm_dsa_connector.tokenizer.assets import cache_dir
+    from vllm_dsa_dev.tiny_models import default_model_root
+    from vllm_dsa_dev.tokenizer.assets import cache_dir
 
     assert default_model_root({"VLLM_DSA_MODEL_DIR": str(tmp_path)}) == tmp_path
     assert default_model_root({"VLLM_DSA_MODEL_DIR": ""}) == Path.home() / ".cache" / "vllm-dsa-connector"

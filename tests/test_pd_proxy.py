@@ -21,7 +21,7 @@ import uvicorn
 from aiohttp import web
 from conftest import free_port
 
-from vllm_dsa_connector import pd_proxy
+from vllm_dsa_connector.proxy import app as pd_proxy
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "P-engine",
             "remote_request_id": "req-p", "remote_host": "10.0.0.1", "remote_port": 5600,

@@ -17,15 +17,21 @@ from typing import Any
 import msgspec
 import pytest
 
-from vllm_dsa_connector.handoff.messages import Authenticator, MessageError, MetaReq, Origin, RegReq
-from vllm_dsa_connector.handoff.producer import Producer
-from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import (
+from vllm_dsa_connector.core.handoff.messages import (
+    Authenticator,
+    MessageError,
+    MetaReq,
+    Origin,
+    RegReq,
+)
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+from vllm_dsa_connector.core.handoff.side_channel import (
     SideChannelServer,
     UnauthenticatedSideChannel,
     request,
 )
-from vllm_dsa_connector.handoff.wire import PeerInfo, decode_payload, encode
+from vllm_dsa_connector.core.handoff.wire import PeerInfo, decode_payload, encode
 
 BLOCK = 16
 NUM_BLOCKS = 16
@@ -37,11 +43,11 @@ def _worker(engine: str, role: str) -> tuple[Any, dict[str, Any], bytes]:
     """One rank of ``engine``: vLLM-allocated KV caches wrapped by the connector worker (P's filled with a
     pattern, D's with 0xAB); its encoded payload."""
     import torch
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
 
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.page_tables import allocate_offline
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-    from vllm_dsa_connector.layout import allocate_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
 
     kv_caches, _, table = allocate_offline(glm_dsa_config(num_layers=2), block_size=BLOCK, num_blocks=NUM_BLOCKS)
     opts = ConnectorOptions.from_config({"transfer_timeout_s": 10, "bounce_mode": "never"}, environ={})
@@ -131,7 +137,7 @@ def test_a_p_worker_refuses_payloads_naming_another_destinations_agent(engines) 
     destination engine holds, or whose agent metadata is another agent's, is refused and counted; nothing is
     written through it."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PushJob
+    from vllm_dsa_connector.core.handoff.wire import PushJob
 
     p_worker, _, p_payload = engines["P"]
     _, victim_kv, victim_payload = engines["D-victim"]
@@ -158,7 +164,8 @@ def test_a_p_worker_refuses_payloads_naming_another_destinations_agent(engines) 
 def test_a_non_loopback_side_channel_without_a_secret_refuses_to_start() -> None:
     """The secure mode is the default: no secret on a non-loopback address is an error naming the keys, the
     host and the fix, at option validation and in the side channel itself; the explicit option allows it."""
-    from vllm_dsa_connector.connector.options import ConnectorOptions, OptionError
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.options import OptionError
 
     with pytest.raises(OptionError, match=r"side_channel_host: '0\.0\.0\.0'.*auth_secret.*"
                                           r"allow_unauthenticated_side_channel"):

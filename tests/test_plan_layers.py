@@ -14,11 +14,11 @@ from functools import cache
 
 import numpy as np
 import pytest
+from vllm_dsa_dev.tiny_models import glm_dsa_config
 
-from vllm_dsa_connector.layout import build_offline
-from vllm_dsa_connector.layout.model import PageTable
-from vllm_dsa_connector.matching import PeerPlan
-from vllm_dsa_connector.tiny_models import glm_dsa_config
+from vllm_dsa_connector.connector.page_tables import build_offline
+from vllm_dsa_connector.core.plan.pages import PageTable
+from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
 
 MODELS = {
     "freq2_mtp": dict(num_layers=9, index_topk_freq=2, index_skip_topk_offset=1, num_nextn_predict_layers=1),

@@ -338,7 +338,7 @@ def engine_run():
 
 @pytest.fixture(scope="module")
 def tiny_dsa_dir() -> Path:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     return make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
 

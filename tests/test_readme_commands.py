@@ -76,7 +76,7 @@ def test_the_readme_shows_the_ci_commands() -> None:
 def test_vllm_dsa_commands_parse(command: str) -> None:
     words = _argv(command)
     args = build_parser().parse_args(words[1:])  # SystemExit (exit code 2) on a wrong command or option
-    assert args._module.startswith("vllm_dsa_connector.commands."), command
+    assert args._module.startswith(("vllm_dsa_connector.commands.", "vllm_dsa_dev.commands.")), command
 
 
 @pytest.mark.parametrize("command", _ours("module"))
@@ -85,10 +85,10 @@ def test_module_commands_parse(command: str, monkeypatch: pytest.MonkeyPatch) ->
     module = words[2]
     if module == "vllm_dsa_connector.cli":
         build_parser().parse_args(words[3:])
-    elif module == "vllm_dsa_connector.pd_proxy":
+    elif module == "vllm_dsa_connector.proxy.app":
         import uvicorn
 
-        from vllm_dsa_connector import pd_proxy
+        from vllm_dsa_connector.proxy import app as pd_proxy
 
         served: list[dict[str, object]] = []
         monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(kw))

@@ -32,9 +32,8 @@ from typing import Any
 
 import pytest
 from conftest import free_port, processes_on_ports
-
-from vllm_dsa_connector.harness.client import metric, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import metric, scrape
+from vllm_dsa_dev.harness.engines import (
     PairUrls,
     RouterMissing,
     choose_backend,
@@ -45,7 +44,7 @@ from vllm_dsa_connector.harness.engines import (
     start_engine,
     start_pair,
 )
-from vllm_dsa_connector.harness.procs import cluster, wait_healthy
+from vllm_dsa_dev.harness.procs import cluster, wait_healthy
 
 BASE = 22800  # P, D, router; side channels +3, +4; reference +5; router metrics +6
 DTYPE = "float32"  # deterministic across P/D and one engine (greedy)
@@ -174,7 +173,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     _router()
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
     workdir = tmp_path_factory.mktemp("router")
@@ -333,7 +332,7 @@ def test_what_the_router_sends(tmp_path: Path, router: str, monkeypatch: pytest.
     else:
         import sys
 
-        cmd = [sys.executable, "-m", "vllm_dsa_connector.pd_proxy", "--prefill", p.url, "--decode", d.url,
+        cmd = [sys.executable, "-m", "vllm_dsa_connector.proxy.app", "--prefill", p.url, "--decode", d.url,
                "--port", str(port)]
         headers = {"X-Request-Id": "client-1", "Authorization": "Bearer sk-router-test"}
     try:
@@ -400,7 +399,7 @@ def test_logprobs_through_our_proxy_equal_one_engine_and_what_vllm_router_return
     ``prompt_logprobs`` come out as P computed them (equal to one engine's, to float rounding), but an echoed
     completion's ``logprobs`` hold the prompt twice (P's prompt part, then D's echoed prompt and the output),
     longer than its ``text``. Pinned here for the version the ``[router]`` extra pins."""
-    from vllm_dsa_connector.harness.engines import proxy_cmd
+    from vllm_dsa_dev.harness.engines import proxy_cmd
 
     port = free_port()
     chat_msgs = [{"role": "user", "content": TURNS[0]}]

@@ -9,8 +9,9 @@ import threading
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+from vllm_dsa_dev.tokenizer import assets
 
-from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
+from vllm_dsa_connector.tokenizer import PrefixTokenCache
 from vllm_dsa_connector.tokenizer.analysis import QWEN2_PATTERN, analyze
 
 LINES = [f"line {i}: the quick brown fox {i * 7} jumps\n" for i in range(400)]
@@ -406,7 +407,7 @@ def test_wrapper_adds_constant_special_tokens_and_falls_back():
     from vllm_dsa_connector.tokenizer.wrapper import wrap_tokenizer
 
     if not assets.gpt2_ranks_file().exists():
-        pytest.skip("GPT-2 ranks not fetched (python -m vllm_dsa_connector.tokenizer.assets fetch)")
+        pytest.skip("GPT-2 ranks not fetched (python -m vllm_dsa_dev.tokenizer.assets fetch)")
     tok = assets.gpt2_tokenizer()
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(

@@ -16,11 +16,12 @@ import pytest
 from conftest import check_conversation_exact
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from vllm_dsa_dev.tokenizer import assets
+from vllm_dsa_dev.tokenizer.workloads import TextSource, render, requests
 
-from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
+from vllm_dsa_connector.tokenizer import PrefixTokenCache
 from vllm_dsa_connector.tokenizer import cache as cache_mod
 from vllm_dsa_connector.tokenizer.analysis import QWEN2_PATTERN, analyze
-from vllm_dsa_connector.tokenizer.workloads import TextSource, render, requests
 
 STRING_LITERAL = (
     'QUERY = """\nSELECT name,\n  value\nFROM t\nWHERE x = \'a\\nb\'\n"""\n'

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from vllm_dsa_dev.tokenizer import assets
 
-from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
+from vllm_dsa_connector.tokenizer import PrefixTokenCache
 from vllm_dsa_connector.tokenizer.analysis import SEPARATING_PATTERNS
 
 SNIPPETS = {

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm_dsa_dev.tokenizer.tiny_models import make_tiny_glm_qwen, make_tiny_v32
 
 from vllm_dsa_connector.tokenizer.modes import (
     BASE_MODE_ENV,
@@ -37,7 +38,6 @@ from vllm_dsa_connector.tokenizer.modes import (
     prefix_cache_renderer,
     resolve_base_mode,
 )
-from vllm_dsa_connector.tokenizer.tiny_models import make_tiny_glm_qwen, make_tiny_v32
 
 CACHE_ENV = {"VLLM_DSA_TOKCACHE_MIN_CHARS": "0", "VLLM_DSA_TOKCACHE_CHUNK_CHARS": "16",
              "VLLM_DSA_TOKCACHE_CUT_SPACING": "1"}
@@ -254,13 +254,13 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=["v32", "glm"])
 def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A stock server and a ``dsa-prefix-cache`` server of one tiny model, started side by side."""
-    from vllm_dsa_connector.harness.engines import (
+    from vllm_dsa_dev.harness.engines import (
         check_backend,
         choose_backend,
         engine_cmd,
         engine_env,
     )
-    from vllm_dsa_connector.harness.procs import cluster, wait_healthy
+    from vllm_dsa_dev.harness.procs import cluster, wait_healthy
 
     model = make_tiny_v32() if request.param == "v32" else make_tiny_glm_qwen()
     backend = choose_backend(model, "bfloat16")

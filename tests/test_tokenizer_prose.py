@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import check_conversation_exact
+from vllm_dsa_dev.tokenizer import assets
+from vllm_dsa_dev.tokenizer.workloads import NFC_WORDS, ProseSource, render
 
-from vllm_dsa_connector.tokenizer import PrefixTokenCache, assets
-from vllm_dsa_connector.tokenizer.workloads import NFC_WORDS, ProseSource, render
+from vllm_dsa_connector.tokenizer import PrefixTokenCache
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def server(tiny_mla_dir, tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"vllm server not up in 300 s:\n{log_path.read_text()[-4000:]}")
                 time.sleep(2)
-        from vllm_dsa_connector.harness.engines import backends_in_log
+        from vllm_dsa_dev.harness.engines import backends_in_log
 
         found = backends_in_log(log_path.read_text(errors="replace"))
         assert found == {"CPU_MLA"}, f"expected attention backend CPU_MLA, the server reported {found}"

@@ -28,11 +28,11 @@ FORWARD_S = 0.5  # how long the layer-by-layer case's "forward" takes between th
 
 def _worker(engine: str, role: str) -> Any:
     import torch
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
 
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.page_tables import allocate_offline
     from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-    from vllm_dsa_connector.layout import allocate_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
 
     kv_caches, _, table = allocate_offline(glm_dsa_config(**CFG), pp_rank=0, pp_size=1, tp_rank=0, tp_size=1,
                                            block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, layout="LBNHC")
@@ -59,7 +59,7 @@ def _push(p: Any, d: Any, req: str, path: str, layered: bool) -> float:
     """One request along ``path`` (whole or layer by layer), until D has it and P reported it finished;
     seconds from P's post (the open, for a layered one) to that report."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob, Route, encode
+    from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, RecvJob, Route, encode
 
     routes = {} if path == "direct" else {0: {0: Route("bounce", 0, ARENA) if path == "bounce" else Route("ipc")}}
     peers = [] if p.engine_id in d.sources else [PeerInfo(p.engine_id, [encode(p.payload)], as_source=True)]

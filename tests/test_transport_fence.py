@@ -15,7 +15,7 @@
   transfer's notification); D gives the load up (``Receiver.give_up``) and "reuses" the block (zeroes it) only
   once the receiver settles the load, then keeps progressing for other loads: the block stays zero. Without
   the fence D handed the block back at once and all 65,536 B of the aborted WRITE landed in it later.
-- D's wait for P's fence ends early only when P's start is gone (``handoff.fence_waits``): its side channel
+- D's wait for P's fence ends early only when P's start is gone (``core.handoff.fence_waits``): its side channel
   refuses connections (a real listening socket closed), or P answers from another start; a P that still
   listens (stalled, or just slow) keeps it waiting.
 - P's staging arena does not leak on failed bounces: bounced WRITEs to a receiver that never progresses
@@ -35,17 +35,13 @@ import pytest
 import torch
 
 from tests.test_transport_nixl import _kill_connections, _kill_unavailable
-from vllm_dsa_connector.transport import (
-    NixlEngine,
-    PostState,
-    Receiver,
-    RecvState,
-    StagingArena,
-    WriterSpec,
-)
-from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.runs import runs_from_blocks
-from vllm_dsa_connector.transport.staging import StagingSlot
+from vllm_dsa_connector.core.plan.runs import runs_from_blocks
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.receiver import Receiver
+from vllm_dsa_connector.core.transfer.receiver_data import RecvState, WriterSpec
+from vllm_dsa_connector.core.transfer.routed import RoutedTransport
+from vllm_dsa_connector.core.transfer.staging import StagingArena, StagingSlot
+from vllm_dsa_connector.core.transfer.transports import PostState
 
 PAGE = 4096
 
@@ -118,8 +114,8 @@ def test_post_deadline_is_checked_after_a_reconnect_right_before_the_post(tcp: N
 def test_reconnect_off_the_posting_thread_keeps_the_backoff(tcp: None, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from vllm_dsa_connector.transport.agent import PeerReconnecting
-    from vllm_dsa_connector.transport.nixl_data import TransferError
+    from vllm_dsa_connector.core.transfer.nixl.agent import PeerReconnecting
+    from vllm_dsa_connector.core.transfer.nixl.data import TransferError
 
     stamp = time.monotonic_ns()
     seen: list[tuple[str, str]] = []
@@ -305,7 +301,7 @@ def test_a_fence_closed_off_thread_keeps_the_staging_until_the_new_connection(tc
 def test_fence_waits_end_only_when_p_is_gone() -> None:
     import socket
 
-    from vllm_dsa_connector.handoff.fence_waits import FenceWaits
+    from vllm_dsa_connector.core.handoff.fence_waits import FenceWaits
 
     alive = socket.create_server(("127.0.0.1", 0))  # a P that listens (its engine may be stalled)
     dead = socket.create_server(("127.0.0.1", 0))

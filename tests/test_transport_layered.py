@@ -1,4 +1,4 @@
-"""Layer-by-layer push (``transport.layered`` through ``RoutedTransport.open/add/close``), on CPU.
+"""Layer-by-layer push (``core.transfer.layered`` through ``RoutedTransport.open/add/close``), on CPU.
 
 Two real NIXL agents in this process (as ``tests/test_transport_routed.py``) and the real :class:`Receiver`.
 P and D each have two pools (an MLA-like pool holding every layer, an indexer-like pool holding the owning
@@ -26,19 +26,15 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dsa_connector.transport import (
-    NixlEngine,
-    PostState,
-    Receiver,
-    RecvState,
-    StagingArena,
-    WriterSpec,
-)
-from vllm_dsa_connector.transport.agent import NOTIFY_FLUSH_S
-from vllm_dsa_connector.transport.notices import encode_notif, parse_notif
-from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.runs import Runs, packed_offsets
-from vllm_dsa_connector.transport.staging import StagingSlot
+from vllm_dsa_connector.core.plan.runs import Runs, packed_offsets
+from vllm_dsa_connector.core.transfer.nixl.agent import NOTIFY_FLUSH_S
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.notices import encode_notif, parse_notif
+from vllm_dsa_connector.core.transfer.receiver import Receiver
+from vllm_dsa_connector.core.transfer.receiver_data import RecvState, WriterSpec
+from vllm_dsa_connector.core.transfer.routed import RoutedTransport
+from vllm_dsa_connector.core.transfer.staging import StagingArena, StagingSlot
+from vllm_dsa_connector.core.transfer.transports import PostState
 
 LAYERS = 4
 OWNING = (1, 3)  # the indexer pool's layers (the last layer owns one, so a block-outermost bounce is one WRITE)

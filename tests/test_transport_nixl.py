@@ -73,7 +73,7 @@ def _worker(conn: Any, env: dict[str, str]) -> None:
 
 
 def _runs(d: dict[str, Any]) -> Any:
-    from vllm_dsa_connector.transport import Runs
+    from vllm_dsa_connector.core.plan.runs import Runs
 
     return Runs(d["src"], d["dst"], d["len"])
 
@@ -89,10 +89,12 @@ def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def w_setup(role: str, arena_bytes: int, seed: int, name: str,
             engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
+    from vllm_dsa_dev.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_dev.harness.paths.sender import BounceSender
 
-    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
-    from vllm_dsa_connector.harness.paths.sender import BounceSender
-    from vllm_dsa_connector.transport import BounceGate, NixlEngine, StagingArena
+    from vllm_dsa_connector.core.transfer.gate import BounceGate
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.staging import StagingArena
 
     torch.set_num_threads(1)
     eng = NixlEngine(name, **(engine_kwargs or {}))
@@ -185,7 +187,8 @@ def w_poll(seconds: float) -> int:
 
 def w_big_writes(peer: str, dst: dict[str, Any], timeout: float, conn_flag: str) -> dict[str, Any]:
     """Write the whole pool in many runs until the target vanishes; report the error and how long it took."""
-    from vllm_dsa_connector.transport import Runs, TransferError
+    from vllm_dsa_connector.core.plan.runs import Runs
+    from vllm_dsa_connector.core.transfer.nixl.data import TransferError
 
     eng = STATE["engine"]
     n = 4096
@@ -219,7 +222,7 @@ def w_posts_for(peer: str, dst: dict[str, Any], runs: dict[str, Any], seconds: f
     """Post a WRITE of ``runs`` to ``peer`` every ``every_s`` for ``seconds`` (each waited for 2 s), as a P
     keeps posting to a D it still holds; per post: when (s from the start), how long the call took, the error
     (``""`` when it landed) and the peer's ``backoff`` after it."""
-    from vllm_dsa_connector.transport import TransferError
+    from vllm_dsa_connector.core.transfer.nixl.data import TransferError
 
     eng, r, out = STATE["engine"], _runs(runs), []
     t_start = time.monotonic()
@@ -634,7 +637,7 @@ def test_unreachable_peer_backs_off_and_is_written_again_once_back() -> None:
     goes down and its TCP connections are aborted: its reconnects cannot connect (no route), so it backs off
     (0.3 s, then 0.6 s) and the posts in between fail at once. The link comes back: the next attempt after the
     backoff reconnects, the WRITE lands byte-exact and the backoff is reset."""
-    from vllm_dsa_connector.harness import netns
+    from vllm_dsa_dev.harness import netns
 
     why = netns.unavailable() or _kill_unavailable()
     if why:

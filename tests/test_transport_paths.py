@@ -13,26 +13,24 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from vllm_dsa_dev.harness.paths.links import LINKS, LinkSettings, PathChooser, link_between
 
-from vllm_dsa_connector.harness.paths.links import LINKS, LinkSettings, PathChooser, link_between
-from vllm_dsa_connector.options import OptionError
-from vllm_dsa_connector.transport import (
-    BounceGate,
-    BounceSettings,
-    IpcDesc,
-    Runs,
-    StagingArena,
-    copy_runs,
+from vllm_dsa_connector.core.plan.runs import Runs, plan_chunks, runs_from_blocks
+from vllm_dsa_connector.core.transfer.copy.kernels import plan_pieces
+from vllm_dsa_connector.core.transfer.copy.local_copy import copy_runs
+from vllm_dsa_connector.core.transfer.gate import BounceGate
+from vllm_dsa_connector.core.transfer.gate_options import BounceSettings
+from vllm_dsa_connector.core.transfer.ipc import IpcDesc
+from vllm_dsa_connector.core.transfer.notices import (
     decode_chunk_notif,
     decode_event_notif,
     decode_notif,
     encode_chunk_notif,
     encode_event_notif,
     encode_notif,
-    plan_chunks,
-    plan_pieces,
-    runs_from_blocks,
 )
+from vllm_dsa_connector.core.transfer.staging import StagingArena
+from vllm_dsa_connector.options import OptionError
 
 GLM_BLOCK = 78 * 41984 + 21 * 8448  # bytes of one GLM-5.2-shaped block (BLHNC)
 
@@ -83,7 +81,7 @@ def test_plan_pieces_splits_runs_keeping_alignment() -> None:
 
 
 def test_runs_table_splits_only_skewed_runs() -> None:
-    from vllm_dsa_connector.transport.kernels import _runs_table
+    from vllm_dsa_connector.core.transfer.copy.kernels import _runs_table
 
     lens = np.full(10, 1 << 20, np.int64)
     table, per_run = _runs_table(np.arange(10) << 20, np.arange(10) << 20, lens, 1 << 16)
@@ -118,10 +116,10 @@ _INTERPRET = r"""
 import os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from vllm_dsa_connector.transport import local_copy as C
-from vllm_dsa_connector.transport import kernels as K
-from vllm_dsa_connector.transport import launches as LA
-from vllm_dsa_connector.transport.runs import Runs
+from vllm_dsa_connector.core.transfer.copy import local_copy as C
+from vllm_dsa_connector.core.transfer.copy import kernels as K
+from vllm_dsa_connector.core.transfer.copy import launches as LA
+from vllm_dsa_connector.core.plan.runs import Runs
 assert C.triton_available(), K._KERNEL_ERROR
 rng = np.random.default_rng(0)
 for unit, off, skew in ((1, 3, False), (8, 0, False), (16, 0, True), (256, 0, False)):
@@ -160,10 +158,10 @@ _PLANS = r"""
 import gc, os
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
-from vllm_dsa_connector.transport import local_copy as C
-from vllm_dsa_connector.transport import kernels as K
-from vllm_dsa_connector.transport import launches as LA
-from vllm_dsa_connector.transport.runs import Runs
+from vllm_dsa_connector.core.transfer.copy import local_copy as C
+from vllm_dsa_connector.core.transfer.copy import kernels as K
+from vllm_dsa_connector.core.transfer.copy import launches as LA
+from vllm_dsa_connector.core.plan.runs import Runs
 assert C.triton_available(), K._KERNEL_ERROR
 rng = np.random.default_rng(1)
 n = 30
@@ -185,10 +183,10 @@ assert torch.equal(d1, ref)
 d1.zero_()
 LA.copy_planned(runs, s, d1, cfg)  # the cached plan: same bytes
 assert torch.equal(d1, ref)
-st = C.plan_stats()
+st = LA.plan_stats()
 assert st["plans"] == 1 and st["plan_hits"] == 1, st
 LA.copy_planned(runs, s, d2, cfg)  # another destination: its own plan
-assert C.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
+assert LA.plan_stats()["plans"] == 2 and torch.equal(d2, ref)
 try:
     LA.copy_planned(Runs(src, dst, lens), s, d1[:10], cfg)  # bounds checked when a plan is built
     raise SystemExit("no bounds check")
@@ -212,7 +210,7 @@ def test_copy_plans_cached_per_runs_under_interpreter() -> None:
 
 
 def test_copy_graphs_switch() -> None:
-    from vllm_dsa_connector.transport.local_copy import graphs_enabled, plan_stats
+    from vllm_dsa_connector.core.transfer.copy.launches import graphs_enabled, plan_stats
 
     assert graphs_enabled({}) and graphs_enabled({"VLLM_DSA_COPY_GRAPH": "1"})
     assert not graphs_enabled({"VLLM_DSA_COPY_GRAPH": "0"})
@@ -221,7 +219,8 @@ def test_copy_graphs_switch() -> None:
 
 
 def test_copy_config_from_env() -> None:
-    from vllm_dsa_connector.transport.local_copy import DEFAULT_CONFIG, default_config, default_impl
+    from vllm_dsa_connector.core.transfer.copy.kernels import DEFAULT_CONFIG, default_config
+    from vllm_dsa_connector.core.transfer.copy.local_copy import default_impl
 
     assert default_config({}) is DEFAULT_CONFIG
     cfg = default_config({"VLLM_DSA_COPY_CONFIG": "65536,16384,8"})
@@ -381,8 +380,9 @@ class _FakeEvent:
 
 
 def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptureFixture) -> None:
-    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_dev.harness.paths.fan_in import BounceReceiver
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     eng = NixlEngine(f"unit-ipcev-{time.monotonic_ns()}")
     try:
@@ -442,9 +442,10 @@ def test_receiver_completes_ipc_writers_on_their_events(caplog: pytest.LogCaptur
 
 def test_ipc_send_on_cpu_copies_then_notifies() -> None:
     """The ipc path with a CPU "mapping" (the receiver's tensor): copy, then the notification after it."""
-    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
-    from vllm_dsa_connector.harness.paths.sender import BounceSender
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_dev.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_dev.harness.paths.sender import BounceSender
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"ipc-s-{stamp}"), NixlEngine(f"ipc-r-{stamp}")
@@ -481,8 +482,12 @@ def test_ipc_send_on_cpu_copies_then_notifies() -> None:
 
 
 def test_ipc_desc_roundtrip_and_refusals() -> None:
-    from vllm_dsa_connector.transport import IpcUnavailable, export_region, open_region
-    from vllm_dsa_connector.transport.ipc import host_id
+    from vllm_dsa_connector.core.transfer.ipc import (
+        IpcUnavailable,
+        export_region,
+        host_id,
+        open_region,
+    )
 
     d = IpcDesc(host_id(), "GPU-x", 100, 8, b"\x01\x02".hex(), 4096, 0, b"ref".hex(), 3, "", False)
     assert IpcDesc.from_dict(d.to_dict()) == d
@@ -499,8 +504,9 @@ def test_ipc_desc_roundtrip_and_refusals() -> None:
 
 
 def test_receiver_scatters_each_chunk_and_completes_after_the_last() -> None:
-    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_dev.harness.paths.fan_in import BounceReceiver
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     eng = NixlEngine(f"unit-pipe-{time.monotonic_ns()}")
     try:
@@ -531,9 +537,10 @@ def test_receiver_scatters_each_chunk_and_completes_after_the_last() -> None:
 
 
 def test_pipelined_and_gated_sends_between_two_agents_exact() -> None:
-    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
-    from vllm_dsa_connector.harness.paths.sender import BounceSender
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_dev.harness.paths.fan_in import BounceReceiver
+    from vllm_dsa_dev.harness.paths.sender import BounceSender
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"pipe-s-{stamp}"), NixlEngine(f"pipe-r-{stamp}")
@@ -586,16 +593,13 @@ def test_pipelined_and_gated_sends_between_two_agents_exact() -> None:
 def test_direct_and_bounce_transports_called_the_same_way_one_receiver() -> None:
     """Both transports through one call pattern (post / progress), into the one Receiver; the receiver's
     caller never looks at the path (two real NIXL agents in this process)."""
-    from vllm_dsa_connector.harness.paths.sender import BounceSender, BounceTransport
-    from vllm_dsa_connector.transport import (
-        DirectTransport,
-        NixlEngine,
-        PostState,
-        Receiver,
-        RecvState,
-        StagingSlot,
-        WriterSpec,
-    )
+    from vllm_dsa_dev.harness.paths.sender import BounceSender, BounceTransport
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.receiver import Receiver
+    from vllm_dsa_connector.core.transfer.receiver_data import RecvState, WriterSpec
+    from vllm_dsa_connector.core.transfer.staging import StagingSlot
+    from vllm_dsa_connector.core.transfer.transports import DirectTransport, PostState
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"tp-s-{stamp}"), NixlEngine(f"tp-r-{stamp}")
@@ -647,13 +651,11 @@ def test_post_deadline_is_checked_before_every_write_after_staging_waits() -> No
     """Issue 29 item 10: a bounced post that waits for staging space (the sender's arena is held full) until
     past its deadline must not WRITE; the direct transport checks each part before posting it. Two real
     NIXL agents; the receiver sees no bytes and no notification."""
-    from vllm_dsa_connector.harness.paths.sender import BounceSender, BounceTransport
-    from vllm_dsa_connector.transport import (
-        DirectTransport,
-        NixlEngine,
-        PostState,
-        StagingSlot,
-    )
+    from vllm_dsa_dev.harness.paths.sender import BounceSender, BounceTransport
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.staging import StagingSlot
+    from vllm_dsa_connector.core.transfer.transports import DirectTransport, PostState
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"dl-s-{stamp}"), NixlEngine(f"dl-r-{stamp}")
@@ -702,7 +704,7 @@ def test_post_deadline_is_checked_before_every_write_after_staging_waits() -> No
 
 def test_engine_progress_keeps_notifications_for_poll() -> None:
     """``progress()`` moves UCX along without losing what arrived: poll_notifications returns it later."""
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     stamp = time.monotonic_ns()
     a, b = NixlEngine(f"prog-s-{stamp}"), NixlEngine(f"prog-r-{stamp}")
@@ -744,9 +746,9 @@ def _notify_first(side: Any, timeout_s: float) -> Any:
 @pytest.mark.slow
 @pytest.mark.parametrize("hot", [False, True])
 def test_pair_first_message_a_notification_arrives(hot: bool) -> None:
-    """Regression (bench/gpu_transfer.py --hot, ipc first: ``writers [0] did not arrive in 120.0s``): the
+    """Regression (dev/bench/gpu_transfer.py --hot, ipc first: ``writers [0] did not arrive in 120.0s``): the
     harness's waiting producer keeps its agent progressing, so the notification leaves (two processes)."""
-    from vllm_dsa_connector.harness.pair import PairSpec, SideSpec, run_pair
+    from vllm_dsa_dev.harness.pair import PairSpec, SideSpec, run_pair
 
     spec = PairSpec(SideSpec("cpu"), SideSpec("cpu"), hot=hot)
     got = run_pair(spec, _notify_first, 30.0, timeout_s=240)

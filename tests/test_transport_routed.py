@@ -1,4 +1,4 @@
-"""The routed transport (``transport.routed``): a writer follows the path the receiver chose, never another.
+"""The routed transport (``core.transfer.routed``): a writer follows the path the receiver chose, never another.
 
 Two real NIXL agents in this process, each with two registered pools (a GPU engine's layout: the MLA latent
 and the indexer K cache in separate pools), and the one :class:`Receiver`:
@@ -20,19 +20,15 @@ import time
 import numpy as np
 import torch
 
-from vllm_dsa_connector.transport import (
-    NixlEngine,
-    PostState,
-    Receiver,
-    RecvState,
-    StagingArena,
-    WriterSpec,
-)
-from vllm_dsa_connector.transport.agent import NOTIFY_FLUSH_S
-from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.runs import Runs, packed_offsets, packed_parts, runs_from_blocks
-from vllm_dsa_connector.transport.staging import StagingSlot
+from vllm_dsa_connector.core.plan.runs import Runs, packed_offsets, packed_parts, runs_from_blocks
+from vllm_dsa_connector.core.transfer.nixl.agent import NOTIFY_FLUSH_S
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.notices import encode_notif
+from vllm_dsa_connector.core.transfer.receiver import Receiver
+from vllm_dsa_connector.core.transfer.receiver_data import RecvState, WriterSpec
+from vllm_dsa_connector.core.transfer.routed import RoutedTransport
+from vllm_dsa_connector.core.transfer.staging import StagingArena, StagingSlot
+from vllm_dsa_connector.core.transfer.transports import PostState
 
 POOL = 1 << 20
 

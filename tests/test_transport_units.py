@@ -8,22 +8,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from vllm_dsa_dev.harness.paths.fan_in import LayoutError, check_fan_in
 
-from vllm_dsa_connector.harness.paths.fan_in import LayoutError, check_fan_in
+from vllm_dsa_connector.core.plan.runs import Runs, merge_runs, runs_from_blocks
+from vllm_dsa_connector.core.transfer.copy.local_copy import gather, scatter
+from vllm_dsa_connector.core.transfer.gate import BounceGate
+from vllm_dsa_connector.core.transfer.gate_options import BOUNCE_OPTION_KEYS, BounceSettings
+from vllm_dsa_connector.core.transfer.notices import decode_notif, encode_notif
+from vllm_dsa_connector.core.transfer.staging import StagingArena
 from vllm_dsa_connector.options import OptionError
-from vllm_dsa_connector.transport import (
-    BOUNCE_OPTION_KEYS,
-    BounceGate,
-    BounceSettings,
-    Runs,
-    StagingArena,
-    decode_notif,
-    encode_notif,
-    gather,
-    merge_runs,
-    runs_from_blocks,
-    scatter,
-)
 
 
 def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -263,8 +256,9 @@ def test_gate_invalid_settings_name_the_key(config, env, key) -> None:
 
 
 def test_receiver_completes_only_after_every_writer_and_scatter() -> None:
-    from vllm_dsa_connector.harness.paths.fan_in import BounceReceiver
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_dev.harness.paths.fan_in import BounceReceiver
+
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     eng = NixlEngine(f"unit-rcv-{time.monotonic_ns()}")
     try:
@@ -305,9 +299,9 @@ def test_slot_allocator_imports_no_torch_and_waits_on_its_clock() -> None:
     import subprocess
     import sys
 
-    from vllm_dsa_connector.transport.slots import SlotAllocator
+    from vllm_dsa_connector.core.transfer.slots import SlotAllocator
 
-    code = ("import sys; import vllm_dsa_connector.transport.slots as s; "
+    code = ("import sys; import vllm_dsa_connector.core.transfer.slots as s; "
             "assert 'torch' not in sys.modules, 'slots imported torch'; print(s.SlotAllocator(4096).size)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "4096", out.stderr[-2000:]
@@ -331,9 +325,9 @@ def test_slot_allocator_imports_no_torch_and_waits_on_its_clock() -> None:
 
 def test_receiver_states_failed_corrupt_timed_out_cancelled() -> None:
     """One Receiver, caller hooks deciding on payloads, an injected clock for the deadline (no sleeps)."""
-    from vllm_dsa_connector.transport import NixlEngine
-    from vllm_dsa_connector.transport.receiver import (
-        Receiver,
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.receiver import Receiver
+    from vllm_dsa_connector.core.transfer.receiver_data import (
         RecvState,
         Verdict,
         WriterSpec,
@@ -411,7 +405,7 @@ def test_receiver_states_failed_corrupt_timed_out_cancelled() -> None:
 def test_reconnect_backoff_bounds_are_validated(kwargs: dict, match: str) -> None:
     """The backoff must start above 0 (a gone peer then costs little per post) and end at a finite wait (a
     peer that comes back is tried again in bounded time): anything else is refused before NIXL starts."""
-    from vllm_dsa_connector.transport import NixlEngine
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
     with pytest.raises(ValueError, match=match):
         NixlEngine(f"unit-backoff-{time.monotonic_ns()}", **kwargs)

@@ -1,6 +1,6 @@
 """P and D on two "hosts": Linux network namespaces joined by a veth pair, with faults on the link.
 
-:func:`vllm_dsa_connector.harness.netns.two_hosts` makes P's and D's namespaces, the wire between them
+:func:`vllm_dsa_dev.harness.netns.two_hosts` makes P's and D's namespaces, the wire between them
 (``10.213.N.1`` P, ``10.213.N.2`` D) and a link from the root namespace into each (the engines' HTTP ports;
 the proxies and this test run in the root namespace). Every engine runs inside its namespace
 (``ip netns exec``), its side channel bound to its wire address and signed (``auth_secret``), NIXL over UCX
@@ -40,10 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from vllm_dsa_connector.harness import netns
-from vllm_dsa_connector.harness.client import chat, metric, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness import netns
+from vllm_dsa_dev.harness.client import chat, metric, scrape
+from vllm_dsa_dev.harness.engines import (
     Engine,
     check_backend,
     choose_backend,
@@ -52,7 +51,7 @@ from vllm_dsa_connector.harness.engines import (
     proxy_cmd,
     start_engine,
 )
-from vllm_dsa_connector.harness.procs import Cluster, cluster, wait_healthy
+from vllm_dsa_dev.harness.procs import Cluster, cluster, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +60,7 @@ SECRET = "two-hosts-secret-0123456789"
 TIMEOUTS = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 6.0, "peer_setup_timeout_s": 0.0, "kv_lease_duration": 30.0}
 # D hands given-up blocks back after its timeout + P's write timeout + 1 s; the request ends about then
 HOLD_BOUND_S = 2 * TIMEOUTS["transfer_timeout_s"] + 1.0
-PROBE = ["--worker-extension-cls", "vllm_dsa_connector.kv_probe.KVProbe"]
+PROBE = ["--worker-extension-cls", "vllm_dsa_dev.kv_probe.KVProbe"]
 TBF = ("tbf", "rate", "8mbit", "burst", "32kbit", "latency", "400ms")
 RESULTS: dict[str, Any] = {}  # what each fault measured (printed; the issue's closing note quotes them)
 

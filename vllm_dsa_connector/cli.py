@@ -12,22 +12,21 @@ import importlib
 import importlib.util
 import sys
 
-# name -> (module, one-line help). ``bench`` takes a second-level name.
+from vllm_dsa_connector.commands import DEV_HINT, dev_packages
+
+# name -> (module, one-line help). ``bench`` takes a second-level name. The dev package adds its commands
+# (demo, make-model, bench ...) through the ``vllm_dsa.dev`` entry point (vllm_dsa_connector.commands).
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("vllm_dsa_connector.commands.inspect", "print the KV page tables of a model"),
-    "demo": ("vllm_dsa_connector.commands.demo", "run a prefill/decode pair with DSAConnector"),
-    "make-model": ("vllm_dsa_connector.commands.make_model", "make a tiny random test model (mla or dsa)"),
     "options": ("vllm_dsa_connector.commands.options", "list every option: key, environment variable, default"),
     "explain": ("vllm_dsa_connector.commands.explain", "why D did not load a request from P (a reason), and the fix"),
 }
-BENCHES: dict[str, tuple[str, str]] = {
-    "transfer": ("vllm_dsa_connector.commands.bench_transfer", "NIXL scattered vs bounce vs gate"),
-    "pd": ("vllm_dsa_connector.commands.bench_pd", "DSAConnector vs NixlConnector P/D pair"),
-    "tokenizer": ("vllm_dsa_connector.commands.bench_tokenizer", "prefix token cache vs full encode"),
-    "admission": ("vllm_dsa_connector.commands.bench_admission", "admission policies and overhead"),
-    "serve": ("vllm_dsa_connector.commands.bench_serve", "vLLM's serving benchmark through the P/D proxy"),
-    "report": ("vllm_dsa_connector.commands.bench_report", "docs/benchmarks.md tables and plots from bench/results"),
-}
+BENCHES: dict[str, tuple[str, str]] = {}
+for _dev in dev_packages():
+    COMMANDS.update(_dev.COMMANDS)
+    BENCHES.update(_dev.BENCHES)
+#: Commands only the dev package has: asked for without it, ``vllm-dsa`` says how to install it.
+DEV_COMMANDS = ("demo", "make-model", "bench")
 
 
 def _available(table: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
@@ -55,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vllm-dsa`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DEV_COMMANDS and argv[0] not in COMMANDS and not (argv[0] == "bench" and BENCHES):
+        print(f"vllm-dsa {argv[0]}: {DEV_HINT}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

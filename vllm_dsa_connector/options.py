@@ -15,7 +15,7 @@ every value is parsed (validated) when the settings are built, at start-up; unkn
 listing the known ones; an error names the key, the value and where it came from. :func:`options_markdown`
 renders the option tables of docs/configuration.md from the same declarations (``tests/test_options_doc.py`` checks them).
 
-No project or vLLM import here: every layer, ``transport/`` included, may use it.
+No project or vLLM import here: every layer, ``core/transfer/`` included, may use it.
 """
 
 from __future__ import annotations

@@ -10,14 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from vllm_dsa_connector.options import runtime_fixes_disabled
-
 __all__ = [
     "CONNECTOR_CLASS",
     "CONNECTOR_MODULE",
     "CONNECTOR_NAME",
     "register",
-    "runtime_fixes_disabled",
 ]
 
 _LOCK = threading.Lock()

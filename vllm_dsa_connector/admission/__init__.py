@@ -27,13 +27,8 @@ there was remote-KV activity, and at DEBUG every step that admitted or deferred.
 appear in vLLM's own ``num_skipped_waiting_reqs`` scheduler stat (they go through vLLM's skip path).
 """
 
-from vllm_dsa_connector.admission.policy import (
-    ADMISSION_OPTION_KEYS,
-    POLICIES,
-    AdmissionConfig,
-    AdmissionLedger,
-    AdmissionStepStats,
-)
+from vllm_dsa_connector.admission.options import ADMISSION_OPTION_KEYS, POLICIES, AdmissionConfig
+from vllm_dsa_connector.admission.policy import AdmissionLedger, AdmissionStepStats
 from vllm_dsa_connector.admission.scheduler import DSAAsyncScheduler, DSAScheduler
 
 __all__ = [

@@ -8,21 +8,9 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.admission.options import (
-    ADMISSION_OPTION_KEYS,
-    OPT_BUDGET_TOKENS,
-    POLICIES,
-    AdmissionConfig,
-)
+from vllm_dsa_connector.admission.options import AdmissionConfig
 
-__all__ = [
-    "ADMISSION_OPTION_KEYS",
-    "OPT_BUDGET_TOKENS",
-    "POLICIES",
-    "AdmissionConfig",
-    "AdmissionLedger",
-    "AdmissionStepStats",
-]
+__all__ = ["AdmissionLedger", "AdmissionStepStats"]
 
 # Under "vllm." so records go through vLLM's configured handler (a bare package name has none).
 logger = init_logger("vllm.plugins." + __name__)

@@ -12,12 +12,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import KV_FETCH_IN_PROGRESS, KV_FETCH_WAITING_TO_START
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_dsa_connector.admission.policy import (
-    OPT_BUDGET_TOKENS,
-    AdmissionConfig,
-    AdmissionLedger,
-    AdmissionStepStats,
-)
+from vllm_dsa_connector.admission.options import OPT_BUDGET_TOKENS, AdmissionConfig
+from vllm_dsa_connector.admission.policy import AdmissionLedger, AdmissionStepStats
 from vllm_dsa_connector.options import OptionError
 
 # Under "vllm." so records go through vLLM's configured handler (a bare package name has none).

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dsa_connector.layout.rules import LayoutError
+from vllm_dsa_connector.core.plan.rules import LayoutError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +89,7 @@ class _Part:
 
 def _parts(table: Any) -> dict[int, list[_Part]]:
     """Per pool: the page parts of every layer of ``table`` within one block, sorted by start."""
-    from vllm_dsa_connector.layout.model import PageFormat
+    from vllm_dsa_connector.core.plan.pages import PageFormat
 
     out: dict[int, list[_Part]] = {}
     for v in table.views:
@@ -124,7 +124,7 @@ def block_map(src_tables: list, dst_tables: list, layer: int | None = None) -> d
     """
     import numpy as np
 
-    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
 
     peer = PeerPlan.build(src_tables, dst_tables)
     bp, bd = peer.src_block_size, peer.dst_block_size
@@ -167,7 +167,7 @@ def block_map(src_tables: list, dst_tables: list, layer: int | None = None) -> d
 
 
 def _run_block_map(args: argparse.Namespace, build_offline: Any) -> int:
-    from vllm_dsa_connector.matching import PlanError
+    from vllm_dsa_connector.core.plan.token_map import PlanError
 
     bp = args.src_block_size or args.block_size
     bd = args.dst_block_size or args.block_size
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     previous = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
-        from vllm_dsa_connector.layout import build_offline
+        from vllm_dsa_connector.connector.page_tables import build_offline
     finally:
         if previous is None:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)

@@ -11,15 +11,15 @@ import argparse
 
 
 def sections() -> list[tuple[str, type]]:
-    """``(title, settings class)`` of every settings class users set, in the document's order."""
+    """``(title, settings class)`` of every settings class users set, in the document's order (the dev
+    package's last, where it is installed)."""
     from vllm_dsa_connector.admission.options import AdmissionConfig
+    from vllm_dsa_connector.commands import dev_packages
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.core.transfer.copy.kernels import CopySettings
     from vllm_dsa_connector.options import RuntimeFixesOptions
-    from vllm_dsa_connector.tiny_models import ModelDirSettings
-    from vllm_dsa_connector.tokenizer.assets import AssetSettings
     from vllm_dsa_connector.tokenizer.modes import BaseModeSettings
     from vllm_dsa_connector.tokenizer.options import CacheOptions
-    from vllm_dsa_connector.transport.kernels import CopySettings
 
     return [
         ("DSAConnector, `kv_connector_extra_config` (the `bounce_*` keys tune the bounce gate):",
@@ -31,8 +31,7 @@ def sections() -> list[tuple[str, type]]:
         ("Prefix token cache base mode (`--tokenizer-mode dsa-prefix-cache`):", BaseModeSettings),
         ("Transport run copies (bounce gather/scatter, same-node copies):", CopySettings),
         ("Plugin:", RuntimeFixesOptions),
-        ("Tiny models (tests, demo, `vllm-dsa make-model`):", ModelDirSettings),
-        ("Test tokenizers (`python -m vllm_dsa_connector.tokenizer.assets`):", AssetSettings),
+        *(section for dev in dev_packages() for section in dev.option_sections()),
     ]
 
 

@@ -247,8 +247,8 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
+        from vllm_dsa_connector.connector.page_tables import build_from_kv_caches
         from vllm_dsa_connector.connector.worker import DSAConnectorWorker
-        from vllm_dsa_connector.layout import build_from_kv_caches
 
         cfg = self._vllm_config
         pp = cfg.parallel_config
@@ -269,7 +269,7 @@ class DSAConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def page_table(self) -> Any:
-        """This worker's :class:`~vllm_dsa_connector.layout.PageTable` (built from the ``kv_caches`` vLLM
+        """This worker's :class:`~vllm_dsa_connector.core.plan.PageTable` (built from the ``kv_caches`` vLLM
         registered), or None on the scheduler side and before ``register_kv_caches``."""
         return None if self._worker is None else self._worker.table
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.handoff.messages import check_transfer_id, prompt_digest
-from vllm_dsa_connector.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.ids import check_transfer_id, prompt_digest
+from vllm_dsa_connector.core.handoff.producer import Producer
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

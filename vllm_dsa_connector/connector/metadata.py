@@ -1,10 +1,10 @@
 """vLLM's containers for DSAConnector's data: the handshake payload and the per-step metadata.
 
 The structs themselves (payloads, jobs, notices) are vLLM-free and live in
-:mod:`vllm_dsa_connector.handoff.wire`; this module wraps them in the classes vLLM's connector API
+:mod:`vllm_dsa_connector.core.handoff.wire`; this module wraps them in the classes vLLM's connector API
 passes around:
 
-- :class:`DSAHandshakeMetadata`: one worker's encoded :class:`~vllm_dsa_connector.handoff.wire.RankPayload`,
+- :class:`DSAHandshakeMetadata`: one worker's encoded :class:`~vllm_dsa_connector.core.handoff.wire.RankPayload`,
   collected by vLLM's ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata_pp_aware`` path.
 - :class:`DSAConnectorMetadata`: what the scheduler tells its workers each step (push jobs on P,
   receive expectations on D, releases and failures).
@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from vllm_dsa_connector.handoff.wire import PeerInfo, PushJob, RecvJob
+from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, RecvJob
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Declared once with :func:`vllm_dsa_connector.options.option`; explicit config > ``VLLM_DSA_*``
 environment variable > default. The bounce gate's ``bounce_*`` keys are a nested group
-(:class:`~vllm_dsa_connector.transport.gate_options.BounceSettings`, validated here too); the admission
+(:class:`~vllm_dsa_connector.core.transfer.gate_options.BounceSettings`, validated here too); the admission
 keys (:data:`~vllm_dsa_connector.admission.options.ADMISSION_OPTION_KEYS`) are accepted and validated by
 the admission scheduler, which reads them wherever MultiConnector puts them. Any other key is refused
 with the list of known keys, so a typo never silently falls back to a default.
@@ -16,8 +16,9 @@ from functools import partial
 from typing import Any
 
 from vllm_dsa_connector.admission.options import ADMISSION_OPTION_KEYS
-from vllm_dsa_connector.handoff.leases import EARLY_HELD
-from vllm_dsa_connector.handoff.side_channel import is_loopback
+from vllm_dsa_connector.core.handoff.leases import EARLY_HELD
+from vllm_dsa_connector.core.handoff.side_channel import is_loopback
+from vllm_dsa_connector.core.transfer.gate_options import BounceSettings
 from vllm_dsa_connector.options import (
     OptionError,
     group,
@@ -29,9 +30,8 @@ from vllm_dsa_connector.options import (
     parse_int,
     resolve_options,
 )
-from vllm_dsa_connector.transport.gate_options import BounceSettings
 
-__all__ = ["ConnectorOptions", "OptionError", "known_keys"]
+__all__ = ["ConnectorOptions", "known_keys"]
 
 WHERE = "DSAConnector kv_connector_extra_config"
 

@@ -1,7 +1,7 @@
 """Byte-level helpers over registered memory: CRC32 of byte runs of a pool (host or device), a uint8 view
 of a KV pool.
 
-Per-request byte runs come from the peer's plan (``matching.PeerPlan.runs``), built once at the handshake.
+Per-request byte runs come from the peer's plan (``core.plan.peer_plan.PeerPlan.runs``), built once at the handshake.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
   (:data:`~vllm_dsa_connector.handoff.recompute.REASONS`; each falls back to ``kv_load_failure_policy``:
   recompute = D prefills it; ``vllm-dsa explain REASON`` gives the fix), counted once where D decides it
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
-  P rank sent what (replicated layers come from the one elected sender, ``matching.elected_sender``)
+  P rank sent what (replicated layers come from the one elected sender, ``core.plan.segments.elected_sender``)
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ handles are replaced by adapters that speak the older API over the newer kernels
 
 vLLM without DeepGEMM (the CPU build) never calls the kernels; the wrapper is still installed there
 (nothing is imported or resolved until vLLM itself calls ``_lazy_init``), so the report is the same
-everywhere. ``bench/gpu_pd.py`` checks the adapted prefill logits against a torch reference on the GPU.
+everywhere. ``dev/bench/gpu_pd.py`` checks the adapted prefill logits against a torch reference on the GPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Device-side token -> request map, in plain torch (no vLLM import).
 
 This is the computation the runtime fix installs into vLLM's
-``CommonAttentionMetadata.token_to_req_indices`` and the one ``bench/gpu_mtp_graph.py``
+``CommonAttentionMetadata.token_to_req_indices`` and the one ``dev/bench/gpu_mtp_graph.py``
 captures in a CUDA graph. It has the contract of vLLM 0.32's Triton
 ``vllm.v1.attention.ops.metadata.compute_token_to_req_indices``:
 

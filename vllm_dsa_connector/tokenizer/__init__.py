@@ -5,14 +5,14 @@
 the longest prefix shared with a cached text (restarting at a cut proved exact, see :mod:`.analysis`).
 """
 
-from .cache import PrefixTokenCache
-from .options import CacheOptions
+from vllm_dsa_connector.tokenizer.cache import PrefixTokenCache
+from vllm_dsa_connector.tokenizer.options import CacheOptions
 
 __all__ = ["CacheOptions", "PrefixTokenCache", "wrap_tokenizer"]
 
 
 def wrap_tokenizer(tokenizer, **options):  # noqa: ANN001, ANN201 - lazy re-export (imports vLLM's logger)
     """See :func:`vllm_dsa_connector.tokenizer.wrapper.wrap_tokenizer`."""
-    from .wrapper import wrap_tokenizer as _wrap
+    from vllm_dsa_connector.tokenizer.wrapper import wrap_tokenizer as _wrap
 
     return _wrap(tokenizer, **options)

@@ -39,10 +39,10 @@ from typing import Any
 from tokenizers import Tokenizer
 from vllm.logger import init_logger
 
-from .analysis import LINE_CUT_RE, CutRules, analyze, last_line_cut
-from .idlists import interned, pair_anchors
-from .options import CacheOptions
-from .prefix_index import Match, PrefixIndex
+from vllm_dsa_connector.tokenizer.analysis import LINE_CUT_RE, CutRules, analyze, last_line_cut
+from vllm_dsa_connector.tokenizer.idlists import interned, pair_anchors
+from vllm_dsa_connector.tokenizer.options import CacheOptions
+from vllm_dsa_connector.tokenizer.prefix_index import Match, PrefixIndex
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 

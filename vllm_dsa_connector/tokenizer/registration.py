@@ -6,7 +6,7 @@ renderer (see :mod:`.modes`).
 
 from __future__ import annotations
 
-from .wrapper import MODE
+from vllm_dsa_connector.tokenizer.wrapper import MODE
 
 TOKENIZER_ENTRY = ("vllm_dsa_connector.tokenizer.wrapper", "DSAPrefixCacheTokenizer")
 RENDERER_ENTRY = ("vllm_dsa_connector.tokenizer.modes", "prefix_cache_renderer")

@@ -23,8 +23,14 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from .cache import PrefixTokenCache
-from .modes import MODE, BaseMode, ModeError, check_tokenizer, resolve_base_mode
+from vllm_dsa_connector.tokenizer.cache import PrefixTokenCache
+from vllm_dsa_connector.tokenizer.modes import (
+    MODE,
+    BaseMode,
+    ModeError,
+    check_tokenizer,
+    resolve_base_mode,
+)
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 

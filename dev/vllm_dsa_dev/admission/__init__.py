@@ -1,0 +1,1 @@
+"""The admission bench's harness."""

@@ -1,0 +1,1 @@
+"""Tiny GLM-DSA models for the CPU DSA backend's tests."""

@@ -1,0 +1,1 @@
+"""Tokenizer benches, workloads, tiny models and test assets (GPT-2 ranks)."""

@@ -1,0 +1,1 @@
+"""Local copies: gather, scatter, copy_runs, their widths and Triton kernels."""

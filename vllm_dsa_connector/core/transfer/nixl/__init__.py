@@ -1,0 +1,1 @@
+"""The NIXL wrapper: agents, peers, reconnects, transfers."""

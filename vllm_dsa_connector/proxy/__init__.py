@@ -1,0 +1,1 @@
+"""The P/D proxy: the app (``python -m vllm_dsa_connector.proxy.app``) and its request rules."""
