@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 @pytest.fixture(scope="session")
 def tiny_mla_dir() -> Path:
     """The tiny random DeepSeek-V2 MLA model (made once, cached under VLLM_DSA_MODEL_DIR or ~/.cache)."""
-    from vllm_dsa_connector.tiny_models import make_tiny_mla
+    from vllm_dsa_dev.tiny_models import make_tiny_mla
 
     return make_tiny_mla()
 
@@ -78,9 +78,9 @@ def processes_on_ports(base: int, span: int) -> list[str]:
 
 
 def fake_page_table(num_blocks: int = 512, *, block_size: int = 0):
-    """A handshake payload's page table (``layout.PageTable``) with one pool of ``num_blocks`` blocks and
+    """A handshake payload's page table (``core.plan.PageTable``) with one pool of ``num_blocks`` blocks and
     nothing else, for tests whose transfer plan is faked (``block_size`` 0: not published)."""
-    from vllm_dsa_connector.layout.model import ModelId, PageTable, Pool
+    from vllm_dsa_connector.core.plan.pages import ModelId, PageTable, Pool
 
     model = ModelId("fake", 1, 0, 0, 0, 0, 0, 0, None, ())
     return PageTable(0, 0, 1, 0, 1, block_size, "auto", model, (), (Pool(0, 0, 0, num_blocks),))
@@ -106,12 +106,13 @@ def load_module_from_file(path: Path, name: str) -> types.ModuleType:
 
 def check_conversation_exact(tok: Any, kind: str, options: dict[str, Any], seed: int,
                              check: Callable[[Any], None]) -> None:
-    """A ``kind`` conversation of ``tokenizer.workloads.requests`` (12k-character turns, 6 of them) through one
+    """A ``kind`` conversation of ``vllm_dsa_dev.tokenizer.workloads.requests`` (12k-character turns, 6 of them) through one
     ``PrefixTokenCache(tok, **options)``: every text it encodes (the workload's counts and each prompt) equals a
     full encode, nearly all are hits, none a mismatch, and what is re-tokenized stays a small tail (from the
     last anchor, not the start). ``check(req)``: the workload's own checks of each request."""
+    from vllm_dsa_dev.tokenizer.workloads import requests
+
     from vllm_dsa_connector.tokenizer import PrefixTokenCache
-    from vllm_dsa_connector.tokenizer.workloads import requests
 
     cache = PrefixTokenCache(tok, **options)
     checked = 0
@@ -164,7 +165,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
     diag = os.environ.get("VLLM_DSA_TEST_DIAG")
     if diag and report.failed:
-        from vllm_dsa_connector.harness.procs import running_procs
+        from vllm_dsa_dev.harness.procs import running_procs
 
         crash = getattr(report.longrepr, "reprcrash", None)
         lines = [f"=== {report.nodeid} ({report.when}): {crash.message if crash else ''}"[:1000]]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_connector_scheduler import BLOCK, Clock, _config, _load, _output, _prefill, _wait
-from vllm_dsa_connector.handoff.messages import ReqRef
+from vllm_dsa_connector.core.handoff.messages import ReqRef
 
 IDLE_S = 60.0
 
@@ -35,8 +35,8 @@ def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
 
 
 def _payload(engine: str, table, arena: int) -> bytes:
-    from vllm_dsa_connector.handoff.wire import RankPayload, encode
-    from vllm_dsa_connector.transport.nixl_data import RegionDesc
+    from vllm_dsa_connector.core.handoff.wire import RankPayload, encode
+    from vllm_dsa_connector.core.transfer.nixl.data import RegionDesc
 
     staging = RegionDesc(f"agent-{engine}", 0, arena, "DRAM") if arena else None
     return encode(RankPayload(engine, table.rank, table.pp_rank, table.tp_rank, f"agent-{engine}", b"",
@@ -48,11 +48,11 @@ def pd(tiny_mla_dir: Path):
     """A P and a D scheduler (real side channels, real page tables of one layout) on one injected clock; D
     bounces every transfer into its staging slots."""
     import vllm.plugins
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
 
     from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.page_tables import build_offline
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
-    from vllm_dsa_connector.layout import build_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
 
     vllm.plugins.load_general_plugins()
     clock = Clock()
@@ -82,8 +82,8 @@ def _register(p, d, clock, name: str, src: list[int], dst: list[int]):
 
 
 def test_an_idle_peer_is_forgotten_on_both_sides_and_handshakes_again(pd) -> None:
-    from vllm_dsa_connector.handoff.consumer import LoadState
-    from vllm_dsa_connector.handoff.params import RemoteParams
+    from vllm_dsa_connector.core.handoff.loads import LoadState
+    from vllm_dsa_connector.core.handoff.params import RemoteParams
 
     p, d, clock = pd
     before = _control_threads()
@@ -159,9 +159,10 @@ def test_a_failed_loads_slot_returns_after_the_write_bound_and_not_before(pd) ->
 
 
 def test_early_notices_are_capped_per_key_and_per_agent(caplog) -> None:
-    from vllm_dsa_connector.transport import NixlEngine
-    from vllm_dsa_connector.transport.notices import encode_notif
-    from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.notices import encode_notif
+    from vllm_dsa_connector.core.transfer.receiver import Receiver
+    from vllm_dsa_connector.core.transfer.receiver_data import RecvState, WriterSpec
 
     eng = NixlEngine(f"unit-early-{time.monotonic_ns()}")
     try:
@@ -169,7 +170,7 @@ def test_early_notices_are_capped_per_key_and_per_agent(caplog) -> None:
         for _ in range(4):
             rcv.handle("p0", encode_notif("direct", 0, b"flood"))
         assert len(rcv.early.kept[b"flood"]) == 4
-        with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.transport.receiver"):
+        with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.core.transfer.receiver"):
             for _ in range(1000):  # one request's flood: dropped whole, warned once, nothing kept
                 rcv.handle("p0", encode_notif("direct", 0, b"flood"))
         assert b"flood" not in rcv.early.kept and not rcv.early.by_peer
@@ -182,7 +183,7 @@ def test_early_notices_are_capped_per_key_and_per_agent(caplog) -> None:
         assert got[b"fine"].state is RecvState.DONE
 
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.transport.receiver"):
+        with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.core.transfer.receiver"):
             for i in range(50):  # one agent, many keys: 6 kept in all, the cap warned once
                 rcv.handle("p1", encode_notif("direct", 0, f"k{i}".encode()))
         assert sum(len(v) for v in rcv.early.kept.values()) == 6 and rcv.early.by_peer["p1"][0] == 6

@@ -11,11 +11,12 @@ import msgspec
 import pytest
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.clock import ClockEstimate
+from vllm_dsa_connector.core.handoff.leases import LeaseState
+from vllm_dsa_connector.core.handoff.messages import (
     Authenticator,
     CancelReq,
     CancelState,
-    ClockEstimate,
     HeartbeatReq,
     MessageError,
     MetaReq,
@@ -24,18 +25,18 @@ from vllm_dsa_connector.handoff.messages import (
     Reply,
     ReqRef,
 )
-from vllm_dsa_connector.handoff.producer import LeaseState, Producer
-from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer, request
-from vllm_dsa_connector.handoff.states import IllegalTransition
-from vllm_dsa_connector.handoff.wire import (
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+from vllm_dsa_connector.core.handoff.side_channel import HandshakeError, SideChannelServer, request
+from vllm_dsa_connector.core.handoff.states import IllegalTransition
+from vllm_dsa_connector.core.handoff.wire import (
     PROTOCOL_VERSION,
     RankPayload,
     Route,
     decode_payload,
     encode,
 )
-from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
+from vllm_dsa_connector.core.plan.pairing import PairingError, pair_blocks_by_position
 
 SECRET = "s3cret-s3cret-s3cret"
 
@@ -145,13 +146,15 @@ def test_payload_page_table_regions_and_staging_are_typed_and_bounded() -> None:
     """A payload's page table, regions and staging arena travel as typed structs whose bytes are those of the
     plain ``to_dict()`` forms (no protocol change) and give the same tables and regions back; a payload whose
     page table has another shape, or a list over its bound, is refused while it is decoded, naming the field."""
-    from vllm_dsa_connector.handoff.wire import (
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
+
+    from vllm_dsa_connector.connector.page_tables import build_offline
+    from vllm_dsa_connector.core.handoff.wire import (
         MAX_ENTRIES,
     )
-    from vllm_dsa_connector.layout import PageTable, build_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
-    from vllm_dsa_connector.transport.ipc_desc import IpcDesc
-    from vllm_dsa_connector.transport.nixl_data import RegionDesc
+    from vllm_dsa_connector.core.plan.pages import PageTable
+    from vllm_dsa_connector.core.transfer.ipc_desc import IpcDesc
+    from vllm_dsa_connector.core.transfer.nixl.data import RegionDesc
 
     (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
     wire = table
@@ -428,7 +431,7 @@ def test_a_second_d_request_registering_a_lease_is_refused_naming_both(producer)
 
 
 def test_lease_transitions_happen_in_one_place_and_illegal_ones_are_refused(producer) -> None:
-    from vllm_dsa_connector.handoff.producer import TRANSITIONS
+    from vllm_dsa_connector.core.handoff.leases import TRANSITIONS
 
     prod, clock = producer
     token = prod.add_lease("p1", [7])
@@ -451,7 +454,7 @@ def test_lease_transitions_happen_in_one_place_and_illegal_ones_are_refused(prod
 
 
 def test_load_transitions_happen_in_one_place_and_illegal_ones_are_refused() -> None:
-    from vllm_dsa_connector.handoff.consumer import TRANSITIONS, Loading, LoadState
+    from vllm_dsa_connector.core.handoff.loads import TRANSITIONS, Loading, LoadState
 
     load = Loading("P", ReqRef("p1", "t"), req_id="d1")
     for state in (LoadState.REGISTERING, LoadState.REGISTERED, LoadState.GIVING_UP, LoadState.FAILED):

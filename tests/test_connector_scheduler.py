@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff.messages import ReqRef
-from vllm_dsa_connector.handoff.producer import LeaseState
+from vllm_dsa_connector.core.handoff.leases import LeaseState
+from vllm_dsa_connector.core.handoff.messages import ReqRef
 
 BLOCK = 16
 
@@ -36,7 +36,7 @@ def _config(model: Path, role: str, extra: dict):
 
 
 def _payload(engine: str, agent: str = "", num_blocks: int = 512) -> bytes:
-    from vllm_dsa_connector.handoff.wire import RankPayload, encode
+    from vllm_dsa_connector.core.handoff.wire import RankPayload, encode
 
     return encode(RankPayload(engine, 0, 0, 0, agent or f"agent-{engine}", b"", fake_page_table(num_blocks), [],
                               {"model_dtype": "f32"}))
@@ -190,7 +190,7 @@ def test_give_up_before_dispatch_releases_at_once_and_p_never_writes(pd) -> None
 
 
 def test_give_up_after_dispatch_holds_blocks_until_the_write_bound(pd) -> None:
-    from vllm_dsa_connector.handoff.consumer import SAFETY_MARGIN_S
+    from vllm_dsa_connector.core.handoff.loads import SAFETY_MARGIN_S
 
     p, d, clock = pd
     _registered(p, d, clock, "slow", [23, 24], [52, 53])
@@ -355,7 +355,7 @@ def test_unanswered_handshake_is_retried_inside_the_transfer_budget(pd, tiny_mla
     """P's side channel silent for one handshake timeout (closed, then bound again on its port: what a
     starved or restarting P looks like from D): the waiting request is not failed; the next attempt
     succeeds, and the load registers and is pushed as usual."""
-    from vllm_dsa_connector.handoff.side_channel import SideChannelServer
+    from vllm_dsa_connector.core.handoff.side_channel import SideChannelServer
 
     _, d, clock = pd
     p2 = _second_p(tiny_mla_dir, "P-late", clock)
@@ -457,8 +457,8 @@ def _wait_for(cond, what: str, timeout_s: float = 20.0) -> None:
 def test_heartbeats_of_many_queued_requests_stay_under_p_s_cap(pd) -> None:
     """Issue 29 item 5: more queued loads than P takes in one message (4,096) are heartbeated in chunks
     under the cap; one heartbeat of them all was refused whole and every lease expired."""
-    from vllm_dsa_connector.handoff.messages import MAX_REQS_PER_MESSAGE
-    from vllm_dsa_connector.handoff.params import RemoteParams
+    from vllm_dsa_connector.core.handoff.messages import MAX_REQS_PER_MESSAGE
+    from vllm_dsa_connector.core.handoff.params import RemoteParams
 
     p, d, clock = pd
     template = _prefill(p, "p-many-0", BLOCK, [30])
@@ -493,7 +493,7 @@ def test_a_refused_heartbeat_is_an_error_and_fails_its_queued_loads(pd) -> None:
     counted, and the loads it covered fail by name at allocation instead of waiting for expired leases."""
     import msgspec
 
-    from vllm_dsa_connector.handoff.params import RemoteParams
+    from vllm_dsa_connector.core.handoff.params import RemoteParams
 
     p, d, clock = pd
     params = _prefill(p, "p-victim", BLOCK, [40])
@@ -584,7 +584,7 @@ def test_a_restarted_d_is_served_with_its_own_payloads(pd, tiny_mla_dir: Path) -
     and the old start's next registration is checked against its own layout (512 blocks), not the new one's."""
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
-    from vllm_dsa_connector.handoff.consumer import LoadState
+    from vllm_dsa_connector.core.handoff.loads import LoadState
 
     p, d, clock = pd
     _registered(p, d, clock, "before", [41, 42], [60, 61])
@@ -628,8 +628,8 @@ def test_d_redoes_the_handshake_after_p_restarts_on_the_same_id_and_port(pd, tin
     up, its blocks kept until the write bound: the new start's "not posted" is not the old start's word)."""
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
-    from vllm_dsa_connector.handoff.consumer import SAFETY_MARGIN_S, LoadState
-    from vllm_dsa_connector.handoff.wire import decode_payload
+    from vllm_dsa_connector.core.handoff.loads import SAFETY_MARGIN_S, LoadState
+    from vllm_dsa_connector.core.handoff.wire import decode_payload
 
     _, d, clock = pd
     extra = {"kv_lease_duration": 10.0, "transfer_timeout_s": 5.0, "peer_setup_timeout_s": 0.0, "bounce_mode": "never"}
@@ -840,7 +840,7 @@ def test_an_unanswered_cancel_is_sent_again_until_p_answers(pd, tiny_mla_dir: Pa
     WRITE, and D hands its blocks back on P's answer instead of keeping them until the write bound."""
     from vllm.v1.request import RequestStatus
 
-    from vllm_dsa_connector.handoff.side_channel import HandshakeError, SideChannelServer
+    from vllm_dsa_connector.core.handoff.side_channel import HandshakeError, SideChannelServer
 
     _, d, clock = pd
     p2 = _second_p(tiny_mla_dir, "P-deaf", clock)

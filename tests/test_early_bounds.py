@@ -15,18 +15,19 @@ import msgspec
 import pytest
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.ids import prompt_digest
+from vllm_dsa_connector.core.handoff.leases import LeaseState
+from vllm_dsa_connector.core.handoff.messages import (
     CancelReq,
     CancelState,
     Origin,
     RegReq,
     ReqRef,
-    prompt_digest,
     transfer_ref,
 )
-from vllm_dsa_connector.handoff.producer import LeaseState, Producer
-from vllm_dsa_connector.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
-from vllm_dsa_connector.handoff.wire import RankPayload, encode
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
+from vllm_dsa_connector.core.handoff.wire import RankPayload, encode
 
 BLOCK = 16
 PROMPT = list(range(100))
@@ -158,7 +159,7 @@ def test_a_full_tombstone_table_refuses_new_holds_and_promises_nothing() -> None
 
 
 def test_the_proxy_refuses_early_registration_in_front_of_a_prefill_pool(capsys) -> None:
-    from vllm_dsa_connector import pd_proxy
+    from vllm_dsa_connector.proxy import app as pd_proxy
 
     with pytest.raises(ValueError, match="exactly one prefill engine behind http://lb:8100.*--prefill-pool"):
         pd_proxy.make_app("http://lb:8100", "http://d:8200", early_registration=True, prefill_pool=True)
@@ -175,10 +176,10 @@ def test_d_states_no_post_deadline_past_ps_horizon() -> None:
     its registration; D itself still waits its own budget. Real Consumer and Producer over a real side channel."""
     import time
 
-    from vllm_dsa_connector.handoff.consumer import Consumer
-    from vllm_dsa_connector.handoff.messages import Authenticator
-    from vllm_dsa_connector.handoff.params import RemoteParams
-    from vllm_dsa_connector.handoff.side_channel import SideChannelServer
+    from vllm_dsa_connector.core.handoff.consumer import Consumer
+    from vllm_dsa_connector.core.handoff.messages import Authenticator
+    from vllm_dsa_connector.core.handoff.params import RemoteParams
+    from vllm_dsa_connector.core.handoff.side_channel import SideChannelServer
 
     class _Plan:
         def senders_for(self, rank: int) -> tuple[int, ...]:
@@ -225,7 +226,7 @@ def test_held_registrations_and_refused_identities_reach_prometheus(tiny_mla_dir
     from vllm_dsa_connector.connector.options import ConnectorOptions
     from vllm_dsa_connector.connector.scheduler import DSAConnectorScheduler
     from vllm_dsa_connector.connector.stats import DSAPromMetrics
-    from vllm_dsa_connector.handoff.messages import MessageError
+    from vllm_dsa_connector.core.handoff.messages import MessageError
 
     vllm.plugins.load_general_plugins()
     extra = {"transfer_timeout_s": TIMEOUT_S, "bounce_mode": "never"}

@@ -1,4 +1,4 @@
-"""Early registration on the real :class:`~vllm_dsa_connector.handoff.producer.Producer`: D registers by the
+"""Early registration on the real :class:`~vllm_dsa_connector.core.handoff.producer.Producer`: D registers by the
 proxy's transfer id while P prefills (or before P has seen the request).
 
 - a registration that arrives first is held and attached when P's lease opens; nothing is dispatched while
@@ -22,19 +22,14 @@ import itertools
 import pytest
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff import leases as leases_mod
-from vllm_dsa_connector.handoff.messages import (
-    CancelReq,
-    CancelState,
-    RegReq,
-    check_transfer_id,
-    prompt_digest,
-    transfer_ref,
-)
-from vllm_dsa_connector.handoff.params import RemoteParams
-from vllm_dsa_connector.handoff.producer import LeaseState, Producer
-from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.wire import RankPayload, encode
+from vllm_dsa_connector.core.handoff import leases as leases_mod
+from vllm_dsa_connector.core.handoff.ids import check_transfer_id, prompt_digest
+from vllm_dsa_connector.core.handoff.leases import LeaseState
+from vllm_dsa_connector.core.handoff.messages import CancelReq, CancelState, RegReq, transfer_ref
+from vllm_dsa_connector.core.handoff.params import RemoteParams
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+from vllm_dsa_connector.core.handoff.wire import RankPayload, encode
 
 BLOCK = 16
 TID = "0123456789abcdef0123456789abcdef"

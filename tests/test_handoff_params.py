@@ -1,4 +1,4 @@
-"""``kv_transfer_params`` typed once (``handoff/params.py``): what each side writes is what the next reads, and
+"""``kv_transfer_params`` typed once (``core/handoff/params.py``): what each side writes is what the next reads, and
 every string and list in them is bounded."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from vllm_dsa_connector.handoff.messages import transfer_ref
-from vllm_dsa_connector.handoff.params import (
+from vllm_dsa_connector.core.handoff.messages import transfer_ref
+from vllm_dsa_connector.core.handoff.params import (
     EarlyParams,
     PrefillParams,
     RemoteParams,
     is_early_prefill,
 )
-from vllm_dsa_connector.pd_bodies import prefill_body
+from vllm_dsa_connector.proxy.bodies import prefill_body
 
 TID = "a" * 32
 

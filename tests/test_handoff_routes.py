@@ -1,17 +1,18 @@
-"""D's routes (``handoff.routes``): real page tables and plan, the real bounce gate and allocator.
+"""D's routes (``core.handoff.routes``): real page tables and plan, the real bounce gate and allocator.
 A forced-bounce request gets one slot per writer inside the arena, a request that does not fit gets none
 (a direct WRITE), a released slot is reused and a quarantined one never is; a writer of several pool pairs
 bounces all of them in one slot; a P on D's host that reaches D's GPU is routed through ipc."""
 
 from __future__ import annotations
 
-from vllm_dsa_connector.handoff.routes import RoutePlanner, ipc_reachable
-from vllm_dsa_connector.handoff.wire import RankPayload, Route
-from vllm_dsa_connector.layout import build_offline
-from vllm_dsa_connector.matching import PeerPlan
-from vllm_dsa_connector.tiny_models import glm_dsa_config
-from vllm_dsa_connector.transport.gate_options import BounceSettings
-from vllm_dsa_connector.transport.nixl_data import RegionDesc
+from vllm_dsa_dev.tiny_models import glm_dsa_config
+
+from vllm_dsa_connector.connector.page_tables import build_offline
+from vllm_dsa_connector.core.handoff.routes import RoutePlanner, ipc_reachable
+from vllm_dsa_connector.core.handoff.wire import RankPayload, Route
+from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+from vllm_dsa_connector.core.transfer.gate_options import BounceSettings
+from vllm_dsa_connector.core.transfer.nixl.data import RegionDesc
 
 
 def _payloads(engine: str, tables, arena: int, **kw) -> list[RankPayload]:
@@ -67,7 +68,7 @@ def test_different_block_sizes_still_bounce_in_one_write_per_writer() -> None:
 def test_a_writer_of_two_pool_pairs_bounces_both_in_one_slot() -> None:
     """A GPU engine's table has two pools (the MLA latent and the indexer K cache have different page
     sizes): each writer has two parts; its one slot holds both, each at a :func:`packed_offsets` offset."""
-    from vllm_dsa_connector.transport.runs import packed_offsets
+    from vllm_dsa_connector.core.plan.runs import packed_offsets
 
     # LBNHC (what vLLM's GPU build uses): one pool per KV cache spec, i.e. two
     (split,) = build_offline(glm_dsa_config(6), num_blocks=8, layout="LBNHC")

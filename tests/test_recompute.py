@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsa_connector.handoff.messages import MessageError
-from vllm_dsa_connector.handoff.recompute import (
+from vllm_dsa_connector.core.handoff.messages import MessageError
+from vllm_dsa_connector.core.handoff.recompute import (
     FIXES,
     REASONS,
     classify,
@@ -45,7 +45,7 @@ def test_each_failure_text_has_its_reason(why: str, reason: str) -> None:
 
 
 def test_params_reasons_name_the_missing_key() -> None:
-    from vllm_dsa_connector.handoff.params import RemoteParams
+    from vllm_dsa_connector.core.handoff.params import RemoteParams
 
     params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_token": "t",
               "remote_host": "h", "remote_port": 1, "remote_block_ids": [1]}

@@ -31,15 +31,14 @@ from typing import Any
 
 import pytest
 from conftest import free_port, processes_on_ports
-
-from vllm_dsa_connector.harness.client import metric, scrape
-from vllm_dsa_connector.harness.engines import (
+from vllm_dsa_dev.harness.client import metric, scrape
+from vllm_dsa_dev.harness.engines import (
     choose_backend,
     connector_config,
     engine_env,
     start_engine,
 )
-from vllm_dsa_connector.harness.procs import Proc, cluster
+from vllm_dsa_dev.harness.procs import Proc, cluster
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +223,7 @@ def _wait_for(what: str, cond: Any, timeout_s: float = 60.0) -> Any:
 
 @pytest.fixture(scope="module")
 def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
-    from vllm_dsa_connector.cpu_dsa.tiny_model import make_tiny_glm_dsa
+    from vllm_dsa_dev.cpu_dsa.tiny_model import make_tiny_glm_dsa
 
     model = make_tiny_glm_dsa(index_topk_freq=2, index_topk=16)
     workdir = tmp_path_factory.mktemp("records")

@@ -13,8 +13,10 @@ import pytest
 import zmq
 from conftest import fake_page_table
 
-from vllm_dsa_connector.handoff.consumer import Consumer, LoadState
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.consumer import Consumer
+from vllm_dsa_connector.core.handoff.leases import LeaseState
+from vllm_dsa_connector.core.handoff.loads import LoadState
+from vllm_dsa_connector.core.handoff.messages import (
     MAX_REQS_PER_MESSAGE,
     REPLAY_WINDOW_S,
     Authenticator,
@@ -29,16 +31,16 @@ from vllm_dsa_connector.handoff.messages import (
     decode_reply,
     decode_request,
 )
-from vllm_dsa_connector.handoff.params import RemoteParams
-from vllm_dsa_connector.handoff.producer import LeaseState, Producer
-from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import (
+from vllm_dsa_connector.core.handoff.params import RemoteParams
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+from vllm_dsa_connector.core.handoff.side_channel import (
     HandshakeError,
     SideChannelServer,
     fetch_payloads,
     request,
 )
-from vllm_dsa_connector.handoff.wire import MAX_WORKERS, RankPayload, encode
+from vllm_dsa_connector.core.handoff.wire import MAX_WORKERS, RankPayload, encode
 
 SECRET = "hostile-peers-secret-0123"
 BLOCK = 16

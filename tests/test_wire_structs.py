@@ -6,11 +6,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_dsa_connector.handoff.wire import Route
-from vllm_dsa_connector.layout.model import MAX_ENTRIES, PageTable
-from vllm_dsa_connector.transport.ipc_desc import IpcDesc
-from vllm_dsa_connector.transport.nixl_data import RegionDesc
-from vllm_dsa_connector.transport.paths import PathName
+from vllm_dsa_connector.core.handoff.wire import Route
+from vllm_dsa_connector.core.plan.pages import MAX_ENTRIES, PageTable
+from vllm_dsa_connector.core.transfer.ipc_desc import IpcDesc
+from vllm_dsa_connector.core.transfer.nixl.data import RegionDesc
+from vllm_dsa_connector.core.transfer.paths import PathName
 
 
 def test_a_region_encodes_as_its_former_wire_mirror_and_is_bounded() -> None:
@@ -70,9 +70,10 @@ def test_an_ipc_export_encodes_as_its_former_wire_mirror_and_is_bounded() -> Non
 
 
 def test_a_page_table_is_its_own_wire_form_and_is_bounded() -> None:
-    from vllm_dsa_connector.handoff.wire import encode
-    from vllm_dsa_connector.layout import build_offline
-    from vllm_dsa_connector.tiny_models import glm_dsa_config
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
+
+    from vllm_dsa_connector.connector.page_tables import build_offline
+    from vllm_dsa_connector.core.handoff.wire import encode
 
     (table,) = build_offline(glm_dsa_config(6), num_blocks=8)
     plain = table.to_dict()

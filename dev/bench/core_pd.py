@@ -1,22 +1,22 @@
 """The transfer core end to end, without vLLM: a producer and a consumer process push KV through NIXL.
 
-What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.handoff`, the planner
-``matching.PeerPlan``, :mod:`vllm_dsa_connector.transport`), with nothing from vLLM imported:
+What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.core.handoff`, the planner
+``core.plan.peer_plan.PeerPlan``, :mod:`vllm_dsa_connector.core.transfer`), with nothing from vLLM imported:
 
 - P and D each allocate KV pools with torch, laid out as vLLM lays out a GLM-5.2-shaped model's KV cache
-  (the page table built offline by :mod:`vllm_dsa_connector.layout` from ``examples/glm5_2_shape.json``:
+  (the page table built offline by :mod:`vllm_dsa_connector.core.plan` from ``examples/glm5_2_shape.json``:
   78 MLA pages of 41,984 B + 21 indexer pages of 8,448 B per block), register them with a NIXL agent and
-  publish a :class:`~vllm_dsa_connector.handoff.wire.RankPayload`. P fills its pools with seeded bytes, D
+  publish a :class:`~vllm_dsa_connector.core.handoff.wire.RankPayload`. P fills its pools with seeded bytes, D
   starts from zeros.
-- P keeps each finished "prefill" under a lease (:class:`~vllm_dsa_connector.handoff.producer.Producer`) and
+- P keeps each finished "prefill" under a lease (:class:`~vllm_dsa_connector.core.handoff.producer.Producer`) and
   serves the side channel and hands its ``kv_transfer_params`` to D (the proxy's part) on the control
-  channel of :func:`~vllm_dsa_connector.harness.pair.run_two`, which runs both processes.
-- D handshakes over the side channel (:class:`~vllm_dsa_connector.handoff.consumer.Consumer`: payloads,
+  channel of :func:`~vllm_dsa_dev.harness.pair.run_two`, which runs both processes.
+- D handshakes over the side channel (:class:`~vllm_dsa_connector.core.handoff.consumer.Consumer`: payloads,
   compatibility check, plan), registers its blocks (scattered, out of order; one request with a prefix
   already on D, so P sends from its second block), and arms the transport's receiver.
-- D chooses each pair's route as the connector's scheduler does (``handoff.routes.plan_routes``; ``--path``:
+- D chooses each pair's route as the connector's scheduler does (``core.handoff.routes.plan_routes``; ``--path``:
   direct, bounce with the gate forced, or ipc between two processes on one CUDA host), P dispatches each
-  registration and follows the route (``transport.routed.RoutedTransport``) and reports the lease finished;
+  registration and follows the route (``core.transfer.routed.RoutedTransport``) and reports the lease finished;
   D's receiver settles the request (a bounced writer's parts scattered from its slot).
 - D then checks EVERY byte of its pools: the paired blocks hold P's bytes (P's seeded pools regenerated on
   D, copied with torch index ops along the plan's runs), every other byte is still zero.
@@ -24,9 +24,9 @@ What runs is the core an adapter reuses (:mod:`vllm_dsa_connector.handoff`, the 
 Timed per request: ``post_ms`` (P: post -> all WRITEs DONE) and ``e2e_ms`` (D: registration sent ->
 request settled, through the side channel, P's step, the WRITEs and the notification).
 
-    PYTHONPATH=. python bench/core_pd.py                                   # CPU, small pools (the suite)
-    PYTHONPATH=. python bench/core_pd.py --blocks 1200 --save-table t.json  # build a table (needs vLLM)
-    PYTHONPATH=. python bench/core_pd.py --device cuda --table t.json --requests 594,300,64,8 --blocks 1200 \\
+    PYTHONPATH=. python dev/bench/core_pd.py                                   # CPU, small pools (the suite)
+    PYTHONPATH=. python dev/bench/core_pd.py --blocks 1200 --save-table t.json  # build a table (needs vLLM)
+    PYTHONPATH=. python dev/bench/core_pd.py --device cuda --table t.json --requests 594,300,64,8 --blocks 1200 \\
         --path ipc    # or direct / bounce: the three routes, every byte of D's pools checked
 """
 
@@ -48,31 +48,34 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_dsa_connector.handoff.consumer import Consumer  # noqa: E402
-from vllm_dsa_connector.handoff.messages import Authenticator, Origin, new_epoch  # noqa: E402
-from vllm_dsa_connector.handoff.params import RemoteParams  # noqa: E402
-from vllm_dsa_connector.handoff.producer import Producer  # noqa: E402
-from vllm_dsa_connector.handoff.routes import plan_routes  # noqa: E402
-from vllm_dsa_connector.handoff.settings import HandoffSettings  # noqa: E402
-from vllm_dsa_connector.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
-from vllm_dsa_connector.handoff.wire import (  # noqa: E402
+from vllm_dsa_dev.harness.channel import Channel, Kind, run_two  # noqa: E402
+
+from vllm_dsa_connector.core.handoff.consumer import Consumer  # noqa: E402
+from vllm_dsa_connector.core.handoff.messages import Authenticator, Origin, new_epoch  # noqa: E402
+from vllm_dsa_connector.core.handoff.params import RemoteParams  # noqa: E402
+from vllm_dsa_connector.core.handoff.producer import Producer  # noqa: E402
+from vllm_dsa_connector.core.handoff.routes import plan_routes  # noqa: E402
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings  # noqa: E402
+from vllm_dsa_connector.core.handoff.side_channel import SideChannelServer, validate_peer  # noqa: E402
+from vllm_dsa_connector.core.handoff.wire import (  # noqa: E402
     RankPayload,
     decode_payload,
     encode,
     route_of,
 )
-from vllm_dsa_connector.harness.pair import Channel, Kind, run_two  # noqa: E402
-from vllm_dsa_connector.layout.model import PageTable  # noqa: E402
-from vllm_dsa_connector.transport.engine import NixlEngine  # noqa: E402
-from vllm_dsa_connector.transport.gate import BounceGate, BounceSettings  # noqa: E402
-from vllm_dsa_connector.transport.ipc import device_uuid, export_region, host_id  # noqa: E402
-from vllm_dsa_connector.transport.local_copy import copy_runs  # noqa: E402
-from vllm_dsa_connector.transport.nixl_data import Region  # noqa: E402
-from vllm_dsa_connector.transport.receiver import Receiver, RecvState, WriterSpec  # noqa: E402
-from vllm_dsa_connector.transport.routed import RoutedTransport  # noqa: E402
-from vllm_dsa_connector.transport.slots import SlotAllocator  # noqa: E402
-from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot  # noqa: E402
-from vllm_dsa_connector.transport.transports import PostState  # noqa: E402
+from vllm_dsa_connector.core.plan.pages import PageTable  # noqa: E402
+from vllm_dsa_connector.core.transfer.copy.local_copy import copy_runs  # noqa: E402
+from vllm_dsa_connector.core.transfer.gate import BounceGate  # noqa: E402
+from vllm_dsa_connector.core.transfer.gate_options import BounceSettings  # noqa: E402
+from vllm_dsa_connector.core.transfer.ipc import device_uuid, export_region, host_id  # noqa: E402
+from vllm_dsa_connector.core.transfer.nixl.data import Region  # noqa: E402
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine  # noqa: E402
+from vllm_dsa_connector.core.transfer.receiver import Receiver  # noqa: E402
+from vllm_dsa_connector.core.transfer.receiver_data import RecvState, WriterSpec  # noqa: E402
+from vllm_dsa_connector.core.transfer.routed import RoutedTransport  # noqa: E402
+from vllm_dsa_connector.core.transfer.slots import SlotAllocator  # noqa: E402
+from vllm_dsa_connector.core.transfer.staging import StagingArena, StagingSlot  # noqa: E402
+from vllm_dsa_connector.core.transfer.transports import PostState  # noqa: E402
 
 SHAPE = ROOT / "vllm_dsa_connector" / "examples" / "glm5_2_shape.json"
 FILL_CHUNK = 1 << 28  # seeded bytes are generated per 256 MiB chunk (same chunks on P and on D)
@@ -81,7 +84,7 @@ BLOCK = 64  # tokens per KV block on both sides (build_offline's default)
 
 def build_table(blocks: int) -> dict[str, Any]:
     """GLM-5.2's page table for ``blocks`` KV blocks, as vLLM lays it out (needs vLLM: run where it is)."""
-    from vllm_dsa_connector.layout import build_offline
+    from vllm_dsa_connector.connector.page_tables import build_offline
 
     (table,) = build_offline(SHAPE, kv_cache_dtype="fp8_ds_mla", num_blocks=blocks)
     return table.to_dict()

@@ -1,7 +1,7 @@
 """``vllm-dsa explain [REASON]``: why a decode engine did not load a request's KV from P, and the fix.
 
 The reasons are the ``reason`` label of ``vllm:dsa_kv_load_failures_total`` and the ``reason`` of D's log
-line and request record (:data:`vllm_dsa_connector.handoff.recompute.FIXES`, the one table); without a
+line and request record (:data:`vllm_dsa_connector.core.handoff.recompute.FIXES`, the one table); without a
 REASON every one is listed. Invariant: needs no vLLM (runs on an operator's laptop).
 """
 
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def explain(reason: str) -> str:
     """The text for one ``reason`` (what happened, then the fix)."""
-    from vllm_dsa_connector.handoff.recompute import FIXES
+    from vllm_dsa_connector.core.handoff.recompute import FIXES
 
     what, fix = FIXES[reason]
     wrap = textwrap.TextWrapper(width=100, initial_indent="  ", subsequent_indent="  ")
@@ -28,7 +28,7 @@ def explain(reason: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the fix of ``args.reason`` (every reason without one); 2 for an unknown reason."""
-    from vllm_dsa_connector.handoff.recompute import REASONS
+    from vllm_dsa_connector.core.handoff.recompute import REASONS
 
     if args.reason is None:
         print("\n".join(explain(r) for r in REASONS), end="")

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dsa_connector.handoff.params import DSA_CONNECTOR
+from vllm_dsa_connector.core.handoff.params import DSA_CONNECTOR
 
 __all__ = [
     "MULTI_CONNECTOR",

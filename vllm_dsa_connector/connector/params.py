@@ -10,8 +10,8 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-from vllm_dsa_connector.handoff.params import DSA_CONNECTOR
-from vllm_dsa_connector.handoff.wire import LEGACY_TRANSFER_MODE, TRANSFER_MODE
+from vllm_dsa_connector.core.handoff.params import DSA_CONNECTOR
+from vllm_dsa_connector.core.handoff.wire import LEGACY_TRANSFER_MODE, TRANSFER_MODE
 
 __all__ = ["other_connector", "params_summary", "peer_key"]
 

@@ -4,12 +4,12 @@ A :class:`ReceiveSide` is owned by :class:`~.worker.DSAConnectorWorker` (composi
 what it shares (the NIXL engine, the lock every NIXL call holds, the stats, its rank and KV pool regions, the
 records of the engines that write to it) and delegates D's calls to it (:meth:`ReceiveSide.expect`,
 :meth:`ReceiveSide.fail`, :meth:`ReceiveSide.poll`, :meth:`ReceiveSide.take_results`). The receiving itself
-is :class:`vllm_dsa_connector.transport.receiver.Receiver` (the one tested by the transport tests): a
+is :class:`vllm_dsa_connector.core.transfer.receiver.Receiver` (the one tested by the transport tests): a
 ``RecvJob`` arms it with the source ranks expected by this rank (writers), each with the NIXL agent its
 notifications must come from and, when the scheduler gave it a staging slot, the runs to scatter (from the
 peer's plan, built once at the handshake). Every source rank's notification is
 ``dsa1:<path><rank>:<Notice>`` whatever the path; this module supplies the receiver's hooks: the tag is a
-:class:`~vllm_dsa_connector.handoff.wire.Notice` keyed by D's request id (:meth:`ReceiveSide.split`),
+:class:`~vllm_dsa_connector.core.handoff.wire.Notice` keyed by D's request id (:meth:`ReceiveSide.split`),
 a malformed notice is ignored, a failed or invalid one (any field out of range, checksum entries that
 are not the runs the plan expects) fails its writer (:meth:`ReceiveSide.admit`), and with
 ``verify_transfers`` the landed bytes are checksummed (:meth:`ReceiveSide.landed`; a mismatch makes the
@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.connector.stats import RECORDS, failure_key
-from vllm_dsa_connector.handoff.wire import (
+from vllm_dsa_connector.core.handoff.wire import (
     NOTICE_PREFIX,
     Notice,
     RankPayload,
@@ -39,14 +39,16 @@ from vllm_dsa_connector.handoff.wire import (
     decode_notice,
     route_of,
 )
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.receiver import Receiver, RecvState, Verdict, WriterSpec
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.receiver import Receiver
+from vllm_dsa_connector.core.transfer.receiver_data import RecvState, Verdict, WriterSpec
 
 if TYPE_CHECKING:
     from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
-    from vllm_dsa_connector.matching import PeerPlan
-    from vllm_dsa_connector.transport.engine import NixlEngine, Region
-    from vllm_dsa_connector.transport.staging import StagingArena
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+    from vllm_dsa_connector.core.transfer.nixl.data import Region
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.staging import StagingArena
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -133,7 +135,7 @@ class ReceiveSide:
         self.records = False  # hand the scheduler per-request facts (connector.record; set by the worker)
 
     def _failed_load(self, req_id: str, reason: str, detail: str) -> None:
-        """A load this worker saw fail (``reason``: of :data:`~vllm_dsa_connector.handoff.recompute.REASONS`):
+        """A load this worker saw fail (``reason``: of :data:`~vllm_dsa_connector.core.handoff.recompute.REASONS`):
         counted by reason once, logged with the fix's pointer, and handed to the scheduler's record."""
         self.stats.add(failure_key(reason))
         logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
@@ -325,7 +327,7 @@ class ReceiveSide:
 
         ``fence``: a WRITE of P may still be in flight (P did not say it never posted): the report, which
         hands the blocks back to vLLM, waits until every writer that sent nothing yet sent its notice (P sends
-        it only after fencing the connection, :mod:`~vllm_dsa_connector.transport.fence`), at most
+        it only after fencing the connection, :mod:`~vllm_dsa_connector.core.transfer.fence`), at most
         ``fence_timeout_s``; :meth:`poll` reports it then."""
         key = req_id.encode()
         if fence and req_id not in self.reported and self.receiver.give_up(key, self.fence_timeout_s) is None \

@@ -60,10 +60,10 @@ def make_records(mode: str, tracing_endpoint: str | None, engine_id: str, role: 
 
 class GateEstimates:
     """The bounce gate's estimates of one request's pairs, for its record: the same cost model D's route planner
-    asks (:class:`~vllm_dsa_connector.transport.gate.BounceGate`), built once, asked only while records are on."""
+    asks (:class:`~vllm_dsa_connector.core.transfer.gate.BounceGate`), built once, asked only while records are on."""
 
     def __init__(self, settings: Any, device: str) -> None:
-        from vllm_dsa_connector.transport.gate import BounceGate
+        from vllm_dsa_connector.core.transfer.gate import BounceGate
 
         self.gate = BounceGate(settings, device=device)
 
@@ -134,7 +134,7 @@ class RequestRecords:
 
     def close(self, req_id: str, outcome: str, reason: str = "", detail: str = "") -> None:
         """Emit and forget the record of ``req_id`` (``outcome``: ok, failed, expired...; ``reason``: one of
-        :data:`~vllm_dsa_connector.handoff.recompute.REASONS` for a load that failed)."""
+        :data:`~vllm_dsa_connector.core.handoff.recompute.REASONS` for a load that failed)."""
         rec = self._open.pop(req_id, None)
         headers = self._headers.pop(req_id, None)
         if rec is None:

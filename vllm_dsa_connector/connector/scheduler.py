@@ -1,5 +1,5 @@
 """Scheduler side of DSAConnector: vLLM's scheduler calls mapped onto the core's roles,
-:mod:`vllm_dsa_connector.handoff.producer` (P) and :mod:`vllm_dsa_connector.handoff.consumer` (D).
+:mod:`vllm_dsa_connector.core.handoff.producer` (P) and :mod:`vllm_dsa_connector.core.handoff.consumer` (D).
 
 Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for why push):
 
@@ -18,14 +18,14 @@ Flow of one request (push; see :mod:`vllm_dsa_connector.connector.connector` for
    prefill: counted (``vllm:dsa_kv_unusable_params_total{reason}``) and logged once per peer with what was
    received (:meth:`DSAConnectorScheduler._unusable_params`).
 3. D: :meth:`update_state_after_alloc` pairs D's new blocks with P's blocks of the SAME token positions
-   (``matching.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
+   (``core.plan.peer_plan.pair_blocks_by_position``: D's own prefix-cache hits are skipped on P's side too; P's token
    count must match D's prompt; P's block size, from its page tables, may differ from D's), tells its
    workers which notices to expect and registers the token span with P.
 4. P: the registration becomes a ``PushJob`` for P's workers on the next step (before its post deadline);
    they WRITE into D's blocks and report ``finished_sending``: P frees the blocks.
 5. D's workers report ``finished_recving`` when every expected notice arrived. Give-ups (timeout, refusal,
    abort) are decided here, on the scheduler, and reach the workers as ``fail_recv`` only once no WRITE
-   can land any more (the argument is in :mod:`vllm_dsa_connector.handoff.loads`).
+   can land any more (the argument is in :mod:`vllm_dsa_connector.core.handoff.loads`).
 
 Each engine start draws one epoch (``self.epoch``): every side-channel message and reply names it, the
 ``kv_transfer_params`` P hands out name it (``remote_epoch``), and the :class:`PeerInfo` this scheduler hands
@@ -55,24 +55,24 @@ from vllm_dsa_connector.connector.stats import (
     staging_full,
     unusable_key,
 )
-from vllm_dsa_connector.handoff.consumer import Consumer
-from vllm_dsa_connector.handoff.fence_waits import FenceWaits
-from vllm_dsa_connector.handoff.loads import LoadState
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.consumer import Consumer
+from vllm_dsa_connector.core.handoff.fence_waits import FenceWaits
+from vllm_dsa_connector.core.handoff.ids import prompt_digest
+from vllm_dsa_connector.core.handoff.loads import LoadState
+from vllm_dsa_connector.core.handoff.messages import (
     Authenticator,
     Origin,
     Reply,
     Request,
     new_epoch,
-    prompt_digest,
 )
-from vllm_dsa_connector.handoff.params import DSA_CONNECTOR, RemoteParams, is_early_prefill
-from vllm_dsa_connector.handoff.producer import Producer
-from vllm_dsa_connector.handoff.recompute import classify, missing_key, params_reason
-from vllm_dsa_connector.handoff.routes import Held, RoutePlanner
-from vllm_dsa_connector.handoff.settings import HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import SideChannelServer
-from vllm_dsa_connector.handoff.wire import (
+from vllm_dsa_connector.core.handoff.params import DSA_CONNECTOR, RemoteParams, is_early_prefill
+from vllm_dsa_connector.core.handoff.producer import Producer
+from vllm_dsa_connector.core.handoff.recompute import classify, missing_key, params_reason
+from vllm_dsa_connector.core.handoff.routes import Held, RoutePlanner
+from vllm_dsa_connector.core.handoff.settings import HandoffSettings
+from vllm_dsa_connector.core.handoff.side_channel import SideChannelServer
+from vllm_dsa_connector.core.handoff.wire import (
     TRANSFER_MODE,
     PeerInfo,
     RankPayload,
@@ -80,7 +80,7 @@ from vllm_dsa_connector.handoff.wire import (
     Routes,
     decode_payload,
 )
-from vllm_dsa_connector.matching import PairingError, pair_blocks_by_position
+from vllm_dsa_connector.core.plan.pairing import PairingError, pair_blocks_by_position
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -21,10 +21,10 @@ post deadline is failed as late. A layer-by-layer job that waited is posted whol
 over (its pages are final then).
 
 A ``PushJob`` becomes, per destination rank this rank feeds in the plan, one post of the transport
-(:class:`~vllm_dsa_connector.transport.routed.RoutedTransport`, along the route D named for the pair:
+(:class:`~vllm_dsa_connector.core.transfer.routed.RoutedTransport`, along the route D named for the pair:
 direct, bounce through D's staging slot, or CUDA IPC into D's exported pools; polled from the engine's
 steps; never after the job's post deadline) whose tag is a
-:class:`~vllm_dsa_connector.handoff.wire.Notice` (bytes, runs, and with ``verify_transfers`` a CRC32 per
+:class:`~vllm_dsa_connector.core.handoff.wire.Notice` (bytes, runs, and with ``verify_transfers`` a CRC32 per
 run): D gets it once the data landed. The job's post deadline is checked before every destination rank's
 post and, inside the transport, before every WRITE (after any staging wait). ``finished_sending`` is
 reported once, when every WRITE of the request completed, failed or was aborted; a failure notice goes
@@ -58,20 +58,21 @@ from vllm.logger import init_logger
 from vllm_dsa_connector.connector.pool_bytes import crc_runs
 from vllm_dsa_connector.connector.receiving import ReportedIds, recv_poll_period
 from vllm_dsa_connector.connector.stats import RECORDS
-from vllm_dsa_connector.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
-from vllm_dsa_connector.matching import PeerPlan
-from vllm_dsa_connector.transport.agent import PeerReconnecting
-from vllm_dsa_connector.transport.ipc import host_id
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.routed import RoutedTransport
-from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.staging import StagingSlot
-from vllm_dsa_connector.transport.transports import Post, PostState
+from vllm_dsa_connector.core.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
+from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+from vllm_dsa_connector.core.plan.runs import Runs
+from vllm_dsa_connector.core.transfer.ipc import host_id
+from vllm_dsa_connector.core.transfer.nixl.agent import PeerReconnecting
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.routed import RoutedTransport
+from vllm_dsa_connector.core.transfer.staging import StagingSlot
+from vllm_dsa_connector.core.transfer.transports import Post, PostState
 
 if TYPE_CHECKING:
     from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
-    from vllm_dsa_connector.transport.engine import NixlEngine, Region
-    from vllm_dsa_connector.transport.staging import StagingArena
+    from vllm_dsa_connector.core.transfer.nixl.data import Region
+    from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+    from vllm_dsa_connector.core.transfer.staging import StagingArena
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -324,7 +325,7 @@ class SendSide:
 
     def _notify_unposted(self, job: PushJob, why: str) -> None:
         """Tell every destination rank this rank feeds that ``job`` was not written (D's workers keep a given-up
-        load's blocks until each writer's notice: :mod:`~vllm_dsa_connector.transport.fence`)."""
+        load's blocks until each writer's notice: :mod:`~vllm_dsa_connector.core.transfer.fence`)."""
         remote = self.remotes.get(job.dst_engine)
         me = self._payload()
         if remote is None or remote.plan is None or me is None or (job.dst_epoch and job.dst_epoch != remote.epoch):
@@ -626,7 +627,7 @@ class SendSide:
             "state": post.state.name.lower(), "error": post.error[:200]})
 
     def _poll_fences(self) -> None:
-        """Confirm the fences of connections with an aborted WRITE (:mod:`~vllm_dsa_connector.transport.fence`)
+        """Confirm the fences of connections with an aborted WRITE (:mod:`~vllm_dsa_connector.core.transfer.fence`)
         and count them."""
         fences = self.transport.fences
         before = (fences.fenced, fences.resets)

@@ -34,7 +34,7 @@ scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every w
 - ``vllm:dsa_kv_setup_waits_total``: pushes P held because their destination's set-up (its NIXL remote
   agents, loaded on the worker's set-up thread) was not over yet; posted once it is, without blocking a step
 - ``vllm:dsa_kv_load_failures_total{reason}``: D requests not loaded from P, by why
-  (:data:`~vllm_dsa_connector.handoff.recompute.REASONS`; each falls back to ``kv_load_failure_policy``:
+  (:data:`~vllm_dsa_connector.core.handoff.recompute.REASONS`; each falls back to ``kv_load_failure_policy``:
   recompute = D prefills it; ``vllm-dsa explain REASON`` gives the fix), counted once where D decides it
 - ``vllm:dsa_kv_pair_bytes_total{side,src_rank,dst_rank}``: the bytes above per (P rank, D rank) pair: which
   P rank sent what (replicated layers come from the one elected sender, ``core.plan.segments.elected_sender``)
@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_dsa_connector.handoff.recompute import REASONS
+from vllm_dsa_connector.core.handoff.recompute import REASONS
 
 _COUNTERS = (
     "send_bytes",
@@ -125,7 +125,7 @@ def unusable_key(reason: str) -> str:
 
 def failure_key(reason: str) -> str:
     """Counter key of the D requests not loaded from P for ``reason`` (one of
-    :data:`~vllm_dsa_connector.handoff.recompute.REASONS`)."""
+    :data:`~vllm_dsa_connector.core.handoff.recompute.REASONS`)."""
     if reason not in REASONS:
         raise ValueError(f"load failure reason {reason!r}: expected one of {list(REASONS)}")
     return f"{_FAILURE}:{reason}"

@@ -1,8 +1,8 @@
 """Worker side of DSAConnector: register the KV pools with NIXL, WRITE (P) and await notices (D).
 
-The worker knows its KV cache only as a :class:`~vllm_dsa_connector.layout.PageTable` (pools + per-role
+The worker knows its KV cache only as a :class:`~vllm_dsa_connector.core.plan.PageTable` (pools + per-role
 views, MLA latent AND indexer K), so the indexer pages, for which vLLM's per-layer hooks never fire, move
-with everything else: a transfer is the byte runs of the peer's plan (``matching.PeerPlan.runs``, built
+with everything else: a transfer is the byte runs of the peer's plan (``core.plan.peer_plan.PeerPlan.runs``, built
 once when the worker learns the peer: merged where contiguous on both sides), not a per-layer loop.
 
 P (sender): :class:`~.sending.SendSide`, owned by the worker, which hands it its NIXL engine, stats, rank,
@@ -21,7 +21,7 @@ receive armed for another start of its source expects no notice from the current
 
 Lost connections: when NIXL reports that the connection to a destination's remote agent is gone (e.g. the
 link between the hosts was down long enough for UCX to fail the endpoint) the transport marks that agent
-disconnected and posts nothing more to it (:class:`~vllm_dsa_connector.transport.agent.PeerReconnecting`); the
+disconnected and posts nothing more to it (:class:`~vllm_dsa_connector.core.transfer.nixl.agent.PeerReconnecting`); the
 worker's set-up thread removes it and adds it again from the metadata of the handshake (the same start of the
 peer: its pools are unchanged; :meth:`DSAConnectorWorker._reconnect`, outside the worker lock, recording the
 new connection under it briefly), while the pushes to it wait in the send side as for a set-up and post once
@@ -56,23 +56,23 @@ from vllm_dsa_connector.connector.pool_bytes import pool_tensor
 from vllm_dsa_connector.connector.receiving import ReceiveSide
 from vllm_dsa_connector.connector.sending import SendSide
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
-from vllm_dsa_connector.handoff.side_channel import HandshakeError, validate_peer
-from vllm_dsa_connector.handoff.wire import (
+from vllm_dsa_connector.core.handoff.side_channel import HandshakeError, validate_peer
+from vllm_dsa_connector.core.handoff.wire import (
     PeerInfo,
     RankPayload,
     decode_payload,
     encode,
 )
-from vllm_dsa_connector.matching import PeerPlan
-from vllm_dsa_connector.transport.ipc import host_id
-from vllm_dsa_connector.transport.ipc_desc import IpcDesc
-from vllm_dsa_connector.transport.nixl_data import TransferError, metadata_agent_name
-from vllm_dsa_connector.transport.receiver import Receiver
-from vllm_dsa_connector.transport.staging import StagingArena
+from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+from vllm_dsa_connector.core.transfer.ipc import host_id
+from vllm_dsa_connector.core.transfer.ipc_desc import IpcDesc
+from vllm_dsa_connector.core.transfer.nixl.data import TransferError, metadata_agent_name
+from vllm_dsa_connector.core.transfer.receiver import Receiver
+from vllm_dsa_connector.core.transfer.staging import StagingArena
 
 if TYPE_CHECKING:
-    from vllm_dsa_connector.layout import PageTable
-    from vllm_dsa_connector.transport.engine import Region
+    from vllm_dsa_connector.core.plan.pages import PageTable
+    from vllm_dsa_connector.core.transfer.nixl.data import Region
 
 logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
 
@@ -96,7 +96,7 @@ class DSAConnectorWorker:
 
     def __init__(self, engine_id: str, options: ConnectorOptions, compat: dict[str, str],
                  role: str = "kv_both") -> None:
-        from vllm_dsa_connector.transport.engine import NixlEngine
+        from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
 
         self.engine_id = engine_id
         self.role = role
@@ -178,7 +178,7 @@ class DSAConnectorWorker:
         for CUDA pools; CPU pools have none of them. The exports are D's (a consumer's) and follow ``ipc_mode``."""
         if device.type != "cuda":
             return "", [], None
-        from vllm_dsa_connector.transport.ipc import device_uuid, export_region
+        from vllm_dsa_connector.core.transfer.ipc import device_uuid, export_region
 
         gpu = device_uuid(device)
         reach = [gpu] + [device_uuid(i) for i in range(torch.cuda.device_count())

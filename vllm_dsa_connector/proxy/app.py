@@ -62,10 +62,10 @@ last, and a load balancer in front of several P engines would hand the request t
 registration then waits at the wrong P until its deadline). ``--prefill-pool`` says the prefill URL is such
 a pool; the proxy then refuses ``--early-registration`` at start-up (run one proxy per P instead).
 
-The bodies and the merge are pure functions in :mod:`vllm_dsa_connector.pd_bodies` (re-exported here);
+The bodies and the merge are pure functions in :mod:`vllm_dsa_connector.proxy.bodies` (re-exported here);
 this module is the app: the legs' HTTP, timeouts, errors and early registration.
 
-Alone: ``python -m vllm_dsa_connector.pd_proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``.
+Alone: ``python -m vllm_dsa_connector.proxy.app --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.logger import init_logger
 
-from vllm_dsa_connector.handoff.params import EarlyParams
-from vllm_dsa_connector.pd_bodies import (
+from vllm_dsa_connector.core.handoff.params import EarlyParams
+from vllm_dsa_connector.proxy.bodies import (
     decode_body,
     merge_completions,
     needs_local_prefill,
@@ -96,8 +96,7 @@ from vllm_dsa_connector.pd_bodies import (
     prompt_list,
 )
 
-__all__ = ["make_app", "main", "prefill_body", "decode_body", "needs_local_prefill",
-           "prompt_list", "merge_completions", "pair_request_id"]
+__all__ = ["make_app", "main"]
 
 logger = init_logger("vllm." + __name__)
 

@@ -1,7 +1,7 @@
 """The P/D proxy's request bodies and merged answers: pure functions over JSON objects (dicts).
 
 What each leg is sent (:func:`prefill_body`, :func:`decode_body`; the ``kv_transfer_params`` themselves are
-:mod:`vllm_dsa_connector.handoff.params`'s), which requests skip
+:mod:`vllm_dsa_connector.core.handoff.params`'s), which requests skip
 P (:func:`needs_local_prefill`), how a prompt list is split (:func:`prompt_list`) and D's answers merged back
 (:func:`merge_completions`), and the per-pair request id in vllm-router's form (:func:`pair_request_id`).
 The rules are :mod:`vllm_dsa_connector.proxy.app`'s docstring ("Fields", the prompt-list split); they are kept
@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-from vllm_dsa_connector.handoff.params import PrefillParams
+from vllm_dsa_connector.core.handoff.params import PrefillParams
 
 __all__ = ["decode_body", "merge_completions", "needs_local_prefill", "pair_request_id", "prefill_body",
            "prompt_list"]
@@ -35,7 +35,7 @@ def _client_fields(body: dict[str, Any]) -> dict[str, Any]:
 
 def prefill_body(body: dict[str, Any], transfer_id: str = "") -> dict[str, Any]:
     """The prefill leg's body: one token, ``n=1``, no stream, the proxy's ``kv_transfer_params``
-    (:class:`~vllm_dsa_connector.handoff.params.PrefillParams`; ``transfer_id``: early registration's)."""
+    (:class:`~vllm_dsa_connector.core.handoff.params.PrefillParams`; ``transfer_id``: early registration's)."""
     out = {k: v for k, v in _client_fields(body).items() if k not in _PREFILL_DROP}
     out.update(max_tokens=1, n=1, stream=False, kv_transfer_params=PrefillParams(transfer_id=transfer_id).to_dict())
     if "max_completion_tokens" in out:

@@ -1,7 +1,7 @@
 """Part 2 of ``vllm-dsa bench admission``: a CPU P/D trio with NixlConnector and two admission policies.
 
 One prefill server and two decode servers (``DSAScheduler`` with ``passthrough``, and with ``budget``),
-real ``api_server`` processes started through :class:`~vllm_dsa_connector.harness.procs.Cluster` (own
+real ``api_server`` processes started through :class:`~vllm_dsa_dev.harness.procs.Cluster` (own
 process groups, killed as groups). Bursts of requests go through an in-process proxy (the data flow of
 vLLM's toy P/D proxy); rounds alternate between the policies.
 """
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_connector.handoff.params import PrefillParams
-from vllm_dsa_connector.harness.engines import BackendChoice, Engine, engine_env, start_engine
-from vllm_dsa_connector.harness.procs import Cluster, cluster
+from vllm_dsa_connector.core.handoff.params import PrefillParams
+from vllm_dsa_dev.harness.engines import BackendChoice, Engine, engine_env, start_engine
+from vllm_dsa_dev.harness.procs import Cluster, cluster
 
 _COUNTS = re.compile(r"admitted (\d+), deferred (\d+), completed")
 # Pinned on every CPU: the comparison is about admission, and AMX_MLA (vLLM's pick where AMX tiles

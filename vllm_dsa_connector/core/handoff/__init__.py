@@ -5,8 +5,8 @@ blocks it allocated for the same token positions, P's workers WRITE into them an
 either side gives up under rules that never let a WRITE land in blocks D gave back. This package is
 that protocol and nothing else; it imports nothing from vLLM (``tests/test_core_isolation.py`` proves
 it), so the vLLM adapter (:mod:`vllm_dsa_connector.connector`) and an SGLang adapter would share it.
-Together with :mod:`vllm_dsa_connector.layout` (page tables), :mod:`vllm_dsa_connector.matching`
-(the transfer plan) and :mod:`vllm_dsa_connector.transport` (moving bytes) it is the transfer core.
+Together with :mod:`vllm_dsa_connector.core.plan` (page tables), :mod:`vllm_dsa_connector.core.plan.peer_plan`
+(the transfer plan) and :mod:`vllm_dsa_connector.core.transfer` (moving bytes) it is the transfer core.
 
 Reading order:
 

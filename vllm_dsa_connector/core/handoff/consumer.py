@@ -29,15 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
-from vllm_dsa_connector.handoff.cancels import PendingCancels
-from vllm_dsa_connector.handoff.loads import (
-    SAFETY_MARGIN_S,
-    TRANSITIONS,
-    Loading,
-    LoadState,
-    write_bound_s,
-)
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.cancels import PendingCancels
+from vllm_dsa_connector.core.handoff.loads import Loading, LoadState, write_bound_s
+from vllm_dsa_connector.core.handoff.messages import (
     MAX_REQS_PER_MESSAGE,
     Authenticator,
     CancelReq,
@@ -48,22 +42,14 @@ from vllm_dsa_connector.handoff.messages import (
     ReqRef,
     new_epoch,
 )
-from vllm_dsa_connector.handoff.params import RemoteParams
-from vllm_dsa_connector.handoff.peers import Peer, PeerCheck, Peers
-from vllm_dsa_connector.handoff.routes import Held
-from vllm_dsa_connector.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
-from vllm_dsa_connector.handoff.side_channel import exchange, validate_peer
-from vllm_dsa_connector.handoff.wire import RankPayload, RecvJob, Routes
+from vllm_dsa_connector.core.handoff.params import RemoteParams
+from vllm_dsa_connector.core.handoff.peers import Peer, PeerCheck, Peers
+from vllm_dsa_connector.core.handoff.routes import Held
+from vllm_dsa_connector.core.handoff.settings import POST_DEADLINE_MARGIN_S, HandoffSettings
+from vllm_dsa_connector.core.handoff.side_channel import exchange, validate_peer
+from vllm_dsa_connector.core.handoff.wire import RankPayload, RecvJob, Routes
 
-__all__ = [
-    "SAFETY_MARGIN_S",
-    "TRANSITIONS",
-    "Consumer",
-    "LoadState",
-    "Loading",
-    "Peer",
-    "PeerCheck",
-]
+__all__ = ["Consumer"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +179,7 @@ class Consumer:
     def register(self, req_id: str, rp: RemoteParams, peer: Peer, first_token: int, num_tokens: int,
                  src_blocks: list[int], dst_blocks: list[int], routes: Routes,
                  held_slots: Held, *, prompt_tokens: int = 0, prompt_digest: str = "") -> RecvJob:
-        """Blocks are allocated and paired (``matching.BlockPairing``: tokens ``[first_token, +num_tokens)``
+        """Blocks are allocated and paired (``core.plan.peer_plan.BlockPairing``: tokens ``[first_token, +num_tokens)``
         in P's ``src_blocks`` and D's ``dst_blocks``): send the registration; the returned job goes to the
         workers. ``prompt_tokens``/``prompt_digest`` (D's prompt) let P refuse a registration for another
         prompt (required by an early registration, whose P has not said how many tokens it holds)."""

@@ -54,11 +54,11 @@ from enum import Enum
 
 import msgspec
 
-from vllm_dsa_connector.handoff.messages import MessageError, RegReq
-from vllm_dsa_connector.handoff.states import Transitions
-from vllm_dsa_connector.handoff.wire import PeerInfo, RankPayload, decode_payload, max_block_id
-from vllm_dsa_connector.transport.nixl_data import metadata_agent_name
-from vllm_dsa_connector.transport.paths import PathName
+from vllm_dsa_connector.core.handoff.messages import MessageError, RegReq
+from vllm_dsa_connector.core.handoff.states import Transitions
+from vllm_dsa_connector.core.handoff.wire import PeerInfo, RankPayload, decode_payload, max_block_id
+from vllm_dsa_connector.core.transfer.nixl.data import metadata_agent_name
+from vllm_dsa_connector.core.transfer.paths import PathName
 
 __all__ = ["EARLY_HELD", "TOMBSTONES", "TRANSFER_TOMBSTONES", "TRANSITIONS", "DPeer",
            "DRecords", "HeldReg", "HeldRegistrations", "IdentityError", "Lease", "LeaseState", "Tombstones",

@@ -24,7 +24,7 @@ the request finished, and after a give-up it does so only when no WRITE can stil
   posted WRITE within it) + :data:`SAFETY_MARGIN_S` (:func:`write_bound_s`). A P that is merely slow,
   stalled or unreachable therefore costs D blocks for that bound, never corrupted KV. After that bound D's
   workers still keep the blocks until every writer that had not reported sent its notice, which P sends
-  after an aborted WRITE only as a fence (``transport/fence.py``), at most the option ``fence_timeout_s``
+  after an aborted WRITE only as a fence (``core/transfer/fence.py``), at most the option ``fence_timeout_s``
   (not for a P whose start is gone: :mod:`.fence_waits`).
 The residual assumption: monotonic clocks of the two hosts drift less than ``ClockEstimate.DRIFT``.
 The staging slots of a failed load follow the same rule (:meth:`Loading.writes_over_at`).
@@ -39,13 +39,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.messages import (
     CancelState,
     RegReq,
     ReqRef,
 )
-from vllm_dsa_connector.handoff.routes import Held
-from vllm_dsa_connector.handoff.states import Transitions
+from vllm_dsa_connector.core.handoff.routes import Held
+from vllm_dsa_connector.core.handoff.states import Transitions
 
 #: Seconds added to every write bound: slack for the clock estimate and the last WRITE's completion.
 SAFETY_MARGIN_S = 1.0

@@ -69,7 +69,7 @@ from vllm_dsa_connector.core.handoff.wire import (
     Id,
     Routes,
 )
-from vllm_dsa_connector.transport.paths import PathName
+from vllm_dsa_connector.core.transfer.paths import PathName
 
 #: Timestamps further than this from the receiver's wall clock (either way) are refused (with a secret).
 REPLAY_WINDOW_S = 60.0

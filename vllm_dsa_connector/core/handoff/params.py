@@ -23,9 +23,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from vllm_dsa_connector.handoff.ids import check_transfer_id
-from vllm_dsa_connector.handoff.messages import MAX_BLOCKS_PER_REG, TRANSFER_REF_PREFIX, ReqRef
-from vllm_dsa_connector.handoff.wire import MAX_ID_CHARS, TRANSFER_MODE
+from vllm_dsa_connector.core.handoff.ids import TRANSFER_REF_PREFIX, check_transfer_id
+from vllm_dsa_connector.core.handoff.messages import MAX_BLOCKS_PER_REG, ReqRef
+from vllm_dsa_connector.core.handoff.wire import MAX_ID_CHARS, TRANSFER_MODE
 
 __all__ = ["DSA_CONNECTOR", "EarlyParams", "PrefillParams", "RemoteParams", "is_early_prefill"]
 

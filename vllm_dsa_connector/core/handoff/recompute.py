@@ -21,7 +21,7 @@ FIXES: dict[str, tuple[str, str]] = {
         "kv_transfer_params lack a key DSAConnector's P hands out (the log line names it, e.g. remote_num_tokens)",
         "the router/proxy must forward P's kv_transfer_params to D unchanged, every key (a router that copies "
         "only the keys NixlConnector needs drops remote_num_tokens and remote_token); use python -m "
-        "vllm_dsa_connector.pd_proxy or vllm-router 0.1.17 (--vllm-pd-disaggregation), or fix the router to copy "
+        "vllm_dsa_connector.proxy.app or vllm-router 0.1.17 (--vllm-pd-disaggregation), or fix the router to copy "
         "the whole object",
     ),
     "params_malformed": (

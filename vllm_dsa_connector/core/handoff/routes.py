@@ -1,18 +1,18 @@
 """D's routes: the one place the path of each (destination rank, source rank) pair of a request is chosen.
 
-D chooses when it registers the request, and P follows (:mod:`vllm_dsa_connector.transport.routed`):
+D chooses when it registers the request, and P follows (:mod:`vllm_dsa_connector.core.transfer.routed`):
 
 1. ``ipc`` when D's rank exported its pools (CUDA, ``ipc_mode`` not ``never``), P's rank runs on the same host
    (``RankPayload.host``) and can reach D's GPU (``RankPayload.reach``): one copy kernel per part, no NIXL WRITE.
 2. ``bounce`` when the bounce gate (one cost model: :meth:`BounceGate.decision_for` on the runs and bytes of
    every part of the pair together) prefers it and D's staging arena has room for the parts packed back to
-   back (:func:`~vllm_dsa_connector.transport.runs.packed_offsets`): P gathers them, WRITEs once, D scatters.
+   back (:func:`~vllm_dsa_connector.core.plan.runs.packed_offsets`): P gathers them, WRITEs once, D scatters.
 3. otherwise direct (no route named): one NIXL WRITE per part.
 
-D's scheduler owns the slot bookkeeping (a torch-free :class:`~vllm_dsa_connector.transport.slots.SlotAllocator`
+D's scheduler owns the slot bookkeeping (a torch-free :class:`~vllm_dsa_connector.core.transfer.slots.SlotAllocator`
 per destination rank; the bytes live in D's workers). After a failed transfer a slot is quarantined until the
 consumer's bound says no WRITE can land in it any more (P's word, or give-up time + P's write timeout + margin:
-:meth:`~vllm_dsa_connector.handoff.consumer.Consumer.writes_over_at`), then :meth:`RoutePlanner.step` hands it
+:meth:`~vllm_dsa_connector.core.handoff.consumer.Consumer.writes_over_at`), then :meth:`RoutePlanner.step` hands it
 back; before that a late WRITE could still land in it.
 """
 
@@ -23,15 +23,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from vllm_dsa_connector.handoff.wire import RankPayload, Route, Routes
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.runs import packed_offsets
-from vllm_dsa_connector.transport.slots import Reservation, SlotAllocator
+from vllm_dsa_connector.core.handoff.wire import RankPayload, Route, Routes
+from vllm_dsa_connector.core.plan.runs import packed_offsets
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.slots import Reservation, SlotAllocator
 
 if TYPE_CHECKING:
-    from vllm_dsa_connector.matching import PeerPlan
-    from vllm_dsa_connector.transport.gate import BounceGate
-    from vllm_dsa_connector.transport.gate_options import BounceSettings
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+    from vllm_dsa_connector.core.transfer.gate import BounceGate
+    from vllm_dsa_connector.core.transfer.gate_options import BounceSettings
 
 #: (destination rank, reservation) pairs a request holds until its transfer is over
 Held = list[tuple[int, Reservation]]
@@ -49,7 +49,7 @@ def plan_routes(plan: PeerPlan, src: Sequence[RankPayload], dst: Sequence[RankPa
                 num_tokens: int | None = None, ipc: bool = True) -> tuple[Routes, Held]:
     """The routes of one request: per (destination rank, source rank) pair with bytes to move.
 
-    ``plan`` is the peer's ``matching.PeerPlan`` from the handshake (``first_token``/``num_tokens`` the
+    ``plan`` is the peer's ``core.plan.peer_plan.PeerPlan`` from the handshake (``first_token``/``num_tokens`` the
     request's token span, as ``PeerPlan.runs`` takes it); ``gate`` the bounce gate (``None``: no bounce);
     ``arenas`` maps a destination rank to the allocator of its staging arena; ``ipc``: whether D allows the
     ipc path. Returns the routes and the slot reservations to free once the transfer is over.
@@ -105,7 +105,7 @@ class RoutePlanner:
         if self.bounce is None or self.bounce.mode == "never":
             return False
         if self._arenas is None:
-            from vllm_dsa_connector.transport.gate import BounceGate
+            from vllm_dsa_connector.core.transfer.gate import BounceGate
 
             local = self._local()
             device = local[0].page_table.pools[0].device if local else "cpu"

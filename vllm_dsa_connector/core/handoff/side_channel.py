@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from vllm_dsa_connector.handoff.messages import (
+from vllm_dsa_connector.core.handoff.clock import ClockEstimate
+from vllm_dsa_connector.core.handoff.messages import (
     ANONYMOUS,
-    MAX_MESSAGE_BYTES,
     NOT_READY,
     Authenticator,
-    ClockEstimate,
     MessageError,
     MetaReq,
     Origin,
@@ -55,10 +54,15 @@ from vllm_dsa_connector.handoff.messages import (
     decode_envelope,
     decode_request,
 )
-from vllm_dsa_connector.handoff.wire import MAX_ERROR_CHARS, RankPayload, decode_payload
+from vllm_dsa_connector.core.handoff.wire import (
+    MAX_ERROR_CHARS,
+    MAX_MESSAGE_BYTES,
+    RankPayload,
+    decode_payload,
+)
 
 if TYPE_CHECKING:
-    from vllm_dsa_connector.matching import PeerPlan
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -275,13 +279,14 @@ def fetch_payloads(host: str, port: int, timeout_s: float, auth: Authenticator |
 
 
 def validate_peer(src: Sequence[RankPayload], dst: Sequence[RankPayload]) -> PeerPlan:
-    """Refuse corrupting mismatches (naming them) and return the :class:`~vllm_dsa_connector.matching.PeerPlan`
+    """Refuse corrupting mismatches (naming them) and return the :class:`~vllm_dsa_connector.core.plan.peer_plan.PeerPlan`
     ``src -> dst`` (both sides' page tables, decoded once here, and the transfer plan).
 
     ``src`` are the producer's (P) payloads, ``dst`` the consumer's (D). PP and TP reshards are planned,
     not refused.
     """
-    from vllm_dsa_connector.matching import PeerPlan, PlanError
+    from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
+    from vllm_dsa_connector.core.plan.token_map import PlanError
 
     if not src or not dst:
         raise HandshakeError("DSAConnector handshake: a side published no worker payloads")

@@ -7,8 +7,8 @@ decoded, before it costs memory:
 
 - :class:`RankPayload`: what one worker publishes at the handshake (page table, NIXL agent metadata,
   registered regions, compatibility facts). The adapter collects every worker's payload on its scheduler,
-  which serves them on the side channel (:mod:`.side_channel`). Its page table (``layout.PageTable``),
-  regions and staging arena (``transport.RegionDesc``) and CUDA IPC exports (``transport.ipc_desc.IpcDesc``)
+  which serves them on the side channel (:mod:`.side_channel`). Its page table (``core.plan.PageTable``),
+  regions and staging arena (``core.transfer.RegionDesc``) and CUDA IPC exports (``core.transfer.ipc_desc.IpcDesc``)
   are those structs themselves: one msgspec struct per concept, in memory and on the wire (the same keys
   and values as the former wire mirrors, so the same bytes: the protocol is unchanged).
 - :class:`PeerInfo`, :class:`PushJob` (producer), :class:`RecvJob` (consumer): what a scheduler tells its
@@ -24,10 +24,10 @@ from typing import Annotated, Any
 
 import msgspec
 
-from vllm_dsa_connector.layout.model import PageTable
-from vllm_dsa_connector.transport.ipc_desc import IpcDesc
-from vllm_dsa_connector.transport.nixl_data import RegionDesc
-from vllm_dsa_connector.transport.paths import PathName
+from vllm_dsa_connector.core.plan.pages import PageTable
+from vllm_dsa_connector.core.transfer.ipc_desc import IpcDesc
+from vllm_dsa_connector.core.transfer.nixl.data import RegionDesc
+from vllm_dsa_connector.core.transfer.paths import PathName
 
 #: Bump on any incompatible change of the structs below or of the transfer protocol.
 #: 3: completion/failure notices travel as transport notifications (``dsa1:<path><rank>:<Notice>``) on
@@ -45,7 +45,7 @@ from vllm_dsa_connector.transport.paths import PathName
 #: exports of the pools (6 sent bare ``[offset, size]`` staging slots and P's gate could go direct).
 #: 8: P's answer to a registration says when its staging arena is (nearly) full (``Reply.staging_full``): D
 #: routes that P's next requests direct; a P fences the connection of an aborted WRITE before its failure
-#: notice and D keeps a given-up load's blocks until it arrives (``transport/fence.py``).
+#: notice and D keeps a given-up load's blocks until it arrives (``core/transfer/fence.py``).
 PROTOCOL_VERSION = 8
 #: The ``transfer_mode`` DSAConnector's P hands out in its ``kv_transfer_params`` (they travel through the
 #: router, not the side channel: no protocol bump). Not ``"push"`` (what 0.1.0 handed out; issue 31): vllm-router takes
@@ -91,7 +91,7 @@ class RankPayload(msgspec.Struct, frozen=True):
     compat: Annotated[dict[_Str, _Str], msgspec.Meta(max_length=MAX_ENTRIES)]
     staging: RegionDesc | None = None  # receive staging arena for bounced writes
     protocol: int = PROTOCOL_VERSION
-    host: Id = ""  # this machine (``transport.ipc.host_id``): same host is the first condition of the ipc path
+    host: Id = ""  # this machine (``core.transfer.ipc.host_id``): same host is the first condition of the ipc path
     gpu: Id = ""  # the pools' GPU UUID ("" for CPU pools)
     reach: Annotated[list[Id], msgspec.Meta(max_length=MAX_WORKERS)] = []  # GPU UUIDs this rank's kernels can write
     # CUDA IPC export of each pool, in pool order; None: this rank offers no ipc path
@@ -145,7 +145,7 @@ def route_of(routes: Routes, dst_rank: int, src_rank: int) -> Route | None:
 class PushJob(msgspec.Struct, frozen=True):
     """P side: write ``src_blocks`` of request ``req_id`` into ``dst_blocks`` of ``dst_engine``.
 
-    The blocks hold tokens ``[first_token, first_token + num_tokens)`` (``matching.PeerPlan.runs``'
+    The blocks hold tokens ``[first_token, first_token + num_tokens)`` (``core.plan.peer_plan.PeerPlan.runs``'
     convention: each list starts at the block of its own size holding ``first_token``).
     """
 

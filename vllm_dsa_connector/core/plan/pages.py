@@ -9,7 +9,7 @@ block ``b`` lives::
 Everything else (matching, transport, connector) reads this model; nothing here knows about transports.
 Global layer ids are model layer indices (identical on every PP stage); MTP/nextn layers continue after
 the backbone (``>= num_hidden_layers``). Each class is one msgspec struct, the same in memory and in the
-handshake payload (``handoff.wire.RankPayload`` carries the ``PageTable`` as is), every list and string
+handshake payload (``core.handoff.wire.RankPayload`` carries the ``PageTable`` as is), every list and string
 bounded while it is decoded (:data:`MAX_ENTRIES`).
 """
 

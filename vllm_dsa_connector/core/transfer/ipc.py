@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport.ipc_desc import IpcDesc
+from vllm_dsa_connector.core.transfer.ipc_desc import IpcDesc
 
 logger = logging.getLogger(__name__)
 

@@ -46,17 +46,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_dsa_connector.transport.nixl_data import TransferError, TransferStats
-from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.paths import ROUTE_PATHS
-from vllm_dsa_connector.transport.paths.base import (
+from vllm_dsa_connector.core.plan.runs import Runs
+from vllm_dsa_connector.core.transfer.nixl.data import TransferError, TransferStats
+from vllm_dsa_connector.core.transfer.notices import encode_notif
+from vllm_dsa_connector.core.transfer.paths import ROUTE_PATHS
+from vllm_dsa_connector.core.transfer.paths.base import (
     LayeredPost,
     LayerPart,
     PathHost,
 )
-from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.staging import StagingSlot
-from vllm_dsa_connector.transport.transports import Part, PostState, check_deadline
+from vllm_dsa_connector.core.transfer.staging import StagingSlot
+from vllm_dsa_connector.core.transfer.transports import Part, PostState, check_deadline
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_dsa_connector.transport.paths import PathName
+from vllm_dsa_connector.core.transfer.paths import PathName
 
 __all__ = [
     "Notif",

@@ -38,13 +38,15 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport.early import EarlyNotices
-from vllm_dsa_connector.transport.engine import NixlEngine, Region
-from vllm_dsa_connector.transport.ipc import PeerEvents
-from vllm_dsa_connector.transport.local_copy import scatter
-from vllm_dsa_connector.transport.notices import Notif, parse_notif
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.receiver_data import (
+from vllm_dsa_connector.core.plan.runs import Chunk, Runs, plan_chunks
+from vllm_dsa_connector.core.transfer.copy.local_copy import scatter
+from vllm_dsa_connector.core.transfer.early import EarlyNotices
+from vllm_dsa_connector.core.transfer.ipc import PeerEvents
+from vllm_dsa_connector.core.transfer.nixl.data import Region
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.notices import Notif, parse_notif
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.receiver_data import (
     COMPLETES,
     PlainTags,
     ReceiveHooks,
@@ -54,13 +56,12 @@ from vllm_dsa_connector.transport.receiver_data import (
     WriterSpec,
     WriterState,
 )
-from vllm_dsa_connector.transport.runs import Chunk, Runs, plan_chunks
-from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingArena
+from vllm_dsa_connector.core.transfer.slots import Reservation
+from vllm_dsa_connector.core.transfer.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPLETES", "PlainTags", "ReceiveHooks", "Receiver", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
+__all__ = ["Receiver"]
 
 
 #: A writer in one of these is done (its later notifications are duplicates); a request settles once all are.

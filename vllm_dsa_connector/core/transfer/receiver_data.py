@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.runs import Runs, packed_parts
+from vllm_dsa_connector.core.plan.runs import Runs, packed_parts
+from vllm_dsa_connector.core.transfer.paths import PathName
 
 __all__ = ["COMPLETES", "PlainTags", "ReceiveHooks", "RecvResult", "RecvState", "Verdict", "WriterSpec", "WriterState"]
 

@@ -30,18 +30,18 @@ from typing import Any
 
 import torch
 
-from vllm_dsa_connector.transport import layered
-from vllm_dsa_connector.transport.engine import NixlEngine
-from vllm_dsa_connector.transport.fence import Fences
-from vllm_dsa_connector.transport.ipc import IpcUnavailable, open_region
-from vllm_dsa_connector.transport.paths import ROUTE_PATHS, PathName
-from vllm_dsa_connector.transport.paths.base import LayeredPost, Path
-from vllm_dsa_connector.transport.paths.bounce import BouncePath
-from vllm_dsa_connector.transport.paths.direct import DirectPath
-from vllm_dsa_connector.transport.paths.ipc import IpcPath
-from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
-from vllm_dsa_connector.transport.transports import DirectTransport, Part, Post, PostState
+from vllm_dsa_connector.core.plan.runs import Runs
+from vllm_dsa_connector.core.transfer import layered
+from vllm_dsa_connector.core.transfer.fence import Fences
+from vllm_dsa_connector.core.transfer.ipc import IpcUnavailable, open_region
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.paths import ROUTE_PATHS, PathName
+from vllm_dsa_connector.core.transfer.paths.base import LayeredPost, Path
+from vllm_dsa_connector.core.transfer.paths.bounce import BouncePath
+from vllm_dsa_connector.core.transfer.paths.direct import DirectPath
+from vllm_dsa_connector.core.transfer.paths.ipc import IpcPath
+from vllm_dsa_connector.core.transfer.staging import StagingArena, StagingSlot
+from vllm_dsa_connector.core.transfer.transports import DirectTransport, Part, Post, PostState
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The connector posts through :class:`~.routed.RoutedTransport`, which follows each pair's route and uses
 :class:`DirectTransport` for the direct one; the benches' bounce sender adds its own paths on the same
-interface (``harness.paths``).
+interface (``vllm_dsa_dev.harness.paths``).
 
 A caller describes one writer's part of a request as ``parts``: ``[(local Region, remote region, Runs)]``
 (one per pool pair), and calls every transport the same way::
@@ -41,22 +41,22 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vllm_dsa_connector.transport.agent import PeerReconnecting
-from vllm_dsa_connector.transport.engine import NixlEngine
-from vllm_dsa_connector.transport.nixl_data import (
+from vllm_dsa_connector.core.plan.runs import Runs
+from vllm_dsa_connector.core.transfer.nixl.agent import PeerReconnecting
+from vllm_dsa_connector.core.transfer.nixl.data import (
     Region,
     RegionDesc,
     Transfer,
     TransferError,
     TransferStats,
 )
-from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.staging import StagingSlot
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.notices import encode_notif
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.staging import StagingSlot
 
 if TYPE_CHECKING:
-    from vllm_dsa_connector.transport.fence import Fences
+    from vllm_dsa_connector.core.transfer.fence import Fences
 
 logger = logging.getLogger(__name__)
 

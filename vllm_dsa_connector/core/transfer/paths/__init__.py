@@ -3,8 +3,8 @@
 :class:`PathName` names the paths once (:data:`ROUTE_PATHS`: every one a post can follow); :mod:`.base`
 states the contract (:class:`~.base.Path`: ``post``, ``progress``, and ``open``/``add``/``close`` layer by
 layer; the one ``dsa1:`` notice named after the path completes a writer of it) and :mod:`.direct`,
-:mod:`.bounce`, :mod:`.ipc` implement it. :class:`~vllm_dsa_connector.transport.routed.RoutedTransport`
-dispatches to them by the path the receiver chose (``handoff.routes`` chooses it); :mod:`~vllm_dsa_connector.
+:mod:`.bounce`, :mod:`.ipc` implement it. :class:`~vllm_dsa_connector.core.transfer.routed.RoutedTransport`
+dispatches to them by the path the receiver chose (``core.handoff.routes`` chooses it); :mod:`~vllm_dsa_connector.
 transport.layered` drives a layered post through the same objects.
 
 Invariant: a path is named by :class:`PathName` and implemented once; nothing else spells a path's name

@@ -6,7 +6,7 @@ does, whatever moves the bytes:
 
 - ``post``: one writer's whole ``parts`` in one go; what completes it on the receiver is ONE notice
   ``dsa1:<code><writer>:<tag>`` named after the path (:func:`~..notices.encode_notif` with the path's
-  :class:`~vllm_dsa_connector.transport.paths.PathName`; the receiver's :data:`~..receiver_data.COMPLETES`), sent by the path once every
+  :class:`~vllm_dsa_connector.core.transfer.paths.PathName`; the receiver's :data:`~..receiver_data.COMPLETES`), sent by the path once every
   WRITE or copy is DONE (bounce: carried by its one WRITE);
 - ``progress``: drives a post of ``post`` until it is DONE or FAILED (never raises);
 - layer by layer (:mod:`..layered` drives it): ``open`` prepares a :class:`LayeredPost` of the whole
@@ -14,7 +14,7 @@ does, whatever moves the bytes:
   :class:`LayerWork` (WRITEs to post once its CUDA event fired, or copies made), ``close`` records what the
   completion waits for beyond the WRITEs (ipc: an event behind every copy).
 
-Invariant: a path object follows the route it is named for (:class:`~vllm_dsa_connector.transport.paths.PathName`)
+Invariant: a path object follows the route it is named for (:class:`~vllm_dsa_connector.core.transfer.paths.PathName`)
 and only that one: it never picks another path; what it cannot follow is a FAILED post naming why.
 """
 
@@ -27,15 +27,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from vllm_dsa_connector.transport.agent import PeerReconnecting
-from vllm_dsa_connector.transport.engine import NixlEngine
-from vllm_dsa_connector.transport.fence import Fences
-from vllm_dsa_connector.transport.nixl_data import Region, RegionDesc
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.runs import Runs
-from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingArena, StagingSlot
-from vllm_dsa_connector.transport.transports import DirectTransport, Part, Post, PostState
+from vllm_dsa_connector.core.plan.runs import Runs
+from vllm_dsa_connector.core.transfer.fence import Fences
+from vllm_dsa_connector.core.transfer.nixl.agent import PeerReconnecting
+from vllm_dsa_connector.core.transfer.nixl.data import Region, RegionDesc
+from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.slots import Reservation
+from vllm_dsa_connector.core.transfer.staging import StagingArena, StagingSlot
+from vllm_dsa_connector.core.transfer.transports import DirectTransport, Part, Post, PostState
 
 __all__ = [
     "LayerPart",
@@ -64,7 +64,7 @@ class PathHost(Protocol):
 
     @property
     def paths(self) -> Mapping[str, Path]:
-        """The host's path objects by :class:`~vllm_dsa_connector.transport.paths.PathName`."""
+        """The host's path objects by :class:`~vllm_dsa_connector.core.transfer.paths.PathName`."""
 
     def mapping(self, peer: str) -> list[torch.Tensor] | None:
         """The peer's pools mapped here for ipc (``None``: not mapped)."""

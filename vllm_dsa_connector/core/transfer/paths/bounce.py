@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_dsa_connector.transport.local_copy import copy_runs, gather, sync
-from vllm_dsa_connector.transport.nixl_data import Transfer, TransferError
-from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.paths.base import (
+from vllm_dsa_connector.core.plan.runs import Runs, merge_runs, packed_offsets
+from vllm_dsa_connector.core.transfer.copy.local_copy import copy_runs, gather, sync
+from vllm_dsa_connector.core.transfer.nixl.data import Transfer, TransferError
+from vllm_dsa_connector.core.transfer.notices import encode_notif
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.paths.base import (
     LayeredPost,
     LayerWork,
     Located,
@@ -33,10 +34,9 @@ from vllm_dsa_connector.transport.paths.base import (
     follow,
     settle_each,
 )
-from vllm_dsa_connector.transport.runs import Runs, merge_runs, packed_offsets
-from vllm_dsa_connector.transport.slots import Reservation
-from vllm_dsa_connector.transport.staging import StagingSlot
-from vllm_dsa_connector.transport.transports import Part, Post, check_deadline
+from vllm_dsa_connector.core.transfer.slots import Reservation
+from vllm_dsa_connector.core.transfer.staging import StagingSlot
+from vllm_dsa_connector.core.transfer.transports import Part, Post, check_deadline
 
 __all__ = ["BouncePath"]
 

@@ -12,17 +12,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.paths.base import (
+from vllm_dsa_connector.core.plan.runs import merge_runs
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.paths.base import (
     LayeredPost,
     LayerWork,
     Located,
     PathHost,
     event_after,
 )
-from vllm_dsa_connector.transport.runs import merge_runs
-from vllm_dsa_connector.transport.staging import StagingSlot
-from vllm_dsa_connector.transport.transports import Part, Post
+from vllm_dsa_connector.core.transfer.staging import StagingSlot
+from vllm_dsa_connector.core.transfer.transports import Part, Post
 
 __all__ = ["DirectPath"]
 

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_dsa_connector.transport.local_copy import copy_runs
-from vllm_dsa_connector.transport.nixl_data import TransferError, TransferStats
-from vllm_dsa_connector.transport.notices import encode_notif
-from vllm_dsa_connector.transport.paths import PathName
-from vllm_dsa_connector.transport.paths.base import (
+from vllm_dsa_connector.core.transfer.copy.local_copy import copy_runs
+from vllm_dsa_connector.core.transfer.nixl.data import TransferError, TransferStats
+from vllm_dsa_connector.core.transfer.notices import encode_notif
+from vllm_dsa_connector.core.transfer.paths import PathName
+from vllm_dsa_connector.core.transfer.paths.base import (
     LayeredPost,
     LayerWork,
     Located,
@@ -35,8 +35,8 @@ from vllm_dsa_connector.transport.paths.base import (
     follow,
     settle_each,
 )
-from vllm_dsa_connector.transport.staging import StagingSlot
-from vllm_dsa_connector.transport.transports import Part, Post, PostState, check_deadline
+from vllm_dsa_connector.core.transfer.staging import StagingSlot
+from vllm_dsa_connector.core.transfer.transports import Part, Post, PostState, check_deadline
 
 __all__ = ["IpcPath"]
 
