@@ -48,13 +48,7 @@ from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
 from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
 from vllm_dsa_connector.connector.record import GateEstimates, make_records
-from vllm_dsa_connector.connector.stats import (
-    RECORDS,
-    DSAKVConnectorStats,
-    failure_key,
-    staging_full,
-    unusable_key,
-)
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.core.handoff.consumer import Consumer
 from vllm_dsa_connector.core.handoff.fence_waits import FenceWaits
 from vllm_dsa_connector.core.handoff.ids import prompt_digest
@@ -81,6 +75,7 @@ from vllm_dsa_connector.core.handoff.wire import (
     decode_payload,
 )
 from vllm_dsa_connector.core.plan.pairing import PairingError, pair_blocks_by_position
+from vllm_dsa_connector.core.worker.counters import RECORDS, failure_key, staging_full
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
