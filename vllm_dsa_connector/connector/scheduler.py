@@ -46,7 +46,6 @@ from vllm_dsa_connector.connector.early import EarlyPrefills
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
-from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
 from vllm_dsa_connector.connector.record import GateEstimates, make_records
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.core.handoff.consumer import Consumer
@@ -60,7 +59,14 @@ from vllm_dsa_connector.core.handoff.messages import (
     Request,
     new_epoch,
 )
-from vllm_dsa_connector.core.handoff.params import DSA_CONNECTOR, RemoteParams, is_early_prefill
+from vllm_dsa_connector.core.handoff.params import (
+    DSA_CONNECTOR,
+    RemoteParams,
+    is_early_prefill,
+    other_connector,
+    params_summary,
+    peer_key,
+)
 from vllm_dsa_connector.core.handoff.producer import Producer
 from vllm_dsa_connector.core.handoff.recompute import classify, missing_key, params_reason
 from vllm_dsa_connector.core.handoff.routes import Held, RoutePlanner
