@@ -85,7 +85,7 @@ def _feed(p: Any, d: Any, notice: Any) -> None:
 
 def _good_checks(p: Any, d: Any) -> list[tuple[int, int, int, int]]:
     """What a real sender puts in its notice for this request (D's plan of P rank 0 -> D rank 0)."""
-    from vllm_dsa_connector.connector.pool_bytes import crc_runs
+    from vllm_dsa_connector.core.worker.pool_bytes import crc_runs
 
     plan = d.sources[p.engine_id].plan
     out = []
@@ -338,8 +338,8 @@ def _layered_push(p: Any, d: Any, monkeypatch: Any) -> None:
     import threading
 
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.connector.sending import SendSide
     from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.worker.sending import SendSide
 
     _arm(p, d, "d-layered")
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),

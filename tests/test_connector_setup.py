@@ -160,8 +160,8 @@ def test_start_load_kv_never_polls_the_write_it_posted(pd, monkeypatch) -> None:
     """Before: ``start_load_kv`` polled a just-posted WRITE for up to 50 ms before the forward. Now P's progress
     thread completes it: this thread (the engine's step) polls nothing, D gets the request, P reports it."""
     from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
-    from vllm_dsa_connector.connector.sending import SendSide
     from vllm_dsa_connector.core.handoff.wire import PeerInfo, PushJob, encode
+    from vllm_dsa_connector.core.worker.sending import SendSide
 
     p, d = pd
     p.start_load_kv(DSAConnectorMetadata(local=PeerInfo(p.engine_id, [encode(p.payload)]),

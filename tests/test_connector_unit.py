@@ -137,7 +137,8 @@ def test_fences_and_staging_arena_are_exported() -> None:
     import prometheus_client
     from prometheus_client import CollectorRegistry
 
-    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, DSAPromMetrics, staging_full
+    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, DSAPromMetrics
+    from vllm_dsa_connector.core.worker.counters import staging_full
 
     registry = CollectorRegistry()
     types = {cls: partial(cls, registry=registry) for cls in (prometheus_client.Gauge, prometheus_client.Counter,
@@ -304,7 +305,7 @@ def test_notice_must_come_from_the_agent_of_the_rank_it_names() -> None:
 
 def test_receiver_progress_period_grows_with_the_wait() -> None:
     """Fast while a WRITE is likely landing, at most 2 ms after a long wait (a waiting D must not burn a core)."""
-    from vllm_dsa_connector.connector.receiving import recv_poll_period
+    from vllm_dsa_connector.core.worker.receiving import recv_poll_period
 
     assert recv_poll_period(0.0) == pytest.approx(0.0002)
     assert recv_poll_period(0.004) == pytest.approx(0.0002)
@@ -367,7 +368,7 @@ def test_crc_runs_in_place_and_gathered_agree_with_zlib() -> None:
 
     import torch
 
-    from vllm_dsa_connector.connector import pool_bytes
+    from vllm_dsa_connector.core.worker import pool_bytes
 
     pool = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     offsets, lengths = [0, 17, 40_000, 65_000, 3, 9_000], [17, 1_000, 5_000, 536, 0, 30_000]

@@ -70,7 +70,8 @@ from vllm_dsa_dev.harness.engines import (
 )
 from vllm_dsa_dev.harness.procs import cluster, group_pids
 
-from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, pair_bytes, pair_key
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
+from vllm_dsa_connector.core.worker.counters import pair_bytes, pair_key
 
 TURNS = 3
 MAX_TOKENS = 8
@@ -362,7 +363,7 @@ def _check_pages_equal(e: Engines, p: Engine, d: Engine, ids: list[int]) -> str:
 # Two cores (2026-12-02). Three causes made the first P/D request of a fresh pair fail (a side channel unanswered
 # for 10-120 s, a WRITE timed out, a lease expired), each fixed where it lives:
 # - the D worker's receiver progressed NIXL every 0.2 ms, i.e. burnt a core per waiting worker (now growing to
-#   2 ms: connector/receiving.py);
+#   2 ms: core/worker/receiving.py);
 # - idle engines stepped every 1 ms while only waiting on the peer, each step a round trip through every worker
 #   (now paced, 1 -> 2/20 ms, woken by side-channel messages: connector/pacing.py);
 # - three ranks bound to two cores put two workers on one core while the kernel could not move them to the

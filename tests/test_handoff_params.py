@@ -116,7 +116,7 @@ def test_oversize_params_are_malformed_naming_the_key(key: str, value: object) -
 
 def test_keys_d_does_not_read_never_fail_its_load() -> None:
     """P's word to the router (sizes, connector name) is not D's to check: a router rewriting them leaves the
-    load alone (the connector name is checked before, by ``connector.params.other_connector``)."""
+    load alone (the connector name is checked before, by ``core.handoff.params.other_connector``)."""
     rp = RemoteParams.from_dict(
         {**_p_answer(), "tp_size": "two", "pp_size": None, "kv_connector": 3}
     )

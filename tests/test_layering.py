@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("core.plan",),                            # what moves: pages, rules, runs, token map, pairing, segments, peer plan
     ("core.transfer",),                        # how bytes move: routed sends, receiver, NIXL (nixl/), copies (copy/)
     ("core.handoff",),                         # who may write where and when: protocol, producer/consumer state
+    ("core.worker",),                          # a worker's send side (P) and receive side (D), their counters
     ("core",),                                 # core/__init__ (engine-free: tests/test_core_isolation.py)
     ("tokenizer", "admission", "cpu_dsa"),
     ("connector",),                            # vLLM's connector API -> the core (+ page tables from vLLM specs)

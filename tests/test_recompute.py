@@ -148,7 +148,7 @@ def _logged(d, req_id: str) -> list[str]:
 
 
 def test_a_dropped_key_is_counted_logged_and_recorded(schedulers) -> None:
-    from vllm_dsa_connector.connector.stats import failure_key
+    from vllm_dsa_connector.core.worker.counters import failure_key
 
     on, _ = schedulers
     on.get_stats()
@@ -166,7 +166,7 @@ def test_a_dropped_key_is_counted_logged_and_recorded(schedulers) -> None:
 def test_records_off_build_nothing_per_request(schedulers) -> None:
     """``request_records`` off and no tracing: no record object exists (``records`` is None: a use the flow
     reaches unguarded would raise), no record line; the failure is still counted and logged."""
-    from vllm_dsa_connector.connector.stats import failure_key
+    from vllm_dsa_connector.core.worker.counters import failure_key
 
     _, off = schedulers
     assert off.records is None

@@ -3,7 +3,8 @@
 The scheduler of each engine opens a record when the request starts to concern the connector (P: its
 prefill finished and its blocks are leased; D: it asks for P's KV), adds phases (a name and the time) and
 facts (route, blocks, bytes: the workers' facts come through the connector stats, key
-:data:`~.stats.RECORDS`), and closes it with the outcome and its reason. A closed record is emitted:
+:data:`~vllm_dsa_connector.core.worker.counters.RECORDS`), and closes it with the outcome and its reason. A
+closed record is emitted:
 
 - as ONE JSON log line (``DSAConnector request record {...}``) when option ``request_records`` is ``log``;
 - as a span ``dsa_kv_transfer`` in the request's own trace when vLLM's tracing is on
@@ -123,7 +124,8 @@ class RequestRecords:
             rec["phases"].append((name, time.time() if at is None else at))
 
     def workers(self, entries: list[dict[str, Any]]) -> None:
-        """The workers' facts (one entry per request and rank pair, from the stats' :data:`~.stats.RECORDS`)."""
+        """The workers' facts (one entry per request and rank pair, from the stats'
+        :data:`~vllm_dsa_connector.core.worker.counters.RECORDS`)."""
         for e in entries:
             rec = self._open.get(str(e.get("req", "")))
             if rec is None:

@@ -46,15 +46,8 @@ from vllm_dsa_connector.connector.early import EarlyPrefills
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
 from vllm_dsa_connector.connector.pacing import IdlePacer
-from vllm_dsa_connector.connector.params import other_connector, params_summary, peer_key
 from vllm_dsa_connector.connector.record import GateEstimates, make_records
-from vllm_dsa_connector.connector.stats import (
-    RECORDS,
-    DSAKVConnectorStats,
-    failure_key,
-    staging_full,
-    unusable_key,
-)
+from vllm_dsa_connector.connector.stats import DSAKVConnectorStats, unusable_key
 from vllm_dsa_connector.core.handoff.consumer import Consumer
 from vllm_dsa_connector.core.handoff.fence_waits import FenceWaits
 from vllm_dsa_connector.core.handoff.ids import prompt_digest
@@ -66,7 +59,14 @@ from vllm_dsa_connector.core.handoff.messages import (
     Request,
     new_epoch,
 )
-from vllm_dsa_connector.core.handoff.params import DSA_CONNECTOR, RemoteParams, is_early_prefill
+from vllm_dsa_connector.core.handoff.params import (
+    DSA_CONNECTOR,
+    RemoteParams,
+    is_early_prefill,
+    other_connector,
+    params_summary,
+    peer_key,
+)
 from vllm_dsa_connector.core.handoff.producer import Producer
 from vllm_dsa_connector.core.handoff.recompute import classify, missing_key, params_reason
 from vllm_dsa_connector.core.handoff.routes import Held, RoutePlanner
@@ -81,6 +81,7 @@ from vllm_dsa_connector.core.handoff.wire import (
     decode_payload,
 )
 from vllm_dsa_connector.core.plan.pairing import PairingError, pair_blocks_by_position
+from vllm_dsa_connector.core.worker.counters import RECORDS, failure_key, staging_full
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

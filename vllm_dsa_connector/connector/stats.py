@@ -1,6 +1,7 @@
 """DSAConnector transfer statistics and their Prometheus export (through vLLM's connector hooks).
 
-Workers record into :class:`DSAKVConnectorStats`, and so does the scheduler for what only it sees
+The counters themselves are the core's (:mod:`vllm_dsa_connector.core.worker.counters`); this module is their
+vLLM face. Workers record into :class:`DSAKVConnectorStats`, and so does the scheduler for what only it sees
 (``kv_transfer_params`` it cannot use: vLLM's scheduler asks its own connector for stats too, the
 scheduler-side ``get_kv_connector_stats``); vLLM aggregates the stats of every worker and the scheduler's
 (:meth:`aggregate`) and hands them to the frontend, where :class:`DSAPromMetrics` (built by
@@ -56,47 +57,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vllm_dsa_connector.core.handoff.recompute import REASONS
-
-_COUNTERS = (
-    "send_bytes",
-    "send_runs",
-    "send_descriptors",
-    "bounce_bytes",
-    "ipc_bytes",
-    "layered_bytes",
-    "recv_bytes",
-    "recv_runs",
-    "send_ok",
-    "send_failed",
-    "send_expired",
-    "send_late",
-    "recv_ok",
-    "recv_failed",
-    "recv_timeout",
-    "checksum_mismatches",
-    "checksummed_runs",
-    "unusable_other_connector",
-    "unusable_malformed",
-    "peer_reconnects",
-    "refused_identities",
-    "fenced_connections",
-    "connection_resets",
-    "fenced_loads",
-    "fence_timeouts",
-    "fence_peer_gone",
-    "setup_waits",
+from vllm_dsa_connector.core.worker.counters import (
+    SIDES,
+    Counters,
+    failure_key,
+    latest_samples,
+    pair_bytes,
 )
-#: gauges: a series of samples (the scheduler adds one when the value changed); the last one is the value
-_GAUGES = ("early_held",)
-_LISTS = ("transfer_s", "recv_wait_s", *_GAUGES)
-_STAGING = "staging"  # gauge samples, lists keyed "staging:<held|full>:<rank>" (the last one is current)
-_FAILURE = "load_failure"  # counter keys "load_failure:<reason>" (a reason of handoff.recompute.REASONS)
-#: per-request facts the workers hand their scheduler (only with request records on; popped there, never exported)
-RECORDS = "records"
-_PAIR = "pair_bytes"  # counter keys "pair_bytes:<side>:<src_rank>:<dst_rank>"
-_SIDES = ("send", "recv")
+
 #: Why D could not use a request's kv_transfer_params: the ``reason`` label of ``vllm:dsa_kv_unusable_params_total``
 UNUSABLE_REASONS = ("other_connector", "malformed")
+
+
+def unusable_key(reason: str) -> str:
+    """Counter key of the D requests whose kv_transfer_params were unusable for ``reason`` (one of
+    :data:`UNUSABLE_REASONS`: a fixed label set, never a value taken from the params)."""
+    if reason not in UNUSABLE_REASONS:
+        raise ValueError(f"unusable params reason {reason!r}: expected one of {list(UNUSABLE_REASONS)}")
+    return f"unusable_{reason}"
 
 
 #: (stats key, side, outcome) of ``vllm:dsa_kv_requests_total``
@@ -115,94 +93,33 @@ _FENCE_OUTCOMES = (("fenced_connections", "fenced"), ("connection_resets", "rese
                    ("fence_peer_gone", "load_peer_gone"))
 
 
-def unusable_key(reason: str) -> str:
-    """Counter key of the D requests whose kv_transfer_params were unusable for ``reason`` (one of
-    :data:`UNUSABLE_REASONS`: a fixed label set, never a value taken from the params)."""
-    if reason not in UNUSABLE_REASONS:
-        raise ValueError(f"unusable params reason {reason!r}: expected one of {list(UNUSABLE_REASONS)}")
-    return f"unusable_{reason}"
-
-
-def failure_key(reason: str) -> str:
-    """Counter key of the D requests not loaded from P for ``reason`` (one of
-    :data:`~vllm_dsa_connector.core.handoff.recompute.REASONS`)."""
-    if reason not in REASONS:
-        raise ValueError(f"load failure reason {reason!r}: expected one of {list(REASONS)}")
-    return f"{_FAILURE}:{reason}"
-
-
-def pair_key(side: str, src_rank: int, dst_rank: int) -> str:
-    """Counter key of the bytes one (P rank, D rank) pair moved on ``side`` (``send`` on P, ``recv`` on D)."""
-    if side not in _SIDES:
-        raise ValueError(f"pair bytes side {side!r}: expected one of {list(_SIDES)}")
-    return f"{_PAIR}:{side}:{int(src_rank)}:{int(dst_rank)}"
-
-
-def staging_key(what: str, rank: int) -> str:
-    """Key of the samples of a P worker's staging arena: ``what`` is ``held`` (bytes in use) or ``full``
-    (1 when it is nearly full: D should route direct)."""
-    if what not in ("held", "full"):
-        raise ValueError(f"staging sample {what!r}: expected held or full")
-    return f"{_STAGING}:{what}:{int(rank)}"
-
-
-def _latest(data: dict[str, Any], what: str) -> dict[int, float]:
-    """Rank -> the latest ``what`` sample of the staging arenas in a stats dict."""
-    out: dict[int, float] = {}
-    for key, value in data.items():
-        if key.startswith(f"{_STAGING}:{what}:") and isinstance(value, list) and value:
-            out[int(key.rsplit(":", 1)[1])] = float(value[-1])
-    return out
-
-
-def staging_full(data: dict[str, Any]) -> bool | None:
-    """Whether any worker's staging arena is nearly full by the latest samples of a stats dict (None: none)."""
-    latest = _latest(data, "full")
-    return any(v > 0 for v in latest.values()) if latest else None
-
-
-def pair_bytes(data: dict[str, Any]) -> dict[tuple[str, int, int], int]:
-    """``{(side, src_rank, dst_rank): bytes}`` of a stats dict (see :func:`pair_key`)."""
-    out: dict[tuple[str, int, int], int] = {}
-    for key, value in data.items():
-        if key.startswith(_PAIR + ":"):
-            _, side, src, dst = key.split(":")
-            out[(side, int(src), int(dst))] = int(value)
-    return out
-
-
 @dataclass
 class DSAKVConnectorStats(KVConnectorStats):
-    """Counters (ints) and per-transfer series (lists of seconds); serialisable as a plain dict."""
+    """vLLM's view of a worker's (or the scheduler's) :class:`~vllm_dsa_connector.core.worker.counters.Counters`:
+    ``data`` is the counters' dict (serialisable as a plain dict), recorded into through :attr:`counters`."""
 
     def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-        for k in _COUNTERS:
-            self.data.setdefault(k, 0)
-        for k in _LISTS:
-            self.data.setdefault(k, [])
+        self.counters = Counters(self.data)
 
     def reset(self) -> None:
         """Empty every counter and series."""
-        self.data: dict[str, Any] = {k: 0 for k in _COUNTERS} | {k: [] for k in _LISTS}
+        self.counters.reset()
 
     def add(self, key: str, value: int = 1) -> None:
         """Increment a counter."""
-        self.data[key] = self.data.get(key, 0) + value
+        self.counters.add(key, value)
 
     def add_pair_bytes(self, side: str, src_rank: int, dst_rank: int, nbytes: int) -> None:
         """Count ``nbytes`` moved from P rank ``src_rank`` to D rank ``dst_rank`` (``side``: send or recv)."""
-        self.add(pair_key(side, src_rank, dst_rank), int(nbytes))
+        self.counters.add_pair_bytes(side, src_rank, dst_rank, nbytes)
 
     def observe(self, key: str, value: float) -> None:
         """Append to a series."""
-        self.data.setdefault(key, []).append(float(value))
+        self.counters.observe(key, value)
 
     def staging(self, rank: int, held: int, full: bool) -> None:
         """A sample of P worker ``rank``'s staging arena: ``held`` bytes in use, ``full`` nearly full."""
-        self.observe(staging_key("held", rank), held)
-        self.observe(staging_key("full", rank), int(full))
+        self.counters.staging(rank, held, full)
 
     def clone_and_reset(self) -> DSAKVConnectorStats:
         """A copy of the current stats; this object starts over."""
@@ -212,33 +129,16 @@ class DSAKVConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """True when nothing was recorded."""
-        return not any(self.data.get(k) for k in _COUNTERS) and not any(
-            self.data.get(k) for k in _LISTS
-        ) and not any(k.startswith((_STAGING + ":", _FAILURE + ":", RECORDS)) and v for k, v in self.data.items())
+        return self.counters.is_empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum counters and concatenate series (other workers, other steps)."""
-        for k, v in other.data.items():
-            if isinstance(v, list):
-                self.data.setdefault(k, []).extend(v)
-            else:
-                self.data[k] = self.data.get(k, 0) + v
+        self.counters.merge(other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
         """Summary for vLLM's periodic log line."""
-        ts = self.data.get("transfer_s", [])
-        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in _COUNTERS if self.data.get(k)}
-        if ts:
-            out["num_transfers"] = len(ts)
-            out["avg_transfer_ms"] = round(1000 * sum(ts) / len(ts), 3)
-            out["max_transfer_ms"] = round(1000 * max(ts), 3)
-        sent = self.data.get("send_bytes", 0)
-        if sent:
-            out["bounce_share"] = round(self.data.get("bounce_bytes", 0) / sent, 3)
-            if self.data.get("ipc_bytes"):
-                out["ipc_share"] = round(self.data["ipc_bytes"] / sent, 3)
-        return out
+        return self.counters.summary()
 
 
 class DSAPromMetrics(KVConnectorPromMetrics):
@@ -303,8 +203,8 @@ class DSAPromMetrics(KVConnectorPromMetrics):
         # Every series with a known label set exists from the start at 0 (Prometheus' advice): a panel shows 0,
         # not "No data", before the first event, and increase()/rate() count the first event too.
         for values in per_engine_labelvalues.values():
-            fixed: list[tuple[Any, tuple[str, ...]]] = [(self._bytes, (s,)) for s in _SIDES]
-            fixed += [(self._runs, (s,)) for s in _SIDES]
+            fixed: list[tuple[Any, tuple[str, ...]]] = [(self._bytes, (s,)) for s in SIDES]
+            fixed += [(self._runs, (s,)) for s in SIDES]
             fixed += [(m, ()) for m in (self._descs, self._bounce, self._ipc, self._layered, self._mismatch,
                                         self._checked, self._reconnects, self._refused, self._setup_waits)]
             fixed += [(self._reqs, (side, outcome)) for _, side, outcome in _REQUEST_OUTCOMES]
@@ -347,7 +247,7 @@ class DSAPromMetrics(KVConnectorPromMetrics):
             self._inc(self._failures, engine_idx, d.get(failure_key(reason), 0), reason)
         for (side, src, dst), nbytes in pair_bytes(d).items():
             self._inc(self._pairs, engine_idx, nbytes, side, str(src), str(dst))
-        held = _latest(d, "held")
+        held = latest_samples(d, "held")
         if held:
             self._staging_held.setdefault(engine_idx, {}).update(held)
             self._staging[engine_idx].set(sum(self._staging_held[engine_idx].values()))

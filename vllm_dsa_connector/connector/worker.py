@@ -5,12 +5,14 @@ views, MLA latent AND indexer K), so the indexer pages, for which vLLM's per-lay
 with everything else: a transfer is the byte runs of the peer's plan (``core.plan.peer_plan.PeerPlan.runs``, built
 once when the worker learns the peer: merged where contiguous on both sides), not a per-layer loop.
 
-P (sender): :class:`~.sending.SendSide`, owned by the worker, which hands it its NIXL engine, stats, rank,
-pools, payload and destination records and delegates P's calls to it (push jobs -> posts of the transport,
-their progress, failure notices, ``finished_sending``).
+P (sender): :class:`~vllm_dsa_connector.core.worker.sending.SendSide`, owned by the worker, which hands it
+its NIXL engine, counters, rank, pools, payload and destination records and delegates P's calls to it (push
+jobs -> posts of the transport, their progress, failure notices, ``finished_sending``).
 
-D (receiver): :class:`~.receiving.ReceiveSide`, owned by the worker, which hands it its NIXL engine, lock,
-stats, rank, pools and source records and delegates D's calls to it (the transport's one :class:`Receiver`).
+D (receiver): :class:`~vllm_dsa_connector.core.worker.receiving.ReceiveSide`, owned by the worker, which
+hands it its NIXL engine, lock, counters, rank, pools and source records and delegates D's calls to it (the
+transport's one :class:`Receiver`). Both sides are engine-free (``core/worker/``); they count into
+``stats.counters``, which vLLM reads as this worker's :class:`DSAKVConnectorStats`.
 
 Peer restarts: the worker keeps one record per peer engine id, of the start (epoch) its last
 :class:`PeerInfo` named. A PeerInfo of another epoch replaces it (:meth:`DSAConnectorWorker._learn`): the old
@@ -29,11 +31,11 @@ it is over. A peer that stays unreachable backs off: its posts fail at once nami
 reconnect is counted (``peer_reconnects``, ``vllm:dsa_kv_peer_reconnects_total``) and logged as a warning
 naming the peer.
 
-Peer set-up off the step path: learning a destination (P) validates its plan in the step (pure, fast) but
-loads its NIXL remote agents (``add_remote_agent``) and maps its CUDA IPC exports on the worker's one set-up
-thread (:class:`~.peer_setup.PeerSetup`), outside the worker lock; only the recording of the loaded agents
-takes the lock, briefly. Until a record is ready its pushes wait in the send side (bounded, counted, posted
-by its progress thread once the set-up is over, failed only at their post deadline): no step and no receiver
+Peer set-up off the step path: learning a destination (P) validates its plan in the step (pure, fast) but loads its
+NIXL remote agents (``add_remote_agent``) and maps its CUDA IPC exports on the worker's one set-up thread
+(:class:`~vllm_dsa_connector.core.worker.peer_setup.PeerSetup`), outside the worker lock; only the recording of the
+loaded agents takes the lock, briefly. Until a record is ready its pushes wait in the send side (bounded, counted,
+posted by its progress thread once the set-up is over, failed only at their post deadline): no step and no receiver
 thread ever waits on a peer's set-up.
 """
 
@@ -51,10 +53,6 @@ from vllm.logger import init_logger
 
 from vllm_dsa_connector.connector.metadata import DSAConnectorMetadata, DSAHandshakeMetadata
 from vllm_dsa_connector.connector.options import ConnectorOptions
-from vllm_dsa_connector.connector.peer_setup import PeerSetup
-from vllm_dsa_connector.connector.pool_bytes import pool_tensor
-from vllm_dsa_connector.connector.receiving import ReceiveSide
-from vllm_dsa_connector.connector.sending import SendSide
 from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
 from vllm_dsa_connector.core.handoff.side_channel import HandshakeError, validate_peer
 from vllm_dsa_connector.core.handoff.wire import (
@@ -69,6 +67,10 @@ from vllm_dsa_connector.core.transfer.ipc_desc import IpcDesc
 from vllm_dsa_connector.core.transfer.nixl.data import TransferError, metadata_agent_name
 from vllm_dsa_connector.core.transfer.receiver import Receiver
 from vllm_dsa_connector.core.transfer.staging import StagingArena
+from vllm_dsa_connector.core.worker.peer_setup import PeerSetup
+from vllm_dsa_connector.core.worker.pool_bytes import pool_tensor
+from vllm_dsa_connector.core.worker.receiving import ReceiveSide
+from vllm_dsa_connector.core.worker.sending import SendSide
 
 if TYPE_CHECKING:
     from vllm_dsa_connector.core.plan.pages import PageTable
@@ -79,8 +81,9 @@ logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prin
 
 @dataclass
 class _RemoteEngine:
-    """The worker's record of one peer engine start in one role (a :class:`~.sending.DestRecord` or a
-    :class:`~.receiving.SourceRecord`)."""
+    """The worker's record of one peer engine start in one role (a
+    :class:`~vllm_dsa_connector.core.worker.sending.DestRecord` or a
+    :class:`~vllm_dsa_connector.core.worker.receiving.SourceRecord`)."""
 
     payloads: list[RankPayload]
     agents: dict[int, str]  # rank -> NIXL agent name
@@ -115,10 +118,10 @@ class DSAConnectorWorker:
         self.stats = DSAKVConnectorStats()
         # NIXL agents are not thread-safe: every NIXL call below holds this lock.
         self._lock = threading.RLock()
-        self.recv = ReceiveSide(self.nixl, self._lock, self.stats, rank=lambda: self.rank,
+        self.recv = ReceiveSide(self.nixl, self._lock, self.stats.counters, rank=lambda: self.rank,
                                 regions=lambda: self.regions, sources=self.sources,
                                 fence_timeout_s=options.fence_timeout_s)
-        self.send = SendSide(self.nixl, self.stats, options.transfer_timeout_s, engine_id=engine_id,
+        self.send = SendSide(self.nixl, self.stats.counters, options.transfer_timeout_s, engine_id=engine_id,
                              rank=lambda: self.rank, regions=lambda: self.regions, payload=lambda: self.payload,
                              remotes=self.remotes, lock=self._lock, reconnect=self._schedule_reconnect)
         self.setup = PeerSetup(f"dsa-peer-setup-{engine_id}")

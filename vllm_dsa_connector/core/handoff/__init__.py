@@ -14,7 +14,8 @@ Reading order:
 - :mod:`.messages`: side-channel requests and replies, the authenticated envelope; beside it :mod:`.clock`
   (the peer clock estimate that turns D's give-up time into a deadline in P's clock) and :mod:`.ids`
   (transfer ids and prompt digests), both re-exported by :mod:`.messages`.
-- :mod:`.params`: ``kv_transfer_params`` typed (the proxy's, P's and D's view of them).
+- :mod:`.params`: ``kv_transfer_params`` typed (the proxy's, P's and D's view of them), and what D logs of params it
+  cannot use (another connector's told apart).
 - :mod:`.side_channel`: the ZMQ server and client, the handshake (``fetch_payloads``) and the
   compatibility check that builds the transfer plan (``validate_peer``).
 - :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and, for D, :mod:`.loads` (one load,

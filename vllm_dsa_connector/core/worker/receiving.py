@@ -1,7 +1,8 @@
 """Receive side of a DSAConnector worker (D): the transport's one receiver, with the connector's notices.
 
-A :class:`ReceiveSide` is owned by :class:`~.worker.DSAConnectorWorker` (composition): the worker hands it
-what it shares (the NIXL engine, the lock every NIXL call holds, the stats, its rank and KV pool regions, the
+A :class:`ReceiveSide` is owned by an adapter's worker (vLLM's:
+:class:`~vllm_dsa_connector.connector.worker.DSAConnectorWorker`; composition): the worker hands it
+what it shares (the NIXL engine, the lock every NIXL call holds, its counters, its rank and KV pool regions, the
 records of the engines that write to it) and delegates D's calls to it (:meth:`ReceiveSide.expect`,
 :meth:`ReceiveSide.fail`, :meth:`ReceiveSide.poll`, :meth:`ReceiveSide.take_results`). The receiving itself
 is :class:`vllm_dsa_connector.core.transfer.receiver.Receiver` (the one tested by the transport tests): a
@@ -21,16 +22,13 @@ timeout is only a safety net.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from vllm.logger import init_logger
-
-from vllm_dsa_connector.connector.pool_bytes import crc_runs
-from vllm_dsa_connector.connector.stats import RECORDS, failure_key
 from vllm_dsa_connector.core.handoff.wire import (
     NOTICE_PREFIX,
     Notice,
@@ -42,15 +40,16 @@ from vllm_dsa_connector.core.handoff.wire import (
 from vllm_dsa_connector.core.transfer.paths import PathName
 from vllm_dsa_connector.core.transfer.receiver import Receiver
 from vllm_dsa_connector.core.transfer.receiver_data import RecvState, Verdict, WriterSpec
+from vllm_dsa_connector.core.worker.counters import Counters, failure_key
+from vllm_dsa_connector.core.worker.pool_bytes import crc_runs
 
 if TYPE_CHECKING:
-    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
     from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
     from vllm_dsa_connector.core.transfer.nixl.data import Region
     from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
     from vllm_dsa_connector.core.transfer.staging import StagingArena
 
-logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+logger = logging.getLogger(__name__)
 
 # Receiver progress period while transfers are expected: 0.2 ms at first (a WRITE into this worker completes
 # only when the target progresses too), growing with the wait (5% of it) up to 2 ms (9.9 MB over CMA took
@@ -108,13 +107,13 @@ class ReceiveSide:
     is to be reported to vLLM (finished and failed loads, blocks of corrupt ones).
 
     ``nixl`` and ``lock``: the worker's NIXL engine and the lock every NIXL call holds (the progress thread
-    takes it too); ``stats``: the worker's stats; ``rank`` and ``regions``: this rank and its registered KV
+    takes it too); ``stats``: the worker's counters; ``rank`` and ``regions``: this rank and its registered KV
     pools (read when needed: both are known only once the worker registered its caches); ``sources``: the
     worker's records of the engines that write to it, by engine id (the worker keeps them current);
     ``fence_timeout_s``: how long a given-up load waits for P's fence at most (option ``fence_timeout_s``).
     """
 
-    def __init__(self, nixl: NixlEngine, lock: threading.RLock, stats: DSAKVConnectorStats, *,
+    def __init__(self, nixl: NixlEngine, lock: threading.RLock, stats: Counters, *,
                  rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
                  sources: Mapping[str, SourceRecord], fence_timeout_s: float = 960.0) -> None:
         self._lock = lock
@@ -141,7 +140,7 @@ class ReceiveSide:
         logger.info("DSAConnector: request %s not loaded from P (reason %s: %s); kv_load_failure_policy "
                        "applies; fix: vllm-dsa explain %s", req_id, reason, detail[:300], reason)
         if self.records:
-            self.stats.data.setdefault(RECORDS, []).append(
+            self.stats.record(
                 {"req": req_id, "dst_rank": self._rank(), "outcome": "failed", "reason": reason,
                  "detail": detail[:200]})
 
@@ -232,7 +231,7 @@ class ReceiveSide:
         self.stats.add_pair_bytes("recv", n.src_rank, self._rank(), n.nbytes)
         self.stats.add("recv_runs", n.runs)
         if self.records:
-            self.stats.data.setdefault(RECORDS, []).append(
+            self.stats.record(
                 {"req": job.req_id, "src_rank": n.src_rank, "dst_rank": self._rank(), "bytes": n.nbytes,
                  "runs": n.runs})
         if not job.verify:

@@ -13,14 +13,13 @@ the thread (the next one runs).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 
-from vllm.logger import init_logger
-
-logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+logger = logging.getLogger(__name__)
 
 __all__ = ["PeerSetup"]
 

@@ -1,7 +1,8 @@
 """Send side of a DSAConnector worker (P): push jobs become posts of the transport, polled until done.
 
-A :class:`SendSide` is owned by :class:`~.worker.DSAConnectorWorker` (composition), as
-:class:`~.receiving.ReceiveSide` is for D: the worker hands it what it shares (the NIXL engine, the stats,
+A :class:`SendSide` is owned by an adapter's worker (vLLM's:
+:class:`~vllm_dsa_connector.connector.worker.DSAConnectorWorker`; composition), as
+:class:`~.receiving.ReceiveSide` is for D: the worker hands it what it shares (the NIXL engine, its counters,
 its rank, KV pool regions and handshake payload, the records of the engines it writes to) and delegates
 P's calls to it (:meth:`SendSide.push`, :meth:`SendSide.poll`, :meth:`SendSide.release`,
 :meth:`SendSide.take_done`). Every NIXL call it makes happens under the worker's lock (the worker takes it
@@ -46,6 +47,7 @@ earlier would abort that WRITE).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -53,11 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-from vllm.logger import init_logger
 
-from vllm_dsa_connector.connector.pool_bytes import crc_runs
-from vllm_dsa_connector.connector.receiving import ReportedIds, recv_poll_period
-from vllm_dsa_connector.connector.stats import RECORDS
 from vllm_dsa_connector.core.handoff.wire import Notice, PushJob, RankPayload, encode, route_of
 from vllm_dsa_connector.core.plan.peer_plan import PeerPlan
 from vllm_dsa_connector.core.plan.runs import Runs
@@ -67,14 +65,16 @@ from vllm_dsa_connector.core.transfer.paths import PathName
 from vllm_dsa_connector.core.transfer.routed import RoutedTransport
 from vllm_dsa_connector.core.transfer.staging import StagingSlot
 from vllm_dsa_connector.core.transfer.transports import Post, PostState
+from vllm_dsa_connector.core.worker.counters import Counters
+from vllm_dsa_connector.core.worker.pool_bytes import crc_runs
+from vllm_dsa_connector.core.worker.receiving import ReportedIds, recv_poll_period
 
 if TYPE_CHECKING:
-    from vllm_dsa_connector.connector.stats import DSAKVConnectorStats
     from vllm_dsa_connector.core.transfer.nixl.data import Region
     from vllm_dsa_connector.core.transfer.nixl.engine import NixlEngine
     from vllm_dsa_connector.core.transfer.staging import StagingArena
 
-logger = init_logger("vllm." + __name__)  # under "vllm." so vLLM's handler prints it
+logger = logging.getLogger(__name__)
 
 #: P's staging arena counts as full (D routes P's next requests direct) with less than this share of it free
 _STAGING_FULL = 0.125
@@ -174,7 +174,7 @@ class SendSide:
     """P's sending for one worker rank: posts each ``PushJob`` (:meth:`push`), polls the posts
     (:meth:`poll`), sends failure notices, and keeps the requests to report as ``finished_sending``.
 
-    ``nixl``: the worker's NIXL engine; ``stats``: the worker's stats; ``transfer_timeout_s``: the
+    ``nixl``: the worker's NIXL engine; ``stats``: the worker's counters; ``transfer_timeout_s``: the
     transport's WRITE timeout; ``engine_id``: names this engine in logs; ``rank``, ``regions`` and
     ``payload``: this rank, its registered KV pools and its handshake payload (read when needed: known only
     once the worker registered its caches); ``remotes``: the worker's records of the engines it writes to,
@@ -183,7 +183,7 @@ class SendSide:
     gone on the worker's set-up thread (under the lock; a no-op when one runs or it is backing off).
     """
 
-    def __init__(self, nixl: NixlEngine, stats: DSAKVConnectorStats, transfer_timeout_s: float, *,
+    def __init__(self, nixl: NixlEngine, stats: Counters, transfer_timeout_s: float, *,
                  engine_id: str, rank: Callable[[], int], regions: Callable[[], Sequence[Region]],
                  payload: Callable[[], RankPayload | None], remotes: Mapping[str, DestRecord],
                  lock: threading.RLock | None = None, reconnect: Callable[[str], None] | None = None) -> None:
@@ -372,7 +372,7 @@ class SendSide:
                 continue  # replaced by a later push of the same request
             del self._sends[req_id]
             if self.records:  # the set-up wait, for the request's record
-                self.stats.data.setdefault(RECORDS, []).append(
+                self.stats.record(
                     {"req": req_id, "src_rank": self._rank(), "setup_wait_ms": round(1000 * (now - w.since), 3)})
             if late:
                 logger.error("DSAConnector: push of %s waited for the set-up of %s past its post deadline; not "
@@ -598,7 +598,7 @@ class SendSide:
                 del self._sends[req_id]
                 self.stats.add("send_failed" if send.failed else "send_ok")
                 if self.records:
-                    self.stats.data.setdefault(RECORDS, []).append(
+                    self.stats.record(
                         {"req": req_id, "src_rank": self._rank(), "outcome": "failed" if send.failed else "ok"})
                 if self.reported.add(req_id):
                     self._done.add(req_id)
@@ -619,7 +619,7 @@ class SendSide:
         """One finished post's facts for the scheduler's record of ``req_id`` (:mod:`..record`)."""
         post = group.post
         seconds = post.seconds
-        self.stats.data.setdefault(RECORDS, []).append({
+        self.stats.record({
             "req": req_id, "src_rank": self._rank(), "dst_rank": group.rank, "route": post.path,
             "bytes": sum(st.total_bytes for st in post.stats), "runs": sum(st.num_runs for st in post.stats),
             "descriptors": sum(max(st.desc_count, 0) for st in post.stats),
