@@ -13,12 +13,12 @@ Reading order:
 - :mod:`.wire`: handshake payloads, push/receive jobs, completion notices (msgspec structs).
 - :mod:`.messages`: side-channel requests and replies, the authenticated envelope; beside it :mod:`.clock`
   (the peer clock estimate that turns D's give-up time into a deadline in P's clock) and :mod:`.ids`
-  (transfer ids and prompt digests), both re-exported by :mod:`.messages`.
+  (transfer ids and prompt digests).
 - :mod:`.params`: ``kv_transfer_params`` typed (the proxy's, P's and D's view of them), and what D logs of params it
   cannot use (another connector's told apart).
 - :mod:`.side_channel`: the ZMQ server and client, the handshake (``fetch_payloads``) and the
   compatibility check that builds the transfer plan (``validate_peer``).
-- :mod:`.producer` (P: leases, :class:`~.producer.LeaseState`) and, for D, :mod:`.loads` (one load,
+- :mod:`.producer` and :mod:`.leases` (P: leases, :class:`~.leases.LeaseState`) and, for D, :mod:`.loads` (one load,
   :class:`~.loads.LoadState`, and its give-up/release bounds), :mod:`.peers` (the P engines D knows: the
   handshake, its retries, P's restarts) and :mod:`.consumer` (the loads driven: registrations,
   heartbeats, cancels): one state enum per role, one method where transitions happen, the clock
