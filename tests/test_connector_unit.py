@@ -383,3 +383,48 @@ def test_crc_runs_in_place_and_gathered_agree_with_zlib() -> None:
         pool_bytes.CRC_BATCH_BYTES = old
     with pytest.raises(ValueError, match="2 offsets but 1 lengths"):
         pool_bytes.crc_runs(pool, [0, 1], [1])
+
+
+def test_stats_taken_while_a_progress_thread_records_lose_nothing() -> None:
+    """vLLM takes a worker's stats on the step thread while the send/receive progress threads record into the same
+    counters under the worker lock (new keys each step: pair bytes, staging, failures): taking them must neither
+    break (``dictionary changed size during iteration`` in the copy) nor lose what was recorded meanwhile."""
+    import sys
+    import threading
+
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+    from vllm_dsa_connector.core.worker.counters import pair_bytes
+
+    worker = DSAConnectorWorker("P-stats", ConnectorOptions(), {}, role="kv_producer")  # a real NIXL agent
+    stop = threading.Event()
+    recorded = [0]
+
+    def progress() -> None:  # as the progress threads do: one round at a time under the worker lock
+        while not stop.is_set():
+            with worker._lock:
+                for dst in range(64):
+                    worker.stats.counters.add_pair_bytes("send", 0, dst, 1)
+                worker.stats.counters.add("send_bytes", 64)
+                recorded[0] += 64
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=progress, daemon=True)
+    taken = 0
+    try:
+        thread.start()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            stats = worker.get_stats()
+            if stats is not None:
+                assert sum(pair_bytes(stats.data).values()) == stats.data["send_bytes"]  # one round's keys, whole
+                taken += stats.data["send_bytes"]
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join(5)
+        last = worker.get_stats()
+        taken += 0 if last is None else last.data["send_bytes"]
+        worker.shutdown()
+    assert recorded[0] > 0 and taken == recorded[0], f"recorded {recorded[0]}, taken {taken}"

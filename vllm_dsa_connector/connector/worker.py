@@ -422,8 +422,11 @@ class DSAConnectorWorker:
         return self.recv.take_error_blocks()
 
     def get_stats(self) -> DSAKVConnectorStats | None:
-        """Stats since the last call, or None when nothing happened."""
-        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+        """Stats since the last call, or None when nothing happened. Taken under the worker lock: the send and
+        receive progress threads record into the same counters under it (new keys each step), so the copy is
+        never torn and nothing recorded between the copy and the reset is lost."""
+        with self._lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
         """Stop the set-up, send progress and receiver threads, release NIXL resources."""
