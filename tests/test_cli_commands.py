@@ -96,3 +96,22 @@ def test_make_model_deepseek_v32_width_slice(tmp_path) -> None:
     assert cfg["index_topk_freq"] == 1  # every layer owns its indexer, as in DeepSeek-V3.2
     bad = _cli("make-model", "--kind", "mla", "--width", "deepseek-v3.2")
     assert bad.returncode == 2 and "--width" in bad.stdout
+
+
+def test_make_model_glm5_width_slice_with_its_mtp_layer(tmp_path) -> None:
+    """``make-model --kind dsa --width glm-5 --mtp-layers 1``: GLM-5's per-layer widths (32 indexer heads, v 256,
+    nope 192) and one MTP layer after the backbone, what vLLM serves with MTP speculative decoding."""
+    out = _cli("make-model", "--kind", "dsa", "--width", "glm-5", "--num-layers", "2", "--mtp-layers", "1",
+               "--out", str(tmp_path / "g"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = json.loads((Path(out.stdout.strip().splitlines()[-1]) / "config.json").read_text())
+    assert {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "qk_nope_head_dim",
+                                "v_head_dim", "index_n_heads", "index_topk", "intermediate_size", "vocab_size",
+                                "num_hidden_layers", "num_nextn_predict_layers", "index_topk_freq")} == {
+        "hidden_size": 6144, "num_attention_heads": 64, "q_lora_rank": 2048, "qk_nope_head_dim": 192,
+        "v_head_dim": 256, "index_n_heads": 32, "index_topk": 2048, "intermediate_size": 12288,
+        "vocab_size": 154880, "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "index_topk_freq": 1}
+    v32 = _cli("make-model", "--kind", "dsa", "--width", "deepseek-v3.2", "--mtp-layers", "1", "--out",
+               str(tmp_path / "v"))
+    assert v32.returncode == 0, v32.stderr[-2000:]
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["num_nextn_predict_layers"] == 1

@@ -65,7 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_dsa_dev.harness.client import complete, metric, post_json, probe_running, scrape
+from vllm_dsa_dev.harness.client import complete, metric, post_json, scrape
+from vllm_dsa_dev.harness.pages import pd_pages
 from vllm_dsa_dev.harness.procs import Cluster, Proc, cluster, wait_healthy
 
 BLOCK = 64
@@ -163,25 +164,10 @@ def _turns() -> list[list[int]]:
     return [x, y, z]
 
 
-def _one_block_list(ids: list[Any]) -> list[Any]:
-    """P's block ids from ``remote_block_ids``: DSAConnector hands out one list, vLLM's NixlConnector one per
-    KV cache group (the probe reads every layer through one list, so the groups must agree)."""
-    if not ids or not isinstance(ids[0], list):
-        return ids
-    if any(group != ids[0] for group in ids[1:]):
-        raise RuntimeError(f"remote_block_ids differ between KV cache groups: {ids}")
-    return ids[0]
-
-
-def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
-    """Three turns; D's pages of every full prompt block against P's pages of the prefill request itself.
-
-    P's pages are read right after its prefill, from the blocks its ``kv_transfer_params`` name (held for D
-    under the lease), never from a second run of the prompt on P: a second run may recompute a block (vLLM
-    recomputes the last prefix-hit block under speculative decoding), and bf16 recomputation need not be
-    bitwise equal. D's block ``j`` must equal P's block ``j`` of this turn, or, where D served it from its own
-    prefix cache, P's block ``j`` of an earlier turn with the same tokens up to it (what D received then).
-    """
+def _pages(p_url: str, d_url: str, model: str, recv_bytes: Any) -> dict[str, Any]:
+    """Three turns (:func:`_turns`), each checked by :func:`vllm_dsa_dev.harness.pages.pd_pages`: D's pages of
+    every full prompt block against P's pages of the prefill request itself, or, where D served a block from
+    its own prefix cache, against P's pages of an earlier turn with the same tokens up to it."""
     out: list[dict[str, Any]] = []
     ok = True
     seen: list[tuple[list[int], dict[str, list[int]]]] = []  # (prompt, P's per-layer digests) of earlier turns
@@ -189,40 +175,17 @@ def _pages(p_url: str, d_url: str, recv_bytes: Any) -> dict[str, Any]:
         row: dict[str, Any] = {"turn": turn, "prompt_tokens": len(ids)}
         try:
             recv0 = recv_bytes()
-            t0 = time.perf_counter()
-            res = post_json(p_url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
-                                                        "kv_transfer_params": {"do_remote_decode": True}})
-            row["p_prefill_s"] = round(time.perf_counter() - t0, 4)
-            params = res["kv_transfer_params"]
-            full = (len(ids) - 1) // BLOCK
-            p_blocks = [int(b) for b in _one_block_list(params["remote_block_ids"])][:full]
-            rpc = post_json(p_url + "/collective_rpc", {"method": "dsa_probe_blocks", "args": [json.dumps(p_blocks)]})
-            lp = rpc["results"][0]["layer_digests"]
-            (d,) = probe_running(d_url, "tiny", ids, params)
+            got = pd_pages(p_url, d_url, "tiny", ids, BLOCK, seen)
             time.sleep(1.0)
             row["recv_bytes"] = recv_bytes() - recv0
-            ld = d["layer_digests"]
-            bad: dict[str, list[int]] = {}
-            earlier = 0
-            for name, digests in lp.items():
-                got = ld.get(name, [None] * full)
-                for j in range(full):
-                    if got[j] == digests[j]:
-                        continue
-                    prefix = ids[: (j + 1) * BLOCK]
-                    if any(pi[: (j + 1) * BLOCK] == prefix and pd[name][j] == got[j] for pi, pd in seen):
-                        earlier += 1
-                        continue
-                    bad.setdefault(name, []).append(j)
-            seen.append((ids, lp))
-            row.update(full_blocks=full, layers=len(lp), p_blocks=p_blocks, d_blocks=d["block_ids"],
-                       pages_equal=not bad and len(d["digests"]) == full, equal_to_earlier_turn=earlier,
-                       differing=bad)
+            seen.append((ids, got.pop("p_layers")))
+            got["equal_to_earlier_turn"] = got.pop("equal_to_earlier")
+            row.update(got)
         except Exception as e:  # noqa: BLE001 - a failed turn is reported, the others still run
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         ok = ok and bool(row.get("pages_equal"))
         out.append(row)
-        print(f"[gpu_pd] turn {turn}: {row}", flush=True)
+        print(f"[gpu_pd] turn {turn} ({model}): {row}", flush=True)
     return {"turns": out, "ok": ok}
 
 
@@ -468,6 +431,9 @@ def main() -> int:
     ap.add_argument("--mtp-model", default=None,
                     help="the model of pairs whose name has \"mtp\" (make-model --mtp-layers 1): served with MTP "
                          "speculative decoding, one draft token")
+    ap.add_argument("--pair-model", action="append", default=[], metavar="NAME=PATH",
+                    help="the model of pair NAME instead of --model (or --mtp-model); repeatable, e.g. two MTP "
+                         "pairs at different widths")
     ap.add_argument("--base-port", type=int, default=9100)
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30)
     ap.add_argument("--startup-timeout", type=float, default=480.0)
@@ -487,9 +453,14 @@ def main() -> int:
     if args.load_format:
         ENGINE_ARGS.extend(["--load-format", args.load_format])
     specs = [PairSpec.parse(x) for x in args.pairs.split(",") if x]
-    if any(s.mtp for s in specs) and not args.mtp_model:
-        raise SystemExit("--pairs: a pair named \"mtp\" needs --mtp-model (a model with an MTP layer)")
     model_of = {s.name: (args.mtp_model if s.mtp else args.model) for s in specs}
+    for text in args.pair_model:
+        name, _, path = text.partition("=")
+        if name not in model_of or not path:
+            raise SystemExit(f"--pair-model: {text!r} is not NAME=PATH with NAME one of the pairs {sorted(model_of)}")
+        model_of[name] = path
+    if any(s.mtp and not model_of[s.name] for s in specs):
+        raise SystemExit("--pairs: a pair named \"mtp\" needs --mtp-model or --pair-model (a model with an MTP layer)")
     t_start = time.time()
     # transfer_ms: one observation per (request, destination rank) for every connector (issue 49)
     result: dict[str, Any] = {"model": args.model, "block_size": BLOCK, "pairs": {}, "argv": sys.argv[1:],
@@ -507,7 +478,8 @@ def main() -> int:
                         args.kv_cache_bytes))
         for spec in specs:
             (pp, pu), (dp, du) = procs[spec.name]
-            res: dict[str, Any] = {"connector": spec.connector, "mode": spec.mode, "kv_cache_dtype": spec.kv_cache_dtype}
+            res: dict[str, Any] = {"connector": spec.connector, "mode": spec.mode, "kv_cache_dtype": spec.kv_cache_dtype,
+                                   "model": model_of[spec.name]}
             try:
                 for url in (pu, du):
                     wait_healthy(url, [pp, dp], args.startup_timeout)
@@ -524,7 +496,7 @@ def main() -> int:
                         res.setdefault("span_error", f"{type(e).__name__}: {e}"[:300])
                 if args.burst:  # first, on the fresh pair: concurrent first requests (handshake, cold connections)
                     res["burst"] = _burst(spec.connector, pu, du, args.burst, args.burst_blocks, spec.early)
-                res["pages"] = _pages(pu, du, recv)
+                res["pages"] = _pages(pu, du, model_of[spec.name], recv)
                 if spec.connector == "dsa":
                     res["page_table"] = {"P": _table_check(pu, model_of[spec.name], spec.kv_cache_dtype),
                                          "D": _table_check(du, model_of[spec.name], spec.kv_cache_dtype)}

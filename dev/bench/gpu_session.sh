@@ -20,10 +20,7 @@
 #       engines: ipc (ipc_mode=auto: one GPU, so D routes through CUDA IPC), bounce (bounce_mode=always), the
 #       plain DSAConnector (direct NIXL), vLLM's NixlConnector, and MTP speculative decoding.
 set -uo pipefail
-REPO=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$REPO:$REPO/.gpu/pylib PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-cd "$REPO"
+. "$(dirname "$0")/gpu_env.sh"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(core transfer early pd)
 t0=$(date +%s)
 stamp() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*"; }

@@ -160,14 +160,20 @@ class KVProbe:
             self._dsa_span_marks = marks
         return marks.snapshot()
 
-    def dsa_probe_running(self) -> list[dict[str, Any]]:
-        """Every running request: prompt ids, block ids, block size and digests of its full prompt blocks
-        (positions ``< num_prompt_tokens - 1``), over all layers and per layer."""
+    def dsa_probe_running(self, prompt_ids: str = "") -> list[dict[str, Any]]:
+        """Every running request (or, with ``prompt_ids``, a JSON list, only those with that prompt: an engine
+        under load is not stalled digesting all of them): prompt ids, block ids, block size and digests of its
+        full prompt blocks (positions ``< num_prompt_tokens - 1``), over all layers and per layer."""
+        import json
+
         runner = self.model_runner  # type: ignore[attr-defined]
         caches = _layer_caches(self)
         block_size = int(self.vllm_config.cache_config.block_size)  # type: ignore[attr-defined]
+        only = [int(t) for t in json.loads(prompt_ids)] if prompt_ids else None
         out = []
         for req_id, prompt, blocks in _running_requests(runner):
+            if only is not None and prompt != only:
+                continue
             full = max(len(prompt) - 1, 0) // block_size
             digests, per_layer = block_digests(caches, blocks[:full])
             out.append({"req_id": str(req_id), "prompt_token_ids": prompt, "block_ids": blocks,

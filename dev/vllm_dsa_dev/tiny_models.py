@@ -199,12 +199,34 @@ DEEPSEEK_V32_WIDTHS: dict[str, Any] = dict(
 )
 
 
-def deepseek_v32_slice_config(num_layers: int = 4) -> Any:
+#: GLM-5's per-layer widths (transformers' ``GlmMoeDsaConfig`` defaults, GLM-5's config)
+GLM5_WIDTHS: dict[str, Any] = dict(
+    hidden_size=6144, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+    qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+    index_topk=2048, intermediate_size=12288, vocab_size=154880, max_position_embeddings=202752,
+    rms_norm_eps=1e-5,
+)
+
+#: ``make-model --width`` choices beyond ``tiny``: a real model's per-layer widths
+SLICE_WIDTHS: dict[str, dict[str, Any]] = {"deepseek-v3.2": DEEPSEEK_V32_WIDTHS, "glm-5": GLM5_WIDTHS}
+
+
+def deepseek_v32_slice_config(num_layers: int = 4, num_mtp_layers: int = 0) -> Any:
     """A GLM-MoE-DSA config (the same DSA architecture vLLM serves DeepSeek-V3.2 with) at DeepSeek-V3.2's
     per-layer widths: ``num_layers`` layers, each with its own indexer (V3.2 has no IndexCache masking) and a
     dense MLP (no experts: P, D and a plain engine fit on one GPU). No weights: serve it with
     ``--load-format dummy``. Per-layer costs scale to the 61 layers of the real model."""
-    return glm_dsa_config(num_layers, index_topk_freq=1, **DEEPSEEK_V32_WIDTHS)
+    return slice_config("deepseek-v3.2", num_layers, num_mtp_layers)
+
+
+def slice_config(width: str, num_layers: int = 4, num_mtp_layers: int = 0) -> Any:
+    """A few-layer GLM-MoE-DSA slice at the per-layer widths of ``width`` (a key of :data:`SLICE_WIDTHS`):
+    every layer owns its indexer, dense MLPs, and ``num_mtp_layers`` MTP (nextn) layers after the backbone
+    (DeepSeek-V3.2 and GLM-5 both ship one). No weights: serve it with ``--load-format dummy``."""
+    if width not in SLICE_WIDTHS:
+        raise ValueError(f"slice width {width!r} is not one of {sorted(SLICE_WIDTHS)}")
+    return glm_dsa_config(num_layers, index_topk_freq=1, num_nextn_predict_layers=num_mtp_layers,
+                          **SLICE_WIDTHS[width])
 
 
 def make_config_model(path: str | Path, config: Any, *, force: bool = False) -> Path:

@@ -163,6 +163,8 @@ class DSAConnectorWorker:
                 staging = self.recv.attach_arena(recv_arena).desc()
         self.send.attach_arena(send_arena, reserve_timeout_s=settings.reserve_timeout_s if settings else 0.2)
         gpu, reach, ipc = self._cuda_identity(device)
+        if device.type == "cpu":
+            _warn_shared_cpu_binding(self.engine_id)
         if self.opts.prefault_kv_cache and self.role in ("kv_consumer", "kv_both"):
             self._prefault([r.tensor for r in self.regions] + ([recv_arena.buffer] if recv_arena else []))
         self.payload = RankPayload(
@@ -435,3 +437,23 @@ class DSAConnectorWorker:
         self.recv.stop()
         with self._lock:
             self.nixl.close()
+
+
+def _warn_shared_cpu_binding(engine_id: str) -> None:
+    """On vLLM CPU with its default thread binding, say that every engine of the host started that way is bound
+    to the same cores: a P and a D on one host then spin on the same core, starving each other's side channel
+    and NIXL progress (measured on 2 cores: the first request's handshake took 31 s, and a WRITE never
+    completed in 30 s; both pass with disjoint binds or ``nobind``)."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind not in ("", "auto"):
+        return
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    logger.warning(
+        "DSAConnector %s: VLLM_CPU_OMP_THREADS_BIND is %r, so vLLM bound this worker to core(s) %s of %d, and binds "
+        "every other engine of this host started the same way to the same cores; a P and a D sharing them starve "
+        "each other's side channel and transfers (first requests then fail). Give each engine its own cores "
+        "(e.g. VLLM_CPU_OMP_THREADS_BIND=0-3 for P, 4-7 for D) or 'nobind'.",
+        engine_id, bind or "auto", ",".join(map(str, mine)), os.cpu_count() or 0)

@@ -128,12 +128,13 @@ def probe_running(url: str, model: str, prompt_ids: list[int], kv_transfer_param
             pass
         done.set()
 
+    wanted = json.dumps(list(prompt_ids))  # only this request is digested (an engine under load is not stalled)
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = post_json(url + "/collective_rpc", {"method": "dsa_probe_running"}, timeout_s)
+            out = post_json(url + "/collective_rpc", {"method": "dsa_probe_running", "args": [wanted]}, timeout_s)
             found = [entry for worker in out["results"] for entry in worker or []
                      if entry["prompt_token_ids"] == list(prompt_ids)]
             if found:
