@@ -328,6 +328,8 @@ def main() -> int:
             order = names[i % len(names):] + names[: i % len(names)]
             for n in order:
                 result["runs"][n].append(run_level(cts[n], args, conc))
+                if out_dir is not None:  # what ran so far survives a run cut short by its time limit
+                    (out_dir / "gpu_load.json").write_text(json.dumps({**result, "partial": True}, indent=1))
         for ct in cts.values():
             for proc in ct.procs:
                 if out_dir is not None:

@@ -49,8 +49,8 @@ for step in "$@"; do
       M=$(slice deepseek-v3.2 4 0)
       ARGS=(--model "$M" --load-format dummy --contenders "${LOAD_CONTENDERS:-single,dsa,nixl}"
             --concurrency "${LOAD_LEVELS:-8,32,64}" --input-len 4096 --output-len 160 --output-range 0.6
-            --kv-cache-bytes $((3 << 30)) --max-model-len 8192 --base-port 9500)
-      LIMIT=${LOAD_LIMIT:-420}; SCRIPT=dev/bench/gpu_load.py
+            --kv-cache-bytes $((2 << 30)) --max-model-len 8192 --base-port 9500)
+      LIMIT=${LOAD_LIMIT:-400}; SCRIPT=dev/bench/gpu_load.py
       ;;
     mtp)
       V=$(slice deepseek-v3.2 4 1); G=$(slice glm-5 4 1)
