@@ -428,3 +428,37 @@ def test_stats_taken_while_a_progress_thread_records_lose_nothing() -> None:
         taken += 0 if last is None else last.data["send_bytes"]
         worker.shutdown()
     assert recorded[0] > 0 and taken == recorded[0], f"recorded {recorded[0]}, taken {taken}"
+
+
+def test_cpu_worker_warns_when_vllm_binds_every_engine_to_the_same_cores(caplog, monkeypatch) -> None:
+    """vLLM CPU's default binding (``VLLM_CPU_OMP_THREADS_BIND`` unset: ``auto``) puts every engine of a host on the
+    same cores, where a P and a D starve each other (measured on 2 cores: every first request failed); a CPU
+    worker says so when it registers its pools, naming its cores and the fix, and stays quiet with an explicit
+    binding."""
+    import logging
+
+    from vllm_dsa_dev.tiny_models import glm_dsa_config
+
+    from vllm_dsa_connector.connector.options import ConnectorOptions
+    from vllm_dsa_connector.connector.page_tables import allocate_offline
+    from vllm_dsa_connector.connector.worker import DSAConnectorWorker
+
+    kv_caches, _, table = allocate_offline(glm_dsa_config(num_layers=2), pp_rank=0, pp_size=1, tp_rank=0,
+                                           tp_size=1, block_size=64, num_blocks=8)
+    opts = ConnectorOptions.from_config({"prefault_kv_cache": False}, environ={})
+    for bind, warned in ((None, True), ("auto", True), ("nobind", False), ("0", False)):
+        if bind is None:
+            monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+        caplog.clear()
+        worker = DSAConnectorWorker(f"cpu-bind-{bind}", opts, {"model_dtype": "bf16"}, role="kv_producer")
+        try:
+            with caplog.at_level(logging.WARNING, logger="vllm_dsa_connector.connector.worker"):
+                worker.register(kv_caches, table)
+        finally:
+            worker.shutdown()
+        hits = [r.getMessage() for r in caplog.records if "VLLM_CPU_OMP_THREADS_BIND" in r.getMessage()]
+        assert len(hits) == int(warned), (bind, hits)
+        if warned:
+            assert "core(s)" in hits[0] and "nobind" in hits[0] and f"cpu-bind-{bind}" in hits[0]

@@ -12,7 +12,7 @@ from stdin) as ``dev/bench/results/NAME.json`` with this machine's ``meta``.
 Shapes of result files the renderer knows: ``kind: "table"`` (``columns``, ``rows``: rendered as they
 are), ``kind: "shapes"`` (the gate's estimates and choice against measured medians, per link and request),
 ``dev/bench/gpu_pd.py``'s output (``pairs``: pages, page tables and timings per pair; or its pages-only
-``eager``/``graphs`` form), the first GPU pair's chat turns, and ``vllm-dsa bench tokenizer --json``.
+``eager``/``graphs`` form), ``dev/bench/gpu_load.py``'s load sweep, the first GPU pair's chat turns, and ``vllm-dsa bench tokenizer --json``.
 """
 
 from __future__ import annotations
@@ -192,6 +192,37 @@ def _observations(pair: dict[str, Any], blocks: str, summary: dict[str, Any]) ->
     return None
 
 
+def render_gpu_load(data: dict[str, Any]) -> list[str]:
+    """``dev/bench/gpu_load.py``: per concurrency level and contender, vLLM's serving figures, D's loads and the
+    sampled pages; then each P/D contender over the one engine (and NixlConnector over DSAConnector)."""
+    rows = []
+    for level in data["levels"]:
+        for name in data["contenders"]:
+            lv = next((x for x in data["runs"].get(name, []) if x["concurrency"] == level), None)
+            if lv is None:
+                continue
+            kv = lv.get("kv") or {}
+            loads = f"{kv.get('ok', 0)} ok, {kv.get('failed', 0) + kv.get('timeout', 0) + kv.get('expired', 0)} failed" \
+                if kv else ""
+            pages = f"{lv.get('samples_pages_equal')}/{len(lv['samples'])}" if "samples_pages_equal" in lv else ""
+            rows.append([level, name, f"{lv['completed']}/{lv['num_prompts']}", lv["failed"], lv["output_tok_s"],
+                         lv["ttft_p50_ms"], lv["ttft_p99_ms"], lv["itl_p50_ms"], lv["itl_p99_ms"], loads,
+                         kv.get("transfer_ms_mean"), pages])
+    lines = table(["in flight", "contender", "completed", "failed", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+                   "ITL p50 (ms)", "ITL p99 (ms)", "D's loads", "transfer per request (ms)",
+                   "sampled pages equal"], rows)
+    ratios = []
+    for level, row in data.get("summary", {}).items():
+        for key in ("dsa_over_single", "nixl_over_single", "early_over_single", "nixl_over_dsa"):
+            r = row.get(key)
+            if r:
+                a, _, b = key.partition("_over_")
+                ratios.append(f"{level} in flight, {a} / {b}: output tok/s {fmt(r['output_tok_s'])}x, TTFT p50 "
+                              f"{fmt(r['ttft_p50'])}x, p99 {fmt(r['ttft_p99'])}x, ITL p50 {fmt(r['itl_p50'])}x, "
+                              f"p99 {fmt(r['itl_p99'])}x")
+    return lines + ([""] + ["; ".join(ratios) + "."] if ratios else [])
+
+
 def render_first_pair(data: dict[str, Any]) -> list[str]:
     """The first GPU pair: chat turns through the proxy against P's own reply, the indexer-logits check."""
     rows = [[t["turn"], t["prompt_tokens"], t["proxy_s"], t["p_direct_s"], t["proxy_reply_equals_p_reply"]]
@@ -247,6 +278,8 @@ def renderer(data: dict[str, Any]) -> Callable[[dict[str, Any]], list[str]]:
     bench = data["meta"]["bench"]
     if bench == "gpu_pd":
         return render_gpu_pd
+    if bench == "gpu_load":
+        return render_gpu_load
     if bench == "gpu_pd_first_pair":
         return render_first_pair
     if bench == "tokenizer" and "results" in data:
