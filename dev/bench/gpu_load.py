@@ -69,7 +69,11 @@ def _engine_cmd(args: argparse.Namespace, port: int, kv_config: dict[str, Any] |
            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--seed", "0", *PROBE]
     if not args.cpu:
-        cmd += ["--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+        # five real-width engines share one GPU: vLLM's start-up check asks for gpu-memory-utilization of the
+        # whole card free, so ask for little (the KV cache is sized by --kv-cache-memory-bytes), and no more
+        # sequences than the sweep sends (the sampler's start-up buffers scale with it)
+        cmd += ["--gpu-memory-utilization", "0.02", "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
+                "--max-num-seqs", str(args.max_num_seqs)]
     if args.load_format:
         cmd += ["--load-format", args.load_format]
     if args.mode == "eager" or args.cpu:
@@ -289,6 +293,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-bytes", type=int, default=3 << 30)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="every GPU engine's --max-num-seqs (default 128)")
     ap.add_argument("--load-format", default=None, help="every engine's --load-format (dummy: a config-only model)")
     ap.add_argument("--base-port", type=int, default=9500)
     ap.add_argument("--startup-timeout", type=float, default=480.0)
@@ -312,27 +317,34 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-load-"))
     with cluster(work / "engines") as c:
         cts = {n: start(c, n, args, args.base_port + 10 * k) for k, n in enumerate(names)}
-        everyone = [p for ct in cts.values() for p in ct.procs]
-        for ct in cts.values():
-            for url in [u for u in (ct.p_url, ct.d_url) if u] or [ct.url]:
-                wait_healthy(url, everyone, args.startup_timeout)
-            if ct.url != (ct.p_url or ct.url):
-                wait_healthy(ct.url, everyone, 60)
-        result["up_s"] = round(time.time() - t_start, 1)
-        print(f"[gpu_load] up in {result['up_s']} s", flush=True)
-        for ct in cts.values():  # the first request of a pair does its handshake: not in any run
-            post_json(ct.url + "/v1/completions", {"model": "m", "prompt": [random.randrange(100, 20000)
-                                                                             for _ in range(BLOCK * 3)],
-                                                    "max_tokens": 4, "temperature": 0.0}, 300)
-        for i, conc in enumerate(levels):
-            order = names[i % len(names):] + names[: i % len(names)]
-            for n in order:
-                result["runs"][n].append(run_level(cts[n], args, conc))
-                if out_dir is not None:  # what ran so far survives a run cut short by its time limit
-                    (out_dir / "gpu_load.json").write_text(json.dumps({**result, "partial": True}, indent=1))
-        for ct in cts.values():
-            for proc in ct.procs:
-                if out_dir is not None:
+        try:
+            for name, ct in list(cts.items()):  # a contender that does not come up is reported; the others run
+                try:
+                    for url in [u for u in (ct.p_url, ct.d_url) if u] or [ct.url]:
+                        wait_healthy(url, ct.procs, args.startup_timeout)
+                    if ct.url != (ct.p_url or ct.url):
+                        wait_healthy(ct.url, ct.procs, 60)
+                    # the first request of a pair does its handshake: not in any run
+                    post_json(ct.url + "/v1/completions", {
+                        "model": "m", "prompt": [random.randrange(100, 20000) for _ in range(BLOCK * 3)],
+                        "max_tokens": 4, "temperature": 0.0}, 300)
+                except Exception as e:  # noqa: BLE001 - reported as the contender's failure
+                    result.setdefault("not_started", {})[name] = f"{type(e).__name__}: {e}"[-1500:]
+                    print(f"[gpu_load] {name} did not start: {e}"[:2000], flush=True)
+                    for proc in ct.procs:
+                        c.stop(proc)
+                    del cts[name]
+            result["up_s"] = round(time.time() - t_start, 1)
+            print(f"[gpu_load] up in {result['up_s']} s: {sorted(cts)}", flush=True)
+            for i, conc in enumerate(levels):
+                order = [n for n in names[i % len(names):] + names[: i % len(names)] if n in cts]
+                for n in order:
+                    result["runs"][n].append(run_level(cts[n], args, conc))
+                    if out_dir is not None:  # what ran so far survives a run cut short by its time limit
+                        (out_dir / "gpu_load.json").write_text(json.dumps({**result, "partial": True}, indent=1))
+        finally:
+            if out_dir is not None:  # every engine's log tail, also when one did not start
+                for proc in c.procs:
                     tail = proc.log.read_text(errors="replace").splitlines()[-300:]
                     (out_dir / f"load_{proc.name}.log").write_text("\n".join(tail))
     result["summary"] = summarize(result)
