@@ -31,7 +31,8 @@ stamp() { echo "[gpu_spans $(( $(date +%s) - t0 ))s] $*"; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch,vllm,transformers;print("torch",torch.__version__,"cuda",torch.version.cuda,"vllm",vllm.__version__,"transformers",transformers.__version__)'
   python3 -c 'import importlib.metadata as m;print("nixl", m.version("nixl"))' 2>/dev/null
-  git -C "$REPO" log -1 --format='tree %H' 2>/dev/null || cat "$REPO/.commit" 2>/dev/null
+  # the device's copy of the working tree may carry a stale .git: .commit (written before the call) wins
+  if [ -f "$REPO/.commit" ]; then echo "tree $(cat "$REPO/.commit")"; else git -C "$REPO" log -1 --format='tree %H'; fi
 } >>"$OUT/session.log" 2>&1
 rc=0
 for step in "$@"; do
