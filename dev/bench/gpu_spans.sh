@@ -57,7 +57,7 @@ for step in "$@"; do
       V=$(slice deepseek-v3.2 4 1); G=$(slice glm-5 4 1)
       ARGS=(--model "$V" --load-format dummy --max-model-len 9000 --kv-cache-bytes $((1 << 30))
             --pairs "${MTP_PAIRS:-mtpv32=dsa/graphs/auto,mtpglm5=dsa/eager/auto}" --pair-model "mtpv32=$V"
-            --pair-model "mtpglm5=$G" --timing-blocks 128 --repeats "${REPEATS:-3}" --base-port 9300)
+            --pair-model "mtpglm5=$G" --timing-blocks "${MTP_BLOCKS:-128}" --repeats "${REPEATS:-3}" --base-port 9300)
       LIMIT=${MTP_LIMIT:-420}
       ;;
     fp8)
