@@ -234,8 +234,10 @@ def run_level(ct: Contender, args: argparse.Namespace, concurrency: int) -> dict
 
 
 def judge(result: dict[str, Any]) -> list[str]:
-    """What fails the run: a DSAConnector request failed, a load failed, a sampled page differed."""
-    bad = []
+    """What fails the run: a DSAConnector pair did not start, a request or a load failed, a sampled page
+    differed."""
+    bad = [f"{name} did not start: {why}"[:600] for name, why in result.get("not_started", {}).items()
+           if name not in ("single", "nixl")]
     for name, levels in result["runs"].items():
         if name in ("single", "nixl"):
             continue
