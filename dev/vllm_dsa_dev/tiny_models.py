@@ -211,17 +211,10 @@ GLM5_WIDTHS: dict[str, Any] = dict(
 SLICE_WIDTHS: dict[str, dict[str, Any]] = {"deepseek-v3.2": DEEPSEEK_V32_WIDTHS, "glm-5": GLM5_WIDTHS}
 
 
-def deepseek_v32_slice_config(num_layers: int = 4, num_mtp_layers: int = 0) -> Any:
-    """A GLM-MoE-DSA config (the same DSA architecture vLLM serves DeepSeek-V3.2 with) at DeepSeek-V3.2's
-    per-layer widths: ``num_layers`` layers, each with its own indexer (V3.2 has no IndexCache masking) and a
-    dense MLP (no experts: P, D and a plain engine fit on one GPU). No weights: serve it with
-    ``--load-format dummy``. Per-layer costs scale to the 61 layers of the real model."""
-    return slice_config("deepseek-v3.2", num_layers, num_mtp_layers)
-
-
 def slice_config(width: str, num_layers: int = 4, num_mtp_layers: int = 0) -> Any:
-    """A few-layer GLM-MoE-DSA slice at the per-layer widths of ``width`` (a key of :data:`SLICE_WIDTHS`):
-    every layer owns its indexer, dense MLPs, and ``num_mtp_layers`` MTP (nextn) layers after the backbone
+    """A few-layer GLM-MoE-DSA slice (the DSA architecture vLLM serves DeepSeek-V3.2 and GLM-5 with) at the
+    per-layer widths of ``width`` (a key of :data:`SLICE_WIDTHS`): every layer owns its indexer (V3.2 has no
+    IndexCache masking), dense MLPs (no experts: P, D and a plain engine fit on one GPU), and ``num_mtp_layers`` MTP (nextn) layers after the backbone
     (DeepSeek-V3.2 and GLM-5 both ship one). No weights: serve it with ``--load-format dummy``."""
     if width not in SLICE_WIDTHS:
         raise ValueError(f"slice width {width!r} is not one of {sorted(SLICE_WIDTHS)}")
